@@ -1,0 +1,22 @@
+# Set-up and entry points.  PYTHON picks the CPython (3.10-3.13, with a shared libpython).
+PYTHON ?= python3
+VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml setup.py multipy/_bootstrap.c
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+# The main job: the same CPU-bound function on N threads in one interpreter vs N interpreters.
+demo: $(VENV)/.installed
+	$(VENV)/bin/multipy run benchmarks/core.py
+
+# The test suite, run with room for 15 interpreters.
+test: $(VENV)/.installed
+	$(VENV)/bin/multipy run -m pytest -q
+
+clean:
+	rm -rf .venv build multipy/*.so multipy.egg-info

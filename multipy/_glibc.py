@@ -1,0 +1,145 @@
+"""The host's view of glibc: link-map namespaces (dlmopen) and the tunables that size them.
+
+Everything here runs in the host process and its main namespace.  DESIGN.md section 3
+explains each limit this module reports.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sysconfig
+
+from .errors import InterpreterLimitError, UnsupportedPythonError
+
+LM_ID_NEWLM = -1
+RTLD_NOW = 0x2
+RTLD_DI_LMID = 1
+
+#: glibc's compile-time DL_NNS is 16, and the main namespace takes one of them.
+MAX_NAMESPACES = 15
+#: Static TLS reserve that lets all 15 namespaces import torch (measured: DESIGN.md 3.5).
+LAUNCH_STATIC_TLS = 1 << 20
+LAUNCH_TUNABLES = f"glibc.rtld.nns=16:glibc.rtld.optional_static_tls={LAUNCH_STATIC_TLS}"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_dlmopen = _libc.dlmopen
+_dlmopen.restype = ctypes.c_void_p
+_dlmopen.argtypes = [ctypes.c_long, ctypes.c_char_p, ctypes.c_int]
+_dlsym = _libc.dlsym
+_dlsym.restype = ctypes.c_void_p
+_dlsym.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_dlinfo = _libc.dlinfo
+_dlinfo.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+_dlerror = _libc.dlerror
+_dlerror.restype = ctypes.c_char_p
+
+
+class NamespaceError(OSError):
+    """dlmopen or dlsym failed inside a namespace; the message is glibc's."""
+
+
+def _fail(what: str) -> NamespaceError:
+    message = _dlerror()
+    return NamespaceError(f"{what}: {message.decode(errors='replace') if message else 'unknown error'}")
+
+
+def libpython_path() -> str:
+    """Path of the running CPython's shared libpython, or UnsupportedPythonError saying why not."""
+    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        raise UnsupportedPythonError(
+            f"multipy needs a CPython built with --enable-shared (a shared libpython), "
+            f"and {platform.python_implementation()} {platform.python_version()} at "
+            f"{os.path.realpath(os.sys.executable)} was built without it. Use a build with "
+            f"libpython{sysconfig.get_python_version()}.so: Debian/Ubuntu's python3 packages, "
+            f"conda, or pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared.")
+    name = sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY")
+    for directory in (sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LIBPL")):
+        path = os.path.join(directory or "", name)
+        if os.path.exists(path):
+            return path
+    raise UnsupportedPythonError(
+        f"the shared library {name} of this CPython was not found in "
+        f"{sysconfig.get_config_var('LIBDIR')}; reinstall Python with its libpython")
+
+
+def open_namespace(root: str) -> tuple[int, int]:
+    """Loads root as the root object of a new namespace; returns (handle, namespace id)."""
+    handle = _dlmopen(LM_ID_NEWLM, root.encode(), RTLD_NOW)
+    if not handle:
+        raise _fail(f"dlmopen({root})")
+    lmid = ctypes.c_long()
+    if _dlinfo(handle, RTLD_DI_LMID, ctypes.byref(lmid)) != 0:
+        raise _fail("dlinfo(RTLD_DI_LMID)")
+    return handle, lmid.value
+
+
+def load_into(lmid: int, path: str) -> int:
+    """Loads path into an existing namespace; returns its handle."""
+    handle = _dlmopen(lmid, path.encode(), RTLD_NOW)
+    if not handle:
+        raise _fail(f"dlmopen({path}) into namespace {lmid}")
+    return handle
+
+
+def symbol(handle: int, name: str) -> int:
+    """Address of a symbol looked up from handle (so inside that handle's namespace)."""
+    address = _dlsym(handle, name.encode())
+    if not address:
+        raise _fail(f"dlsym({name})")
+    return address
+
+
+def glibc_version() -> str:
+    return platform.libc_ver()[1] or "unknown"
+
+
+def tunables_at_start() -> dict[str, str]:
+    """glibc tunables this process was started with (glibc reads them only at exec time).
+
+    Read from /proc/self/environ, the environment as exec'd: glibc parses
+    GLIBC_TUNABLES in place there, leaving a NUL where each ':' was.
+    """
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().decode(errors="replace").split("\0")
+    except OSError:
+        entries = [f"{k}={v}" for k, v in os.environ.items()]
+    items: list[str] = []
+    for entry in entries:
+        if entry.startswith("GLIBC_TUNABLES="):
+            items = entry[len("GLIBC_TUNABLES="):].split(":")
+        elif items and entry.startswith("glibc."):
+            items += entry.split(":")
+        elif items:
+            break
+    return dict(item.partition("=")[::2] for item in items if item)
+
+
+#: glibc 2.3x on x86-64 reserves static TLS for (nns - 1) libc copies at this size ...
+_LIBC_IE_TLS = 192
+#: ... and for nns other libraries at this size, plus optional_static_tls.
+_OTHER_IE_TLS = 144
+#: What one bare interpreter's namespace takes from that reserve: its libc's TLS block.
+_NAMESPACE_STATIC_TLS = 144
+
+
+def _tunable(tunables: dict[str, str], name: str, default: int) -> int:
+    try:
+        return int(tunables.get(name, str(default)), 0)
+    except ValueError:
+        return default
+
+
+def namespaces_that_fit(started: int) -> int:
+    """How many more interpreters this process can start, having started ``started``.
+
+    The static TLS reserve, fixed at exec time by the tunables, bounds bare interpreters
+    (11 with glibc's defaults); libraries with initial-exec TLS, such as torch's libgomp,
+    take more of it, which the interpreter reports when it imports them.
+    """
+    tunables = tunables_at_start()
+    nns = min(_tunable(tunables, "glibc.rtld.nns", 4), MAX_NAMESPACES + 1)
+    optional = _tunable(tunables, "glibc.rtld.optional_static_tls", 512)
+    reserve = (nns - 1) * _LIBC_IE_TLS + nns * _OTHER_IE_TLS + optional
+    return max(0, min(MAX_NAMESPACES, reserve // _NAMESPACE_STATIC_TLS) - started)

@@ -1,0 +1,159 @@
+"""The code that runs inside each interpreter, on the interpreter's own thread.
+
+It is started by the C bootstrap through ``main()`` and never runs in the host.  It
+keeps the interpreter's objects that the host holds handles to, runs the host's
+requests one at a time, and answers through the channel.  Its imports stay small:
+everything here costs start-up time in every interpreter.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.abc
+import importlib.util
+import io
+import os
+import pickle
+import sys
+import traceback
+
+from .channel import CLOSED, ERROR, OK, InterpreterEnd
+
+
+def _strip_rtld_global() -> None:
+    """RTLD_GLOBAL inside a namespace crashes glibc (DESIGN.md 3.2): drop it everywhere
+    Python code can ask for it (``import torch`` does, through ctypes)."""
+    set_flags = sys.setdlopenflags
+    sys.setdlopenflags = lambda flags: set_flags(flags & ~os.RTLD_GLOBAL)
+    sys.setdlopenflags(sys.getdlopenflags())
+    cdll_init = ctypes.CDLL.__init__
+
+    def init(self, name, mode=ctypes.DEFAULT_MODE, *args, **kwargs):
+        cdll_init(self, name, mode & ~os.RTLD_GLOBAL, *args, **kwargs)
+
+    ctypes.CDLL.__init__ = init
+    ctypes.RTLD_GLOBAL = 0
+
+
+class _NewObject:
+    """Marks a result that stays in the interpreter and goes back as a handle."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports modules from sources the host registered (register_module_source).
+
+    A registered name that is a prefix of other registered names is a package.
+    """
+
+    def __init__(self) -> None:
+        self.sources: dict[str, str] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.sources:
+            return None
+        is_package = any(name.startswith(fullname + ".") for name in self.sources)
+        return importlib.util.spec_from_loader(fullname, self, origin=f"<multipy:{fullname}>",
+                                               is_package=is_package)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        name = module.__spec__.name
+        exec(compile(self.sources[name], f"<multipy:{name}>", "exec"), module.__dict__)
+
+
+class _Interpreter:
+    """State of this interpreter as the host sees it: its objects and its requests."""
+
+    def __init__(self, index: int, stopping_address: int) -> None:
+        self.index = index
+        self.objects: dict[int, object] = {}
+        self.next_handle = 1  # handles are never reused, so a late release is harmless
+        self._stopping = ctypes.c_int.from_address(stopping_address)
+        self.sources = _SourceFinder()
+        sys.meta_path.insert(0, self.sources)
+
+    # -- the operations the host asks for; each returns a value or a _NewObject --
+
+    def op_global(self, module: str, name: str):
+        value = importlib.import_module(module)
+        for part in name.split("."):
+            value = getattr(value, part)
+        return _NewObject(value)
+
+    def op_call(self, target, args, kwargs):
+        return _NewObject(target(*args, **kwargs))
+
+    def op_getattr(self, target, name: str):
+        return _NewObject(getattr(target, name))
+
+    def op_hasattr(self, target, name: str) -> bool:
+        return hasattr(target, name)
+
+    def op_deref(self, target):
+        return target
+
+    def op_set_sources(self, sources: dict[str, str]) -> None:
+        self.sources.sources = dict(sources)
+
+    def op_reset(self) -> None:
+        """Forgets the host's objects and sources: the manager that used them closed."""
+        self.objects.clear()
+        self.sources.sources = {}
+
+    # -- plumbing --
+
+    def _load(self, data: bytes):
+        unpickler = pickle.Unpickler(io.BytesIO(data))
+        unpickler.persistent_load = self.objects.__getitem__
+        return unpickler.load()
+
+    def handle_call(self, data: bytes) -> tuple[int, int, bytes]:
+        if self._stopping.value:  # the process is exiting: drop what is still queued
+            return CLOSED, 0, b""
+        try:
+            op, args = self._load(data)
+            result = getattr(self, "op_" + op)(*args)
+            if isinstance(result, _NewObject):
+                handle = self.next_handle
+                self.next_handle += 1
+                self.objects[handle] = result.value
+                return OK, handle, b""
+            return OK, 0, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
+            return self._error(exc)
+
+    def _error(self, exc: BaseException) -> tuple[int, int, bytes]:
+        kind = type(exc)
+        text = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
+        picklable = None
+        if isinstance(exc, Exception):  # BaseExceptions such as SystemExit must not act in the host
+            try:
+                picklable = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.loads(picklable)
+            except BaseException:
+                picklable = None
+        detail = (picklable, f"{kind.__module__}.{kind.__qualname__}", str(exc), text)
+        return ERROR, 0, pickle.dumps(detail, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def release(self, handle: int) -> None:
+        self.objects.pop(handle, None)
+
+
+def main(index: int, request_fd: int, status_fd: int, stopping_address: int) -> None:
+    """Runs this interpreter until the host stops it."""
+    try:
+        _strip_rtld_global()
+        interpreter = _Interpreter(index, stopping_address)
+        end = InterpreterEnd(request_fd)
+    except BaseException:
+        os.write(status_fd, traceback.format_exc().encode())
+        raise
+    os.write(status_fd, b"ready")
+    end.serve(interpreter.handle_call, interpreter.release)

@@ -1,0 +1,221 @@
+"""The channel between host threads and one interpreter's thread.
+
+Every message is a fixed-size header written atomically to a pipe; no payload ever
+travels through one.  A payload is a ``bytes`` object that its sender keeps alive
+while the receiver copies it straight out of the sender's memory (host and
+interpreters share one address space; DESIGN.md 3.8: nothing is freed across the
+boundary, each side frees only what it allocated).
+
+* Requests go to the interpreter's request pipe.  A call names the reply pipe of the
+  calling host thread (each host thread owns one), so replies go straight to the
+  waiting thread with no dispatcher in between.
+* The host keeps a request's bytes until its reply arrives.  The interpreter keeps
+  each reply's bytes until it sends the next reply to the same pipe, by which time
+  the host has copied them.
+* A waiting side first polls its pipe for a moment, yielding the CPU between polls,
+  and only then sleeps: waking a sleeping thread costs tens of microseconds on a
+  virtual machine, while a call often answers within a few.
+* A reply that arrives for a call its caller gave up on (timeout, Ctrl-C) is
+  discarded by the owner of the reply pipe; it is never delivered to another call.
+  A reply that creates an object carries its handle in the header, so that
+  discarding it releases the object without reading a payload that may be gone.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import itertools
+import os
+import select
+import struct
+import threading
+import time
+from typing import Callable
+
+#: kind, reply fd, request id (or handle id for RELEASE), payload address, payload length
+REQUEST = struct.Struct("=IiQQQ")
+#: request id, new object handle (0: none), payload address, payload length, status
+REPLY = struct.Struct("=QQQQI")
+
+CALL, RELEASE, STOP = 1, 2, 3
+OK, ERROR, CLOSED = 0, 1, 2
+
+#: How long a waiting side polls before it sleeps.
+SPIN_SECONDS = 100e-6
+_PIPE_SIZE = 1 << 20  # room for thousands of headers before a writer ever blocks
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+_probe = b"probe"
+#: Offset of a bytes object's data from its id() in this CPython.
+_BYTES_DATA = ctypes.cast(ctypes.c_char_p(_probe), ctypes.c_void_p).value - id(_probe)
+del _probe
+
+
+def address_of(data: bytes) -> int:
+    """Address of the bytes' data; valid while the object is alive."""
+    return id(data) + _BYTES_DATA
+
+
+def copy_from(address: int, length: int) -> bytes:
+    """A private copy of length bytes at address (memory the other side keeps alive)."""
+    return ctypes.string_at(address, length) if length else b""
+
+
+def make_pipe() -> tuple[int, int]:
+    """A pipe for headers: its read end does not block (see _read), its write end does."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    try:
+        fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
+    except OSError:
+        pass  # the system's default size still works; writers may block sooner
+    return read_fd, write_fd
+
+
+def _read(fd: int, size: int, deadline: float | None) -> bytes:
+    """Reads at most size bytes: polls for SPIN_SECONDS, then sleeps until data arrives
+    or the deadline (time.monotonic()) passes (TimeoutError)."""
+    spin_until = None
+    while True:
+        try:
+            data = os.read(fd, size)
+        except BlockingIOError:
+            now = time.monotonic()
+            if spin_until is None:
+                spin_until = now + SPIN_SECONDS
+            if now < spin_until:
+                os.sched_yield()
+                continue
+            if deadline is not None and now >= deadline:
+                raise TimeoutError("the interpreter did not answer in time") from None
+            select.select([fd], [], [], None if deadline is None else deadline - now)
+            continue
+        if not data:
+            raise EOFError("channel closed")
+        return data
+
+
+def read_header(fd: int, header: struct.Struct, deadline: float | None = None) -> tuple:
+    """Reads one whole header (headers are written atomically; the loop is defensive)."""
+    data = _read(fd, header.size, deadline)
+    while len(data) < header.size:
+        data += _read(fd, header.size - len(data), None)
+    return header.unpack(data)
+
+
+_request_ids = itertools.count(1)
+
+
+class _ReplyPipe:
+    """The reply pipe of one host thread, and the calls it still waits for."""
+
+    def __init__(self) -> None:
+        self.read_fd, self.write_fd = make_pipe()
+        #: request id -> (request bytes kept alive, channel that releases a late reply's object)
+        self.pending: dict[int, tuple[bytes, HostEnd]] = {}
+
+    def wait(self, request_id: int, deadline: float | None) -> tuple[int, int, int, int]:
+        """Waits for request_id's reply; returns (status, handle, address, length)."""
+        while True:
+            reply_id, handle, address, length, status = read_header(self.read_fd, REPLY, deadline)
+            _, channel = self.pending.pop(reply_id, (None, None))
+            if reply_id == request_id:
+                return status, handle, address, length
+            if handle and channel is not None:  # a late reply to a call that was given up
+                channel.release(handle)
+
+    def __del__(self) -> None:
+        if self.pending:
+            # Replies are still due (calls given up by a thread that has ended): keep the
+            # pipe open so that no other file can take its number while they arrive.
+            _abandoned.append(self)
+        else:
+            os.close(self.read_fd)
+            os.close(self.write_fd)
+
+
+_abandoned: list[_ReplyPipe] = []
+_thread_reply = threading.local()
+
+
+def _reply_pipe() -> _ReplyPipe:
+    try:
+        return _thread_reply.pipe
+    except AttributeError:
+        _thread_reply.pipe = pipe = _ReplyPipe()
+        return pipe
+
+
+class ChannelClosedError(Exception):
+    """The interpreter end of the channel is stopped."""
+
+
+class HostEnd:
+    """The host's end of the channel to one interpreter; safe to use from any thread."""
+
+    def __init__(self, request_fd: int) -> None:
+        self._request_fd = request_fd
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def _send(self, kind: int, reply_fd: int, ident: int, data: bytes) -> None:
+        header = REQUEST.pack(kind, reply_fd, ident, address_of(data), len(data))
+        with self._lock:
+            if self._stopped:
+                raise ChannelClosedError("the interpreter is stopped")
+            os.write(self._request_fd, header)
+
+    def call(self, data: bytes, timeout: float | None = None) -> tuple[int, int, bytes]:
+        """Sends a request and waits for its reply: (status, new object handle, bytes).
+
+        On timeout (TimeoutError) or interruption the call is given up: its late reply
+        is discarded, and the object it created released, by a later call of this thread.
+        """
+        pipe = _reply_pipe()
+        request_id = next(_request_ids)
+        pipe.pending[request_id] = (data, self)
+        try:
+            self._send(CALL, pipe.write_fd, request_id, data)
+        except BaseException:
+            del pipe.pending[request_id]
+            raise
+        deadline = None if timeout is None else time.monotonic() + timeout
+        status, handle, address, length = pipe.wait(request_id, deadline)
+        return status, handle, copy_from(address, length)
+
+    def release(self, handle: int) -> None:
+        """Tells the interpreter to drop an object handle; does not wait."""
+        try:
+            self._send(RELEASE, -1, handle, b"")
+        except (ChannelClosedError, OSError):
+            pass  # the interpreter is gone, and its objects with it
+
+    def stop(self) -> None:
+        """Asks the interpreter's loop to end after the requests already sent."""
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                os.write(self._request_fd, REQUEST.pack(STOP, -1, 0, 0, 0))
+
+
+class InterpreterEnd:
+    """The interpreter thread's end: reads requests and writes replies, in order."""
+
+    def __init__(self, request_fd: int) -> None:
+        self._request_fd = request_fd
+        self._last_reply: dict[int, bytes] = {}
+
+    def serve(self, handle_call: Callable[[bytes], tuple[int, int, bytes]],
+              release: Callable[[int], None]) -> None:
+        """Runs until STOP: each CALL's payload goes to handle_call, whose
+        (status, new object handle, bytes) is sent back to the caller's reply pipe."""
+        while True:
+            kind, reply_fd, ident, address, length = read_header(self._request_fd, REQUEST)
+            if kind == CALL:
+                status, handle, data = handle_call(copy_from(address, length))
+                self._last_reply[reply_fd] = data  # alive until the caller has copied it
+                os.write(reply_fd, REPLY.pack(ident, handle, address_of(data), len(data), status))
+            elif kind == RELEASE:
+                release(ident)
+            elif kind == STOP:
+                return

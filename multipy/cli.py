@@ -1,0 +1,73 @@
+"""The ``multipy`` command: ``run`` a program with room for 15 interpreters, ``info``."""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+from . import _glibc
+
+
+def launch_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of environ whose GLIBC_TUNABLES lets a process hold 15 interpreters
+    (other tunables already set are kept)."""
+    env = dict(os.environ if environ is None else environ)
+    wanted = dict(item.split("=", 1) for item in _glibc.LAUNCH_TUNABLES.split(":"))
+    kept = [item for item in env.get("GLIBC_TUNABLES", "").split(":")
+            if item and item.split("=", 1)[0] not in wanted]
+    env["GLIBC_TUNABLES"] = ":".join(kept + [f"{k}={v}" for k, v in wanted.items()])
+    return env
+
+
+def _run(module: str | None, script: str | None, args: list[str]) -> None:
+    target = ["-m", module] if module else [script]
+    argv = [sys.executable, *target, *args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, argv, launch_environment())
+
+
+def _info() -> None:
+    from .interpreter import capacity
+
+    tunables = _glibc.tunables_at_start()
+    try:
+        libpython = _glibc.libpython_path()
+    except Exception as error:  # reported, not raised: info is for diagnosing exactly this
+        libpython = f"unavailable ({error})"
+    fits = capacity()
+    print(f"python:       {platform.python_implementation()} {platform.python_version()} "
+          f"({sys.executable})")
+    print(f"libpython:    {libpython}")
+    print(f"glibc:        {_glibc.glibc_version()}")
+    print("tunables:     " + (":".join(f"{k}={v}" for k, v in tunables.items()) or "glibc's defaults"))
+    print(f"interpreters: {fits['more']} fit in this process (at most {_glibc.MAX_NAMESPACES}; "
+          f"libraries with static TLS such as torch take more room)")
+    if fits["more"] < _glibc.MAX_NAMESPACES:
+        print(f"              `multipy run SCRIPT` starts a program with room for "
+              f"{_glibc.MAX_NAMESPACES}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="multipy", description="Many isolated CPython interpreters in one process.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run", help="run a Python program with room for 15 interpreters",
+        description=f"Execs this Python on the program with GLIBC_TUNABLES set to "
+                    f"{_glibc.LAUNCH_TUNABLES}, which glibc reads only when a process starts.")
+    run.add_argument("-m", dest="module", help="run a library module as a script, as python -m")
+    run.add_argument("script", nargs="?", help="the program's path")
+    run.add_argument("args", nargs="*", help="the program's arguments, passed on untouched")
+    commands.add_parser("info", help="what this Python and glibc allow")
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["run"] and len(argv) > 1 and argv[1] not in ("-h", "--help"):
+        # Everything after the script or module belongs to the program, options too.
+        module = argv[2] if argv[1] == "-m" and len(argv) > 2 else None
+        rest = argv[3:] if module else argv[2:]
+        _run(module, None if module else argv[1], rest)
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        run.error("a script or -m module is required")
+    _info()

@@ -1,0 +1,115 @@
+"""InterpreterManager: a pool of interpreters with a load balancer."""
+from __future__ import annotations
+
+import threading
+
+from .environment import Environment, NoopEnvironment
+from .errors import InterpreterClosedError
+from .interpreter import Interpreter, _acquire_runtimes
+from .session import InterpreterSession
+
+
+class InterpreterManager:
+    """n interpreters of this process, configured by ``environment``.
+
+    A context manager; ``close()`` returns the interpreters to the process, which keeps
+    them for the next manager (a process can start at most 15 and never frees one).
+    Objects obtained through a manager stop working when it closes.
+    """
+
+    def __init__(self, n_interpreters: int = 2, environment: Environment | None = None) -> None:
+        if n_interpreters < 1:
+            raise ValueError(f"n_interpreters must be at least 1, not {n_interpreters}")
+        self.environment = environment if environment is not None else NoopEnvironment()
+        self._sources: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.local()  # each thread's load-balancing cursor
+        self._closed = False
+        self._interpreters: list[Interpreter] = []
+        self._interpreters = [Interpreter(i, self, runtime)
+                              for i, runtime in enumerate(_acquire_runtimes(n_interpreters))]
+        self._limit = n_interpreters
+        try:
+            for interpreter in self._interpreters:
+                with interpreter.acquire_session() as session:
+                    self.environment.configure(session)
+        except BaseException:
+            self.close()
+            raise
+
+    def __len__(self) -> int:
+        return len(self._interpreters)
+
+    def __getitem__(self, index: int) -> Interpreter:
+        return self._interpreters[index]
+
+    def all_instances(self) -> list[Interpreter]:
+        """Every interpreter, for work that must run on each (set-up, loading)."""
+        return list(self._interpreters)
+
+    def acquire_one(self) -> InterpreterSession:
+        """A session on the interpreter the load balancer picks.
+
+        Starting at the calling thread's last pick, the first interpreter with no open
+        session; if all are busy, the one with the fewest.
+        """
+        self._check_open()
+        with self._lock:
+            candidates = self._interpreters[:self._limit]
+            start = getattr(self._thread, "cursor", 0) % len(candidates)
+            order = candidates[start:] + candidates[:start]
+            chosen = next((i for i in order if i._uses == 0), None)
+            if chosen is None:
+                chosen = min(order, key=lambda i: i._uses)
+            chosen._uses += 1
+            self._thread.cursor = chosen.index
+        return InterpreterSession(chosen)
+
+    def debug_limit_interpreters(self, count: int) -> None:
+        """Makes the load balancer use only the first ``count`` interpreters."""
+        if not 1 <= count <= len(self._interpreters):
+            raise ValueError(f"count must be between 1 and {len(self._interpreters)}, not {count}")
+        self._limit = count
+
+    def register_module_source(self, name: str, source: str) -> None:
+        """Makes ``source`` importable as module ``name`` in every interpreter of this manager."""
+        self._check_open()
+        compile(source, f"<multipy:{name}>", "exec")  # a syntax error belongs to the caller
+        self._sources[name] = source
+        for interpreter in self._interpreters:
+            interpreter._request("set_sources", self._sources)
+
+    def count_registered_module_sources(self) -> int:
+        return len(self._sources)
+
+    def close(self) -> None:
+        """Undoes the environment and returns the interpreters to the process; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for interpreter in self._interpreters:
+            try:
+                with interpreter._session() as session:
+                    self.environment.unconfigure(session)
+            except InterpreterClosedError:
+                pass  # the process is exiting
+            finally:
+                interpreter._close()
+
+    def _count_use(self, interpreter: Interpreter, delta: int) -> None:
+        with self._lock:
+            interpreter._uses += delta
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InterpreterClosedError("the manager is closed")
+
+    def __enter__(self) -> InterpreterManager:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"<multipy.InterpreterManager {state}, {len(self._interpreters)} interpreters>"

@@ -1,0 +1,51 @@
+"""Shared fixtures.
+
+A process can start at most 15 interpreters and never frees one, so the tests share
+one manager for the whole session and run anything that needs a fresh process (exit
+behaviour, limits, tunables) in a subprocess with a timeout.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import multipy
+
+
+@pytest.fixture(scope="session")
+def manager():
+    with multipy.InterpreterManager(2) as m:
+        yield m
+
+
+@pytest.fixture
+def sessions(manager):
+    """One open session on each interpreter of the shared manager."""
+    opened = [interpreter.acquire_session() for interpreter in manager.all_instances()]
+    yield opened
+    for session in opened:
+        session.close()
+
+
+@pytest.fixture
+def python(tmp_path):
+    """python(code, launcher=False, timeout=60, popen=False): runs code as a script in a
+    fresh process, through `multipy run` if launcher, with glibc's default tunables
+    otherwise.  Returns a CompletedProcess (text output), or the Popen if popen."""
+
+    def run(code: str, *, launcher: bool = False, timeout: float = 60, popen: bool = False):
+        script = tmp_path / f"script_{len(list(tmp_path.iterdir()))}.py"
+        script.write_text(textwrap.dedent(code))
+        command = [sys.executable, *(["-m", "multipy", "run"] if launcher else []), str(script)]
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        env["PYTHONUNBUFFERED"] = "1"
+        if popen:
+            return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, env=env)
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+    return run

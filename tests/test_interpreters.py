@@ -1,0 +1,137 @@
+"""Interpreters are isolated, callable through Obj, and report errors faithfully."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import multipy
+
+
+def test_interpreters_are_distinct(sessions):
+    ids = [s.global_("builtins", "id")(s.global_("builtins", "None")).deref() for s in sessions]
+    assert len(set(ids)) == len(ids)
+    names = [s.global_("threading", "get_ident")().deref() for s in sessions]
+    assert len(set(names)) == len(names), "each interpreter runs on its own thread"
+
+
+def test_module_globals_are_not_shared(sessions):
+    first, second = sessions
+    first.global_("builtins", "setattr")(first.global_("json", "decoder"), "marker", 41)
+    assert first.global_("json", "decoder.marker").deref() == 41
+    assert not second.global_("json", "decoder").hasattr("marker")
+
+
+def test_call_forms(sessions):
+    s = sessions[0]
+    assert s.global_("builtins", "pow")(2, 10).deref() == 1024
+    assert s.global_("builtins", "sorted")([3, 1, 2], reverse=True).deref() == [3, 2, 1]
+    assert s.global_("builtins", "dict")(a=1).deref() == {"a": 1}
+    assert s.global_("builtins", "int")("ff", base=16).deref() == 255
+    assert s.global_("builtins", "int")("12", **{}).deref() == 12
+    assert s.global_("os.path", "join")("a", "b").deref() == "a/b"
+    text = s.global_("builtins", "str")("multipy")
+    assert text.attr("upper")().deref() == "MULTIPY"
+    assert text.hasattr("upper") and not text.hasattr("make_prediction")
+    assert s.global_("collections", "OrderedDict.fromkeys")("ab").deref() == {"a": None, "b": None}
+
+
+def test_obj_arguments_stay_inside(sessions):
+    s = sessions[0]
+    data = s.global_("builtins", "list")(range(5))
+    assert s.global_("builtins", "sum")(data).deref() == 10
+    assert s.global_("builtins", "isinstance")(data, s.global_("builtins", "list")).deref()
+    assert s.is_owner(data) and not sessions[1].is_owner(data)
+    assert data.interpreter is s.interpreter
+
+
+def test_wrong_interpreter(sessions):
+    first, second = sessions
+    inside_first = first.global_("builtins", "object")()
+    with pytest.raises(multipy.WrongInterpreterError) as info:
+        second.global_("builtins", "id")(inside_first)
+    message = str(info.value)
+    assert "Interpreter 0" in message and "Interpreter 1" in message
+    assert second.global_("builtins", "abs")(-3).deref() == 3  # nothing broken
+
+
+def test_builtin_exception_is_recreated_with_remote_traceback(sessions):
+    s = sessions[0]
+    with pytest.raises(ValueError, match="invalid literal") as info:
+        s.global_("builtins", "int")("not a number")
+    cause = info.value.__cause__
+    assert isinstance(cause, multipy.RemoteTraceback)
+    assert "Traceback (most recent call last)" in cause.traceback_text
+    assert "ValueError: invalid literal" in cause.traceback_text
+    assert s.global_("builtins", "int")("7").deref() == 7
+
+
+def test_importable_exception_type_is_recreated(sessions):
+    with pytest.raises(__import__("json").JSONDecodeError) as info:
+        sessions[0].global_("json", "loads")("{")
+    assert "json/decoder.py" in info.value.__cause__.traceback_text
+
+
+def test_exception_the_host_cannot_recreate(manager, sessions):
+    manager.register_module_source("only_inside_errors", (
+        "class Custom(Exception):\n"
+        "    pass\n"
+        "def fail(message):\n"
+        "    raise Custom(message)\n"))
+    with pytest.raises(multipy.InterpreterError) as info:
+        sessions[1].global_("only_inside_errors", "fail")("deep trouble")
+    error = info.value
+    assert error.type_name == "only_inside_errors.Custom"
+    assert error.message == "deep trouble"
+    assert "in fail" in error.remote_traceback
+    assert isinstance(error.__cause__, multipy.RemoteTraceback)
+
+
+@pytest.mark.parametrize("kind", ["SystemExit", "KeyboardInterrupt", "GeneratorExit"])
+def test_base_exceptions_do_not_act_in_the_host(manager, sessions, kind):
+    manager.register_module_source("raiser", "def throw(kind):\n    raise __builtins__[kind]('x') "
+                                             "if isinstance(__builtins__, dict) else "
+                                             "getattr(__import__('builtins'), kind)('x')\n")
+    with pytest.raises(multipy.InterpreterError) as info:
+        sessions[0].global_("raiser", "throw")(kind)
+    assert info.value.type_name == f"builtins.{kind}"
+    assert sessions[0].global_("builtins", "len")("abc").deref() == 3
+
+
+def test_unpicklable_result(sessions):
+    lock = sessions[0].global_("threading", "Lock")()
+    with pytest.raises(TypeError, match="pickle"):
+        lock.deref()
+    assert lock.attr("locked")().deref() is False
+
+
+def test_unpicklable_argument_fails_in_the_host(sessions):
+    with pytest.raises(Exception, match="pickle"):
+        sessions[0].global_("builtins", "repr")(threading.Lock())
+
+
+def test_missing_module_and_attribute(sessions):
+    with pytest.raises(ModuleNotFoundError, match="no_such_module"):
+        sessions[0].global_("no_such_module", "x")
+    with pytest.raises(AttributeError, match="no_such_name"):
+        sessions[0].global_("os", "no_such_name")
+
+
+def test_objects_are_released_when_the_host_drops_them(manager, sessions):
+    manager.register_module_source("tracked", (
+        "import weakref\n"
+        "live = weakref.WeakSet()\n"
+        "class Thing:\n"
+        "    pass\n"
+        "def make():\n"
+        "    thing = Thing()\n"
+        "    live.add(thing)\n"
+        "    return thing\n"
+        "def count():\n"
+        "    return len(live)\n"))
+    s = sessions[0]
+    make, count = s.global_("tracked", "make"), s.global_("tracked", "count")
+    things = [make() for _ in range(5)]
+    assert count().deref() == 5
+    del things
+    assert count().deref() == 0

@@ -1,0 +1,163 @@
+"""Limits and exit behaviour, each in a fresh process (with a timeout)."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+HANG = 60  # seconds after which a scenario counts as hung
+
+
+def test_exit_without_close(python):
+    result = python("""
+        import multipy
+        m = multipy.InterpreterManager(2)
+        with m.acquire_one() as s:
+            print(s.global_("math", "factorial")(5).deref())
+    """, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["120"]
+
+
+def test_exit_code_of_sys_exit(python):
+    result = python("""
+        import sys, multipy
+        m = multipy.InterpreterManager(1)
+        sys.exit(3)
+    """, timeout=HANG)
+    assert result.returncode == 3, result.stderr
+
+
+def test_exception_in_main_thread(python):
+    result = python("""
+        import multipy
+        with multipy.InterpreterManager(2) as m:
+            m[0].acquire_session().global_("builtins", "int")("boom")
+    """, timeout=HANG)
+    assert result.returncode == 1
+    assert "ValueError: invalid literal" in result.stderr
+    assert "raised inside an interpreter" in result.stderr
+
+
+def test_exit_with_calls_in_flight(python):
+    result = python("""
+        import threading, multipy
+        m = multipy.InterpreterManager(2)
+        m.register_module_source("busy", "import time\\ndef work():\\n    time.sleep(0.01)\\n    return 1\\n")
+        started = threading.Barrier(9)
+        def loop():
+            started.wait()
+            while True:
+                with m.acquire_one() as s:
+                    s.global_("busy", "work")()
+        for _ in range(8):
+            threading.Thread(target=loop, daemon=True).start()
+        started.wait()
+        print("exiting")
+    """, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert "exiting" in result.stdout
+
+
+def test_exit_while_an_interpreter_never_returns(python):
+    result = python("""
+        import sys, threading, time, multipy
+        m = multipy.InterpreterManager(1)
+        m.register_module_source("forever", "def spin():\\n    while True:\\n        pass\\n")
+        s = m.acquire_one()
+        threading.Thread(target=s.global_("forever", "spin"), daemon=True).start()
+        time.sleep(0.2)
+        print("exiting")
+        sys.exit(7)
+    """, timeout=HANG)
+    assert result.returncode == 7, result.stderr
+    assert "still running a call at exit" in result.stderr
+
+
+def test_ctrl_c_while_waiting_for_a_call(python):
+    process = python("""
+        import multipy
+        m = multipy.InterpreterManager(1)
+        sleep = m.acquire_one().global_("time", "sleep")
+        print("waiting", flush=True)
+        sleep(300)
+    """, popen=True)
+    try:
+        assert process.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=HANG)
+    finally:
+        process.kill()
+    assert "KeyboardInterrupt" in stderr
+    assert process.returncode in (-signal.SIGINT, 128 + signal.SIGINT, 1)
+
+
+def test_limit_with_default_tunables(python):
+    result = python("""
+        import multipy
+        from multipy.interpreter import capacity
+        fits = capacity()["more"]
+        try:
+            multipy.InterpreterManager(fits + 1)
+        except multipy.InterpreterLimitError as error:
+            print("LIMIT", error)
+        assert capacity()["started"] == 0, "nothing may start before the limit error"
+        with multipy.InterpreterManager(fits) as m:  # the estimate is exact for bare ones
+            ids = {i.acquire_session().global_("builtins", "id")(None).deref()
+                   for i in m.all_instances()}
+        print("STARTED", len(ids))
+    """, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert "multipy run" in result.stdout and "GLIBC_TUNABLES=glibc.rtld.nns=16" in result.stdout
+    assert "STARTED 11" in result.stdout  # glibc 2.36's default reserve
+
+
+def test_fifteen_with_the_launcher(python):
+    result = python("""
+        import multipy
+        from multipy.interpreter import capacity
+        assert capacity()["more"] == 15
+        with multipy.InterpreterManager(15) as m:
+            ids = {i.acquire_session().global_("builtins", "id")(None).deref()
+                   for i in m.all_instances()}
+            print("STARTED", len(ids))
+            try:
+                multipy.InterpreterManager(1)
+            except multipy.InterpreterLimitError as error:
+                print("LIMIT", error)
+        with multipy.InterpreterManager(15) as again:
+            print("REUSED", capacity()["started"])
+    """, launcher=True, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert "STARTED 15" in result.stdout
+    assert "at most 15" in result.stdout
+    assert "REUSED 15" in result.stdout
+
+
+def test_info_command():
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", "-m", "multipy", "info"],
+                            capture_output=True, text=True, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert "glibc.rtld.optional_static_tls=1048576" in result.stdout
+    assert "15 fit" in result.stdout
+    assert "libpython" in result.stdout
+
+
+def test_run_passes_arguments(tmp_path):
+    script = tmp_path / "args.py"
+    script.write_text("import sys, os\nprint(sys.argv[1:], os.environ['GLIBC_TUNABLES'])\n")
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", str(script), "-x", "--flag", "1"],
+                            capture_output=True, text=True, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert "['-x', '--flag', '1'] glibc.rtld.nns=16" in result.stdout
+
+
+def test_run_needs_a_program():
+    result = subprocess.run([sys.executable, "-m", "multipy", "run"], capture_output=True,
+                            text=True, timeout=HANG)
+    assert result.returncode == 2
+    assert "a script or -m module is required" in result.stderr

@@ -1,0 +1,128 @@
+"""The manager: registered modules, environments, load balancing, reuse, threads."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import multipy
+from multipy.interpreter import capacity
+
+
+def test_len_index_and_instances(manager):
+    assert len(manager) == 2
+    assert [i.index for i in manager.all_instances()] == [0, 1]
+    assert manager[1] is manager.all_instances()[1]
+
+
+def test_registered_module_in_every_interpreter(manager):
+    manager.register_module_source("greeting", "def hello(name):\n    return f'hello {name}'\n")
+    assert manager.count_registered_module_sources() >= 1
+    for interpreter in manager.all_instances():
+        with interpreter.acquire_session() as s:
+            assert s.global_("greeting", "hello")("multipy").deref() == "hello multipy"
+
+
+def test_registered_package_with_submodule(manager):
+    manager.register_module_source("regpkg", "VALUE = 1\n")
+    manager.register_module_source("regpkg.sub", "from regpkg import VALUE\nDOUBLE = VALUE * 2\n")
+    with manager.acquire_one() as s:
+        assert s.global_("regpkg.sub", "DOUBLE").deref() == 2
+
+
+def test_register_rejects_syntax_errors(manager):
+    before = manager.count_registered_module_sources()
+    with pytest.raises(SyntaxError):
+        manager.register_module_source("broken", "def (:\n")
+    assert manager.count_registered_module_sources() == before
+
+
+def test_load_balancer_prefers_free_then_least_used(manager):
+    first = manager.acquire_one()
+    second = manager.acquire_one()
+    assert {first.interpreter.index, second.interpreter.index} == {0, 1}
+    third = manager.acquire_one()  # all busy: the least used, and never a third one
+    assert third.interpreter.index in (0, 1)
+    for s in (first, second, third):
+        s.close()
+    # affinity: with everything free, a thread gets its last interpreter back
+    with manager.acquire_one() as s:
+        last = s.interpreter.index
+    with manager.acquire_one() as s:
+        assert s.interpreter.index == last
+
+
+def test_debug_limit_interpreters(manager):
+    manager.debug_limit_interpreters(1)
+    try:
+        held = [manager.acquire_one() for _ in range(3)]
+        assert {s.interpreter.index for s in held} == {0}
+        for s in held:
+            s.close()
+    finally:
+        manager.debug_limit_interpreters(len(manager))
+    with pytest.raises(ValueError):
+        manager.debug_limit_interpreters(3)
+
+
+def test_sixteen_threads_on_two_interpreters(manager):
+    manager.register_module_source("work", (
+        "import threading\n"
+        "def square_sum(n, offset=0):\n"
+        "    return sum(i * i for i in range(n)) + offset\n"))
+    errors, results = [], []
+
+    def worker(t):
+        try:
+            for k in range(40):
+                with manager.acquire_one() as s:
+                    value = s.global_("work", "square_sum")(100 + k, offset=t).deref()
+                    results.append(value == sum(i * i for i in range(100 + k)) + t)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "deadlock"
+    assert not errors
+    assert len(results) == 16 * 40 and all(results)
+
+
+def test_path_environment_and_reuse(tmp_path, manager):
+    (tmp_path / "from_environment.py").write_text("WHERE = 'environment'\n")
+    started = capacity()["started"]
+    for _ in range(3):  # managers come and go; interpreters are reused
+        with multipy.InterpreterManager(2, multipy.PathEnvironment(tmp_path)) as m:
+            with m.acquire_one() as s:
+                assert s.global_("from_environment", "WHERE").deref() == "environment"
+                assert str(tmp_path) in s.global_("sys", "path").deref()
+            leftover = s.global_("builtins", "object")()
+        with pytest.raises(multipy.InterpreterClosedError):
+            leftover.attr("__class__")
+        with pytest.raises(multipy.InterpreterClosedError):
+            m.acquire_one()
+    assert capacity()["started"] == started + 2
+    # a manager without the environment does not see its path any more
+    with multipy.InterpreterManager(2) as m:
+        for interpreter in m.all_instances():
+            with interpreter.acquire_session() as s:
+                assert str(tmp_path) not in s.global_("sys", "path").deref()
+
+
+def test_custom_environment(manager):
+    class Flagged(multipy.Environment):
+        def configure(self, session):
+            session.global_("os", "environ.__setitem__")("MULTIPY_FLAG", "on")
+
+        def unconfigure(self, session):
+            session.global_("os", "environ.pop")("MULTIPY_FLAG")
+
+    with multipy.InterpreterManager(2, Flagged()) as m:
+        for interpreter in m.all_instances():
+            with interpreter.acquire_session() as s:
+                assert s.global_("os", "environ.get")("MULTIPY_FLAG").deref() == "on"
+
+

@@ -68,6 +68,17 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(compile(self.sources[name], f"<multipy:{name}>", "exec"), module.__dict__)
 
 
+class _Unpickler(pickle.Unpickler):
+    """Unpickles a request; a reference to an object the host holds becomes that object."""
+
+    def __init__(self, file, objects: dict[int, object]) -> None:
+        super().__init__(file)
+        self._objects = objects
+
+    def persistent_load(self, handle: int):
+        return self._objects[handle]
+
+
 class _Interpreter:
     """State of this interpreter as the host sees it: its objects and its requests."""
 
@@ -110,9 +121,7 @@ class _Interpreter:
     # -- plumbing --
 
     def _load(self, data: bytes):
-        unpickler = pickle.Unpickler(io.BytesIO(data))
-        unpickler.persistent_load = self.objects.__getitem__
-        return unpickler.load()
+        return _Unpickler(io.BytesIO(data), self.objects).load()
 
     def handle_call(self, data: bytes) -> tuple[int, int, bytes]:
         if self._stopping.value:  # the process is exiting: drop what is still queued

@@ -1,0 +1,42 @@
+"""What multipy needs from the platform, and how it says so when it is missing."""
+from __future__ import annotations
+
+import sysconfig
+
+import pytest
+
+import multipy
+from multipy import _glibc
+from multipy.cli import launch_environment
+
+
+def test_libpython_of_this_python_is_found():
+    path = _glibc.libpython_path()
+    assert ".so" in path and "libpython" in path
+
+
+def test_static_python_gets_a_clear_error(monkeypatch):
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var",
+                        lambda name: 0 if name == "Py_ENABLE_SHARED" else real(name))
+    with pytest.raises(multipy.UnsupportedPythonError, match="--enable-shared"):
+        _glibc.libpython_path()
+
+
+def test_launch_environment_keeps_other_tunables():
+    env = launch_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.rtld.nns=4"})
+    items = env["GLIBC_TUNABLES"].split(":")
+    assert "glibc.malloc.arena_max=2" in items
+    assert "glibc.rtld.nns=16" in items and "glibc.rtld.nns=4" not in items
+    assert "glibc.rtld.optional_static_tls=1048576" in items
+
+
+def test_room_follows_the_tunables(monkeypatch):
+    def fits(tunables):
+        monkeypatch.setattr(_glibc, "tunables_at_start", lambda: tunables)
+        return _glibc.namespaces_that_fit(0)
+
+    assert fits({}) == 11  # glibc's defaults: 1664 bytes of reserve, 144 per namespace
+    assert fits({"glibc.rtld.nns": "16", "glibc.rtld.optional_static_tls": "0x100000"}) == 15
+    monkeypatch.setattr(_glibc, "tunables_at_start", lambda: {})
+    assert _glibc.namespaces_that_fit(11) == 0

@@ -143,3 +143,16 @@ def namespaces_that_fit(started: int) -> int:
     optional = _tunable(tunables, "glibc.rtld.optional_static_tls", 512)
     reserve = (nns - 1) * _LIBC_IE_TLS + nns * _OTHER_IE_TLS + optional
     return max(0, min(MAX_NAMESPACES, reserve // _NAMESPACE_STATIC_TLS) - started)
+
+
+def static_tls_advice() -> str:
+    """How to get more room for interpreters, given the tunables in force."""
+    optional = _tunable(tunables_at_start(), "glibc.rtld.optional_static_tls", 512)
+    if optional < LAUNCH_STATIC_TLS:
+        return (f"this process has no static TLS left for another interpreter and the "
+                f"libraries it loads. Start the program with `multipy run SCRIPT` (or "
+                f"GLIBC_TUNABLES={LAUNCH_TUNABLES} in its environment) to make room for "
+                f"{MAX_NAMESPACES} interpreters.")
+    return (f"this process has no static TLS left even with "
+            f"glibc.rtld.optional_static_tls={optional}; start it with a larger value in "
+            f"GLIBC_TUNABLES (for example {optional * 4}).")

@@ -12,11 +12,13 @@ import importlib
 import importlib.abc
 import importlib.util
 import io
+import itertools
 import os
 import pickle
 import sys
 import traceback
 
+from . import _sharing
 from .channel import CLOSED, ERROR, OK, InterpreterEnd
 
 
@@ -69,23 +71,46 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 class _Unpickler(pickle.Unpickler):
-    """Unpickles a request; a reference to an object the host holds becomes that object."""
+    """Unpickles a request: a handle becomes the object the host holds, a lent tensor or
+    array becomes an alias of the host's memory."""
 
-    def __init__(self, file, objects: dict[int, object]) -> None:
+    def __init__(self, file, objects: dict[int, object], released: list[int]) -> None:
         super().__init__(file)
         self._objects = objects
+        self._released = released
 
-    def persistent_load(self, handle: int):
-        return self._objects[handle]
+    def persistent_load(self, reference):
+        if type(reference) is int:
+            try:
+                return self._objects[reference]
+            except KeyError:
+                raise LookupError(f"object #{reference} is gone from this interpreter: it was "
+                                  f"released, or the manager it came from closed") from None
+        return _sharing.alias(reference, self._released.append)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a result: tensors and arrays are lent to the host, not copied."""
+
+    def __init__(self, file, exports: _sharing.Exports) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._exports = exports
+
+    def persistent_id(self, obj):
+        return _sharing.describe(obj, self._exports)
 
 
 class _Interpreter:
     """State of this interpreter as the host sees it: its objects and its requests."""
 
-    def __init__(self, index: int, stopping_address: int) -> None:
+    def __init__(self, index: int, stopping_address: int, released: list[int]) -> None:
         self.index = index
         self.objects: dict[int, object] = {}
-        self.next_handle = 1  # handles are never reused, so a late release is harmless
+        # Handles and lent tensors share one numbering, never reused, so that a release
+        # names one thing and a late release is harmless.
+        self._ids = itertools.count(1)
+        self.exports = _sharing.Exports(self._ids)  # outlives managers: the host may hold aliases
+        self._released = released
         self._stopping = ctypes.c_int.from_address(stopping_address)
         self.sources = _SourceFinder()
         sys.meta_path.insert(0, self.sources)
@@ -101,6 +126,10 @@ class _Interpreter:
     def op_call(self, target, args, kwargs):
         return _NewObject(target(*args, **kwargs))
 
+    def op_call_value(self, target, method, args, kwargs):
+        """target(*args, **kwargs), or its method's, returned as a value."""
+        return (target if method is None else getattr(target, method))(*args, **kwargs)
+
     def op_getattr(self, target, name: str):
         return _NewObject(getattr(target, name))
 
@@ -111,17 +140,29 @@ class _Interpreter:
         return target
 
     def op_set_sources(self, sources: dict[str, str]) -> None:
+        self._forget_source_modules()
         self.sources.sources = dict(sources)
 
     def op_reset(self) -> None:
         """Forgets the host's objects and sources: the manager that used them closed."""
         self.objects.clear()
+        self._forget_source_modules()
         self.sources.sources = {}
+
+    def _forget_source_modules(self) -> None:
+        """Unimports modules made from registered sources, so that new sources take effect."""
+        for name in self.sources.sources:
+            sys.modules.pop(name, None)
 
     # -- plumbing --
 
     def _load(self, data: bytes):
-        return _Unpickler(io.BytesIO(data), self.objects).load()
+        return _Unpickler(io.BytesIO(data), self.objects, self._released).load()
+
+    def _dump(self, value) -> bytes:
+        buffer = io.BytesIO()
+        _Pickler(buffer, self.exports).dump(value)
+        return buffer.getvalue()
 
     def handle_call(self, data: bytes) -> tuple[int, int, bytes]:
         if self._stopping.value:  # the process is exiting: drop what is still queued
@@ -130,13 +171,17 @@ class _Interpreter:
             op, args = self._load(data)
             result = getattr(self, "op_" + op)(*args)
             if isinstance(result, _NewObject):
-                handle = self.next_handle
-                self.next_handle += 1
+                handle = next(self._ids)
                 self.objects[handle] = result.value
                 return OK, handle, b""
-            return OK, 0, pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+            return OK, 0, self._dump(result)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
-            return self._error(exc)
+            try:
+                return self._error(exc)
+            except BaseException:  # the exception cannot even be described (a broken __str__)
+                detail = (None, "multipy.InterpreterError", "an exception was raised inside "
+                          "the interpreter, and describing it failed too", "")
+                return ERROR, 0, pickle.dumps(detail)
 
     def _error(self, exc: BaseException) -> tuple[int, int, bytes]:
         kind = type(exc)
@@ -152,17 +197,33 @@ class _Interpreter:
         return ERROR, 0, pickle.dumps(detail, protocol=pickle.HIGHEST_PROTOCOL)
 
     def release(self, handle: int) -> None:
-        self.objects.pop(handle, None)
+        """Drops a handle, or a tensor lent to the host (they share one numbering)."""
+        if self.objects.pop(handle, None) is None:
+            self.exports.release(handle)
+
+
+def forget_paths(paths: list[str]) -> None:
+    """Removes paths from sys.path and unimports every module loaded from under them."""
+    for path in paths:
+        while path in sys.path:
+            sys.path.remove(path)
+    prefixes = tuple(os.path.join(p, "") for p in paths)
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(prefixes):
+            del sys.modules[name]
+    importlib.invalidate_caches()
 
 
 def main(index: int, request_fd: int, status_fd: int, stopping_address: int) -> None:
     """Runs this interpreter until the host stops it."""
     try:
         _strip_rtld_global()
-        interpreter = _Interpreter(index, stopping_address)
         end = InterpreterEnd(request_fd)
+        interpreter = _Interpreter(index, stopping_address, end.released)
     except BaseException:
         os.write(status_fd, traceback.format_exc().encode())
         raise
     os.write(status_fd, b"ready")
     end.serve(interpreter.handle_call, interpreter.release)
+    if len(interpreter.exports):
+        interpreter.exports.keep_forever()  # the host may still read them while it exits

@@ -30,7 +30,10 @@ import select
 import struct
 import threading
 import time
+import weakref
 from typing import Callable
+
+from ._sharing import Exports
 
 #: kind, reply fd, request id (or handle id for RELEASE), payload address, payload length
 REQUEST = struct.Struct("=IiQQQ")
@@ -38,11 +41,12 @@ REQUEST = struct.Struct("=IiQQQ")
 REPLY = struct.Struct("=QQQQI")
 
 CALL, RELEASE, STOP = 1, 2, 3
-OK, ERROR, CLOSED = 0, 1, 2
+OK, ERROR, CLOSED, RELEASED = 0, 1, 2, 3  # RELEASED: the host may free lent object <handle>
 
 #: How long a waiting side polls before it sleeps.
 SPIN_SECONDS = 100e-6
-_PIPE_SIZE = 1 << 20  # room for thousands of headers before a writer ever blocks
+#: Room in an interpreter's request pipe: thousands of headers before a writer blocks.
+REQUEST_PIPE_SIZE = 1 << 20
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 _probe = b"probe"
@@ -61,14 +65,16 @@ def copy_from(address: int, length: int) -> bytes:
     return ctypes.string_at(address, length) if length else b""
 
 
-def make_pipe() -> tuple[int, int]:
-    """A pipe for headers: its read end does not block (see _read), its write end does."""
+def make_pipe(size: int | None = None) -> tuple[int, int]:
+    """A pipe for headers: its read end does not block (see _read), its write end does.
+    size: room to ask for (reply pipes keep the default: they hold a few headers)."""
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
-    try:
-        fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_SIZE)
-    except OSError:
-        pass  # the system's default size still works; writers may block sooner
+    if size:
+        try:
+            fcntl.fcntl(write_fd, _F_SETPIPE_SZ, size)
+        except OSError:
+            pass  # the system's default size still works; writers may block sooner
     return read_fd, write_fd
 
 
@@ -88,7 +94,9 @@ def _read(fd: int, size: int, deadline: float | None) -> bytes:
                 continue
             if deadline is not None and now >= deadline:
                 raise TimeoutError("the interpreter did not answer in time") from None
-            select.select([fd], [], [], None if deadline is None else deadline - now)
+            poller = select.poll()  # unlike select(), any fd number
+            poller.register(fd, select.POLLIN)
+            poller.poll(None if deadline is None else max(0, (deadline - now) * 1000))
             continue
         if not data:
             raise EOFError("channel closed")
@@ -105,6 +113,10 @@ def read_header(fd: int, header: struct.Struct, deadline: float | None = None) -
 
 _request_ids = itertools.count(1)
 
+#: The tensors and arrays the host lent to interpreters (see _sharing), until an
+#: interpreter sends RELEASED for them ahead of a reply.
+host_exports = Exports()
+
 
 class _ReplyPipe:
     """The reply pipe of one host thread, and the calls it still waits for."""
@@ -118,6 +130,9 @@ class _ReplyPipe:
         """Waits for request_id's reply; returns (status, handle, address, length)."""
         while True:
             reply_id, handle, address, length, status = read_header(self.read_fd, REPLY, deadline)
+            if status == RELEASED:
+                host_exports.release(handle)
+                continue
             _, channel = self.pending.pop(reply_id, (None, None))
             if reply_id == request_id:
                 return status, handle, address, length
@@ -150,13 +165,25 @@ class ChannelClosedError(Exception):
     """The interpreter end of the channel is stopped."""
 
 
+def _stop_all_in_child() -> None:
+    """After fork the interpreters' threads do not exist in the child: its calls and
+    releases must not reach the parent's interpreters through the inherited pipes."""
+    for end in list(_host_ends):
+        end._stopped = True
+
+
+_host_ends: weakref.WeakSet = weakref.WeakSet()
+os.register_at_fork(after_in_child=_stop_all_in_child)
+
+
 class HostEnd:
     """The host's end of the channel to one interpreter; safe to use from any thread."""
 
     def __init__(self, request_fd: int) -> None:
         self._request_fd = request_fd
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # an Obj finaliser may release while a send holds it
         self._stopped = False
+        _host_ends.add(self)
 
     def _send(self, kind: int, reply_fd: int, ident: int, data: bytes) -> None:
         header = REQUEST.pack(kind, reply_fd, ident, address_of(data), len(data))
@@ -176,9 +203,9 @@ class HostEnd:
         pipe.pending[request_id] = (data, self)
         try:
             self._send(CALL, pipe.write_fd, request_id, data)
-        except BaseException:
-            del pipe.pending[request_id]
-            raise
+        except (ChannelClosedError, OSError):
+            del pipe.pending[request_id]  # surely not sent; after any other exception
+            raise                         # it may have been, so its reply stays due
         deadline = None if timeout is None else time.monotonic() + timeout
         status, handle, address, length = pipe.wait(request_id, deadline)
         return status, handle, copy_from(address, length)
@@ -199,23 +226,43 @@ class HostEnd:
 
 
 class InterpreterEnd:
-    """The interpreter thread's end: reads requests and writes replies, in order."""
+    """The interpreter thread's end: reads requests and writes replies, in order.
+
+    Tokens appended to ``released`` (host objects this interpreter no longer aliases)
+    go back to the host ahead of the next reply.
+    """
 
     def __init__(self, request_fd: int) -> None:
         self._request_fd = request_fd
         self._last_reply: dict[int, bytes] = {}
+        self.released: list[int] = []
+
+    def _send_released(self, reply_fd: int) -> None:
+        batch = 4096 // REPLY.size  # one write of at most PIPE_BUF bytes is atomic
+        while self.released:
+            tokens, self.released[:batch] = self.released[:batch], []
+            os.write(reply_fd, b"".join(REPLY.pack(0, t, 0, 0, RELEASED) for t in tokens))
 
     def serve(self, handle_call: Callable[[bytes], tuple[int, int, bytes]],
               release: Callable[[int], None]) -> None:
         """Runs until STOP: each CALL's payload goes to handle_call, whose
-        (status, new object handle, bytes) is sent back to the caller's reply pipe."""
+        (status, new object handle, bytes) is sent back to the caller's reply pipe.
+        handle_call must not raise; a reply that cannot be written is dropped."""
         while True:
             kind, reply_fd, ident, address, length = read_header(self._request_fd, REQUEST)
             if kind == CALL:
                 status, handle, data = handle_call(copy_from(address, length))
                 self._last_reply[reply_fd] = data  # alive until the caller has copied it
-                os.write(reply_fd, REPLY.pack(ident, handle, address_of(data), len(data), status))
+                try:
+                    self._send_released(reply_fd)
+                    os.write(reply_fd, REPLY.pack(ident, handle, address_of(data), len(data),
+                                                  status))
+                except OSError:
+                    pass  # the caller's pipe is gone: nobody waits for this reply
             elif kind == RELEASE:
                 release(ident)
             elif kind == STOP:
+                # Host threads may still be copying the last replies while this
+                # interpreter finalises: never free them.
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._last_reply))
                 return

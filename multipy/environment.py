@@ -41,9 +41,8 @@ class PathEnvironment(Environment):
         session.global_("importlib", "invalidate_caches")()
 
     def unconfigure(self, session: InterpreterSession) -> None:
-        remove = session.global_("sys", "path.remove")
-        for path in self.paths:
-            remove(path)
+        """Removes the paths, and unimports the modules that came from them."""
+        session.global_("multipy._inside", "forget_paths")(self.paths)
 
     def __repr__(self) -> str:
         return f"PathEnvironment({', '.join(map(repr, self.paths))})"

@@ -18,8 +18,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import _glibc
-from .channel import CLOSED, OK, ChannelClosedError, HostEnd, make_pipe
+from . import _glibc, _sharing
+from .channel import (CLOSED, OK, REQUEST_PIPE_SIZE, ChannelClosedError, HostEnd, host_exports,
+                      make_pipe)
 from .errors import (InterpreterClosedError, InterpreterError, InterpreterLimitError,
                      InterpreterStartError, RemoteTraceback, WrongInterpreterError)
 from .session import InterpreterSession, Obj
@@ -66,7 +67,7 @@ class _Runtime:
         _, lmid = _glibc.open_namespace(_glibc.libpython_path())
         bootstrap = _glibc.load_into(lmid, _bootstrap_path())
         self._join = _JOIN(_glibc.symbol(bootstrap, "multipy_join"))
-        request_read, request_write = make_pipe()
+        request_read, request_write = make_pipe(REQUEST_PIPE_SIZE)
         self._status_read, status_write = os.pipe()
         self._stopping = ctypes.c_int(0)
         code = _ENTRY.format(path=list(sys.path), argv=list(sys.argv), index=ordinal,
@@ -152,7 +153,13 @@ def _acquire_runtimes(count: int) -> list[_Runtime]:
         new = []
         try:
             for _ in range(count - len(free)):
-                new.append(_Runtime(len(_runtimes)))
+                try:
+                    new.append(_Runtime(len(_runtimes)))
+                except _glibc.NamespaceError as error:
+                    if "static TLS" in str(error) or "no more namespaces" in str(error):
+                        raise InterpreterLimitError(
+                            f"{error}: {_glibc.static_tls_advice()}") from None
+                    raise InterpreterStartError(str(error)) from None
                 _runtimes.append(new[-1])
         finally:
             for runtime in new:  # they initialise in parallel, each on its own thread
@@ -187,7 +194,8 @@ def _shutdown() -> None:
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles a request; an Obj becomes a reference to the object it stands for."""
+    """Pickles a request: an Obj becomes a reference to the object it stands for, a CPU
+    tensor or array is lent (see _sharing), not copied."""
 
     def __init__(self, file, interpreter: Interpreter) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
@@ -195,7 +203,7 @@ class _Pickler(pickle.Pickler):
 
     def persistent_id(self, obj):
         if type(obj) is not Obj:
-            return None
+            return _sharing.describe(obj, host_exports)
         owner = obj._interpreter
         if owner._closed:
             raise InterpreterClosedError(f"{obj!r} belongs to a manager that was closed")
@@ -206,16 +214,24 @@ class _Pickler(pickle.Pickler):
         return obj._handle
 
 
+class _Unpickler(pickle.Unpickler):
+    """Unpickles a result: a tensor or array the interpreter lent becomes an alias,
+    whose end is reported back to the interpreter."""
+
+    def __init__(self, file, channel: HostEnd) -> None:
+        super().__init__(file)
+        self._channel = channel
+
+    def persistent_load(self, record):
+        return _sharing.alias(record, self._channel.release)
+
+
 def _remote_error(data: bytes) -> BaseException:
     """The host exception for an error reply, with the remote traceback as its cause."""
     picklable, type_name, message, traceback_text = pickle.loads(data)
     error = None
     if "in static TLS block" in message:
-        error = InterpreterLimitError(
-            f"{message}: this process has no static TLS left for the libraries the "
-            f"interpreter loads. Start the program with `multipy run SCRIPT` or with "
-            f"GLIBC_TUNABLES={_glibc.LAUNCH_TUNABLES} to make room for "
-            f"{_glibc.MAX_NAMESPACES} interpreters.")
+        error = InterpreterLimitError(f"{message}: {_glibc.static_tls_advice()}")
     elif picklable is not None:
         try:
             error = pickle.loads(picklable)
@@ -254,6 +270,9 @@ class Interpreter:
         """Runs one operation of _inside._Interpreter; the single path of every call."""
         if self._closed:
             raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
+        return self._send(op, args, timeout)
+
+    def _send(self, op: str, args: tuple, timeout: float | None) -> Any:
         buffer = io.BytesIO()
         _Pickler(buffer, self).dump((op, args))
         try:
@@ -261,7 +280,9 @@ class Interpreter:
         except ChannelClosedError:
             raise InterpreterClosedError(f"{self} is stopped: the process is exiting") from None
         if status == OK:
-            return Obj(self, handle) if handle else pickle.loads(data)
+            if handle:
+                return Obj(self, handle)
+            return _Unpickler(io.BytesIO(data), self._runtime.channel).load()
         if status == CLOSED:
             raise InterpreterClosedError(f"{self} is stopped: the process is exiting")
         raise _remote_error(data)
@@ -274,12 +295,12 @@ class Interpreter:
         """Forgets this manager's objects in the interpreter and returns it to the pool."""
         if self._closed:
             return
+        self._closed = True  # first: nothing new can be made that the reset would miss
         try:
-            self._request("reset")
+            self._send("reset", (), None)
         except InterpreterClosedError:
             pass
-        self._closed = True
         _return_runtimes([self._runtime])
 
     def __repr__(self) -> str:
-        return f"<multipy.Interpreter {self.index}>"
+        return f"<multipy.Interpreter {self.index} (#{self._runtime.ordinal} of this process)>"

@@ -22,17 +22,18 @@ class InterpreterManager:
             raise ValueError(f"n_interpreters must be at least 1, not {n_interpreters}")
         self.environment = environment if environment is not None else NoopEnvironment()
         self._sources: dict[str, str] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a session's finaliser may run while it is held
         self._thread = threading.local()  # each thread's load-balancing cursor
         self._closed = False
-        self._interpreters: list[Interpreter] = []
         self._interpreters = [Interpreter(i, self, runtime)
                               for i, runtime in enumerate(_acquire_runtimes(n_interpreters))]
         self._limit = n_interpreters
+        self._configured: list[Interpreter] = []
         try:
             for interpreter in self._interpreters:
                 with interpreter.acquire_session() as session:
                     self.environment.configure(session)
+                self._configured.append(interpreter)
         except BaseException:
             self.close()
             raise
@@ -83,18 +84,28 @@ class InterpreterManager:
         return len(self._sources)
 
     def close(self) -> None:
-        """Undoes the environment and returns the interpreters to the process; idempotent."""
+        """Undoes the environment and returns the interpreters to the process; idempotent.
+
+        Every interpreter is returned even if undoing the environment fails on some; the
+        first such error is raised afterwards.
+        """
         if self._closed:
             return
         self._closed = True
+        errors = []
         for interpreter in self._interpreters:
             try:
-                with interpreter._session() as session:
-                    self.environment.unconfigure(session)
+                if interpreter in self._configured:
+                    with interpreter._session() as session:
+                        self.environment.unconfigure(session)
             except InterpreterClosedError:
                 pass  # the process is exiting
+            except Exception as error:
+                errors.append(error)
             finally:
                 interpreter._close()
+        if errors:
+            raise errors[0]
 
     def _count_use(self, interpreter: Interpreter, delta: int) -> None:
         with self._lock:

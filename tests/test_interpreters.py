@@ -106,8 +106,31 @@ def test_unpicklable_result(sessions):
 
 
 def test_unpicklable_argument_fails_in_the_host(sessions):
-    with pytest.raises(Exception, match="pickle"):
+    with pytest.raises(TypeError, match="pickle") as info:
         sessions[0].global_("builtins", "repr")(threading.Lock())
+    assert not isinstance(info.value.__cause__, multipy.RemoteTraceback)
+
+
+def test_exception_that_cannot_be_described(manager, sessions):
+    manager.register_module_source("bad_errors", (
+        "class Unprintable(Exception):\n"
+        "    def __str__(self):\n"
+        "        raise RuntimeError('no')\n"
+        "def fail():\n"
+        "    raise Unprintable()\n"))
+    with pytest.raises(multipy.InterpreterError):
+        sessions[0].global_("bad_errors", "fail")()
+    assert sessions[0].global_("builtins", "abs")(-1).deref() == 1
+
+
+def test_released_object_is_reported_clearly(sessions):
+    s = sessions[0]
+    target = s.global_("builtins", "list")()
+    stale = multipy.Obj(s.interpreter, target._handle)  # a second handle to the same object
+    del target
+    with pytest.raises(LookupError, match="released"):
+        s.global_("builtins", "len")(stale)
+    stale._interpreter = None  # it owns nothing: keep its finaliser quiet
 
 
 def test_missing_module_and_attribute(sessions):

@@ -62,6 +62,72 @@ def test_exit_with_calls_in_flight(python):
     assert "exiting" in result.stdout
 
 
+@pytest.mark.parametrize("attempt", range(3))
+def test_exit_while_results_are_being_copied(python, attempt):
+    result = python("""
+        import threading, multipy
+        m = multipy.InterpreterManager(2)
+        m.register_module_source("blob", "DATA = bytes(16 << 20)\\n")
+        started = threading.Barrier(5)
+        def loop():
+            with m.acquire_one() as s:
+                data = s.global_("blob", "DATA")
+                started.wait()
+                while True:
+                    assert len(data.deref()) == 16 << 20
+        for _ in range(4):
+            threading.Thread(target=loop, daemon=True).start()
+        started.wait()
+    """, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+
+
+def test_interrupted_call_does_not_confuse_the_next(python):
+    result = python("""
+        import signal, multipy
+        class Interrupted(Exception):
+            pass
+        def interrupt(*_):
+            raise Interrupted
+        m = multipy.InterpreterManager(1)
+        m.register_module_source("slow", "import time\\n"
+                                 "def echo(x, delay):\\n    time.sleep(delay)\\n    return x\\n")
+        s = m.acquire_one()
+        echo = s.global_("slow", "echo")
+        signal.signal(signal.SIGALRM, interrupt)
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        try:
+            echo("late", 0.6)
+        except Interrupted:
+            print("interrupted")
+        print(echo("on time", 0).deref())
+        print(echo("again", 0).deref())
+    """, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["interrupted", "on time", "again"]
+
+
+def test_forked_child_cannot_reach_the_parents_interpreters(python):
+    result = python("""
+        import os, multipy
+        m = multipy.InterpreterManager(1)
+        s = m.acquire_one()
+        kept = s.global_("builtins", "list")([1, 2])
+        pid = os.fork()
+        if pid == 0:
+            try:
+                s.global_("builtins", "len")("x")
+            except multipy.InterpreterClosedError:
+                os._exit(0)
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+        print("parent", kept.deref())
+    """, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert "child 0" in result.stdout and "parent [1, 2]" in result.stdout
+
+
 def test_exit_while_an_interpreter_never_returns(python):
     result = python("""
         import sys, threading, time, multipy

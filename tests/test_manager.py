@@ -41,9 +41,10 @@ def test_load_balancer_prefers_free_then_least_used(manager):
     first = manager.acquire_one()
     second = manager.acquire_one()
     assert {first.interpreter.index, second.interpreter.index} == {0, 1}
-    third = manager.acquire_one()  # all busy: the least used, and never a third one
-    assert third.interpreter.index in (0, 1)
-    for s in (first, second, third):
+    extra = first.interpreter.acquire_session()  # first's interpreter now has 2 uses
+    third = manager.acquire_one()  # all busy: the least used
+    assert third.interpreter is second.interpreter
+    for s in (first, second, extra, third):
         s.close()
     # affinity: with everything free, a thread gets its last interpreter back
     with manager.acquire_one() as s:
@@ -100,16 +101,18 @@ def test_path_environment_and_reuse(tmp_path, manager):
                 assert s.global_("from_environment", "WHERE").deref() == "environment"
                 assert str(tmp_path) in s.global_("sys", "path").deref()
             leftover = s.global_("builtins", "object")()
-        with pytest.raises(multipy.InterpreterClosedError):
+        with pytest.raises(multipy.InterpreterClosedError, match="closed"):
             leftover.attr("__class__")
         with pytest.raises(multipy.InterpreterClosedError):
             m.acquire_one()
     assert capacity()["started"] == started + 2
-    # a manager without the environment does not see its path any more
+    # a manager without the environment sees neither its path nor its modules
     with multipy.InterpreterManager(2) as m:
         for interpreter in m.all_instances():
             with interpreter.acquire_session() as s:
                 assert str(tmp_path) not in s.global_("sys", "path").deref()
+                with pytest.raises(ModuleNotFoundError):
+                    s.global_("from_environment", "WHERE")
 
 
 def test_custom_environment(manager):
@@ -124,5 +127,29 @@ def test_custom_environment(manager):
         for interpreter in m.all_instances():
             with interpreter.acquire_session() as s:
                 assert s.global_("os", "environ.get")("MULTIPY_FLAG").deref() == "on"
+    with multipy.InterpreterManager(2) as m:  # the same interpreters, unconfigured
+        for interpreter in m.all_instances():
+            with interpreter.acquire_session() as s:
+                assert s.global_("os", "environ.get")("MULTIPY_FLAG").deref() is None
+
+
+def test_failing_unconfigure_still_returns_every_interpreter(manager):
+    class Broken(multipy.Environment):
+        def unconfigure(self, session):
+            raise RuntimeError("cannot undo")
+
+    free_before = capacity()["free"]
+    m = multipy.InterpreterManager(2, Broken())
+    with pytest.raises(RuntimeError, match="cannot undo"):
+        m.close()
+    assert capacity()["free"] == free_before
+
+
+def test_reregistering_a_source_replaces_the_module(manager):
+    manager.register_module_source("versioned", "VERSION = 1\n")
+    with manager.acquire_one() as s:
+        assert s.global_("versioned", "VERSION").deref() == 1
+        manager.register_module_source("versioned", "VERSION = 2\n")
+        assert s.global_("versioned", "VERSION").deref() == 2
 
 

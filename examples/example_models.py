@@ -1,0 +1,140 @@
+"""The example models, defined here because torchvision is not available.
+
+They mirror the original's example set: a simple model, ResNet-18, a model with nested
+multiple returns and an in-place op, a batched model with ``make_prediction``, an
+FX-traced model with a leaf function, a model that uses numpy, and one that runs
+autograd in its forward.
+"""
+
+import numpy as np
+import torch
+from torch import nn
+
+
+class Simple(nn.Module):
+    """A weight and a bias: ``relu(x @ weight + bias)``."""
+
+    def __init__(self, features: int = 10) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features, features))
+        self.bias = nn.Parameter(torch.randn(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.weight + self.bias)
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False),
+                                            nn.BatchNorm2d(planes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + identity)
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 as torchvision defines it (BasicBlock, layers 2-2-2-2)."""
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        layers, inplanes = [], 64
+        for planes, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers.append(nn.Sequential(BasicBlock(inplanes, planes, stride),
+                                        BasicBlock(planes, planes)))
+            inplanes = planes
+        self.layer1, self.layer2, self.layer3, self.layer4 = layers
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class MultiReturn(nn.Module):
+    """Nested tuple results and an in-place op on a copy of the input."""
+
+    def forward(self, x: torch.Tensor):
+        y = x.clone()
+        y.add_(1)
+        return (x * 2, (y, x.sum()), [x.mean(dim=0)])
+
+
+class Batched(nn.Module):
+    """A model with batching helpers: ``make_batch`` and ``make_prediction``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 3)
+
+    def make_batch(self, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(inputs)
+
+    def make_prediction(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(self.forward(self.make_batch(inputs)).unbind(0))
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.linear(batch), dim=-1)
+
+
+def leaf_scale(x: torch.Tensor) -> torch.Tensor:
+    """Kept as one call by FX tracing (torch.fx.wrap)."""
+    return x * float(x.shape[-1]) ** -0.5
+
+
+torch.fx.wrap("leaf_scale")
+
+
+class FXSource(nn.Module):
+    """Traced with torch.fx; ``leaf_scale`` stays a leaf of the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(leaf_scale(self.linear(x)))
+
+
+class WithNumpy(nn.Module):
+    """Round-trips through numpy in its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        values = np.asarray(x.detach().numpy(), dtype=np.float64)
+        return torch.from_numpy(np.cumsum(values, axis=-1)).float() * self.scale
+
+
+class WithAutograd(nn.Module):
+    """Returns the input gradient of a scalar function, computed with backward()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().clone().requires_grad_(True)
+        with torch.enable_grad():
+            (torch.tanh(x @ self.weight) ** 2).sum().backward()
+        return x.grad

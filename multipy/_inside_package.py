@@ -1,0 +1,114 @@
+"""torch.package support that runs inside each interpreter.
+
+The host calls these functions through ordinary requests (``global_`` and a call).
+Weights are never copied: an importer reads each storage record from the host's one
+copy (lent as aliases, see _sharing), and a movable object's storages stay in the
+interpreter that made it and are aliased by the others.
+"""
+from __future__ import annotations
+
+import inspect
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.package import PackageImporter, sys_importer
+from torch.package.importer import OrderedImporter
+from torch.package.package_exporter import PackagePickler
+
+
+class _SharedStorageReader:
+    """An importer's zip reader whose storage records come from shared memory."""
+
+    def __init__(self, reader: Any, storages: dict[str, torch.Tensor]) -> None:
+        self._reader = reader
+        self._storages = storages
+
+    def get_storage_from_record(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        shared = self._storages.get(name)
+        if shared is None:
+            return self._reader.get_storage_from_record(name, numel, dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return shared[:numel * itemsize].view(dtype)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reader, name)
+
+
+def importer(path: str, storages: dict[str, torch.Tensor]) -> PackageImporter:
+    """A PackageImporter for the archive at path whose storages alias ``storages``
+    (record name -> uint8 tensor over the host's copy)."""
+    package_importer = PackageImporter(path)
+    package_importer.zip_reader = _SharedStorageReader(package_importer.zip_reader, storages)
+    return package_importer
+
+
+def _importers(package_importer: PackageImporter | None) -> OrderedImporter:
+    return OrderedImporter(package_importer, sys_importer) if package_importer else sys_importer
+
+
+class _MovablePickler(PackagePickler):
+    """Pickles an object with its storages set aside (they are lent, not copied)."""
+
+    def __init__(self, importers: OrderedImporter, file: io.BytesIO) -> None:
+        super().__init__(importers, file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.storages: list[torch.Tensor] = []
+        self._seen: dict[int, int] = {}
+
+    def persistent_id(self, obj):
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped, dtype = obj._untyped_storage, obj.dtype
+        elif isinstance(obj, torch.UntypedStorage):
+            untyped, dtype = obj, torch.uint8
+        else:
+            return None
+        key = untyped.data_ptr() if untyped.nbytes() else -1 - len(self.storages)
+        if key not in self._seen:
+            self._seen[key] = len(self.storages)
+            self.storages.append(torch.empty(0, dtype=torch.uint8).set_(untyped))
+        return ("storage", self._seen[key], str(dtype).split(".")[-1])
+
+    def reducer_override(self, obj):
+        reduce_deploy = getattr(type(obj), "__reduce_deploy__", None)
+        if reduce_deploy is not None and not isinstance(obj, type):
+            return reduce_deploy(obj, self.importer)
+        return NotImplemented
+
+
+def movable(obj: Any, package_importer: PackageImporter | None = None) -> tuple[bytes, list]:
+    """obj as (pickle, storages) for from_movable in any interpreter.  Objects may define
+    ``__reduce_deploy__(self, importer)`` to choose how they are rebuilt."""
+    buffer = io.BytesIO()
+    pickler = _MovablePickler(_importers(package_importer), buffer)
+    pickler.dump(obj)
+    return buffer.getvalue(), pickler.storages
+
+
+def from_movable(data: bytes, storages: list[torch.Tensor],
+                 package_importer: PackageImporter | None = None) -> Any:
+    """Rebuilds what movable() made, over the same storages."""
+
+    def persistent_load(saved):
+        _, index, dtype = saved
+        return torch.storage.TypedStorage(wrap_storage=storages[index].untyped_storage(),
+                                          dtype=getattr(torch, dtype), _internal=True)
+
+    if package_importer is not None:
+        unpickler = package_importer.Unpickler(io.BytesIO(data))  # a pure-Python unpickler
+        unpickler.persistent_load = persistent_load
+    else:
+        unpickler = _StorageUnpickler(io.BytesIO(data))
+        unpickler.load_storage = persistent_load
+    return unpickler.load()
+
+
+class _StorageUnpickler(pickle.Unpickler):
+    load_storage: Any
+
+    def persistent_load(self, saved):
+        return self.load_storage(saved)
+
+
+def argument_names(target: Any, method: str) -> list[str]:
+    return list(inspect.signature(getattr(target, method)).parameters)

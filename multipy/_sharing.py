@@ -1,0 +1,114 @@
+"""Zero-copy sharing of tensor and array memory between the host and interpreters.
+
+Host and interpreters share one address space, so a CPU tensor or numpy array crosses
+a call as a record of its memory (address, size, dtype, shape, strides) instead of its
+bytes.  The sending side *exports* the object: it keeps it alive under a token.  The
+receiving side builds an *alias* over the same memory; when the last view of the alias
+dies, the token goes back to the owner, whose own thread releases the object
+(DESIGN.md 3.8: memory is only ever freed by the side that allocated it).
+
+Used on both sides: each has its own ``Exports`` and makes its own aliases.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+TORCH, NUMPY = "torch", "numpy"
+
+
+class Exports:
+    """Objects this side lent out, by token, until the other side releases them."""
+
+    def __init__(self, tokens: Iterator[int] | None = None) -> None:
+        """tokens: where tokens come from, to share a numbering with other ids."""
+        self._objects: dict[int, Any] = {}
+        self._tokens = itertools.count(1) if tokens is None else tokens
+        self._lock = threading.Lock()
+
+    def export(self, obj: Any) -> int:
+        with self._lock:
+            token = next(self._tokens)
+            self._objects[token] = obj
+        return token
+
+    def release(self, token: int) -> None:
+        with self._lock:
+            self._objects.pop(token, None)
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    def keep_forever(self) -> None:
+        """Never free what was lent: for an interpreter that is finalising while the host
+        may still hold aliases of its memory."""
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._objects))
+
+
+def describe(obj: Any, exports: Exports) -> tuple | None:
+    """The record that lends obj's memory to the other side, or None if obj is not a
+    CPU tensor or a plain numpy array (it is then pickled as usual).  Tensors that
+    require grad cross detached."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if (obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized
+                or obj.is_nested):
+            return None
+        tensor = obj.detach()
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        token = exports.export(tensor) if nbytes else 0
+        return (TORCH, token, storage.data_ptr(), nbytes, str(tensor.dtype).split(".")[-1],
+                tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject:
+        low = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s < 0 and n)
+        high = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s > 0 and n)
+        nbytes = (high - low + obj.itemsize) if obj.size else 0
+        token = exports.export(obj) if nbytes else 0
+        return (NUMPY, token, obj.__array_interface__["data"][0] + low, nbytes,
+                obj.dtype.str, obj.shape, obj.strides, -low)
+    return None
+
+
+class _Release:
+    """Rides on the buffer under an alias: when the last view of the alias is gone, the
+    buffer dies and this gives the token back to the owner."""
+
+    __slots__ = ("token", "callback")
+
+    def __init__(self, token: int, callback: Callable[[int], None]) -> None:
+        self.token = token
+        self.callback = callback
+
+    def __del__(self) -> None:
+        self.callback(self.token)
+
+
+def alias(record: tuple, on_release: Callable[[int], None]) -> Any:
+    """An object over the memory a record describes; on_release(token) runs when the
+    alias and every view of it are gone."""
+    kind, token, address, nbytes, dtype, shape, strides, offset = record
+    buffer = None
+    if nbytes:
+        buffer = (ctypes.c_char * nbytes).from_address(address)
+        buffer.release = _Release(token, on_release)
+    if kind == TORCH:
+        import torch
+
+        dtype = getattr(torch, dtype)
+        if buffer is None:
+            return torch.empty_strided(shape, strides, dtype=dtype)
+        flat = torch.frombuffer(buffer, dtype=torch.uint8)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if itemsize > 1 or dtype is not torch.uint8:
+            flat = flat[:nbytes - nbytes % itemsize].view(dtype)
+        return flat.as_strided(shape, strides, offset)
+    import numpy
+
+    if buffer is None:
+        return numpy.empty(shape, dtype=numpy.dtype(dtype))
+    return numpy.ndarray(shape, numpy.dtype(dtype), buffer=buffer, offset=offset, strides=strides)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from typing import Callable
 
 import torch
@@ -37,6 +38,8 @@ def _examples() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple, bool]]:
 def generate(directory: str) -> dict[str, str]:
     """Writes every example into directory; returns name -> package path."""
     os.makedirs(directory, exist_ok=True)
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+    warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
     torch.manual_seed(0)
     paths = {}
     for name, (factory, example, traceable) in _examples().items():

@@ -9,12 +9,15 @@ from .errors import (InterpreterClosedError, InterpreterError, InterpreterLimitE
                      UnsupportedPythonError, WrongInterpreterError)
 from .interpreter import Interpreter
 from .manager import InterpreterManager
+from .package import Package
+from .replicated import PythonMethodWrapper, ReplicatedObj
 from .session import InterpreterSession, Obj
 
 __all__ = [
     "Environment", "Interpreter", "InterpreterClosedError", "InterpreterError",
     "InterpreterLimitError", "InterpreterManager", "InterpreterSession",
-    "InterpreterStartError", "MultipyError", "NoopEnvironment", "Obj", "PathEnvironment",
-    "RemoteTraceback", "UnsupportedPythonError", "WrongInterpreterError",
+    "InterpreterStartError", "MultipyError", "NoopEnvironment", "Obj", "Package",
+    "PathEnvironment", "PythonMethodWrapper", "RemoteTraceback", "ReplicatedObj",
+    "UnsupportedPythonError", "WrongInterpreterError",
 ]
 __version__ = "0.1.0"

@@ -202,6 +202,16 @@ class _Interpreter:
             self.exports.release(handle)
 
 
+_current: _Interpreter | None = None
+
+
+def stats() -> dict[str, int]:
+    """What this interpreter holds for the host: objects behind handles, tensors and
+    arrays lent to the host, and host tokens it released but has not yet reported."""
+    return {"objects": len(_current.objects), "lent": len(_current.exports),
+            "unreported": len(_current._released)}
+
+
 def forget_paths(paths: list[str]) -> None:
     """Removes paths from sys.path and unimports every module loaded from under them."""
     for path in paths:
@@ -220,6 +230,8 @@ def main(index: int, request_fd: int, status_fd: int, stopping_address: int) -> 
         _strip_rtld_global()
         end = InterpreterEnd(request_fd)
         interpreter = _Interpreter(index, stopping_address, end.released)
+        global _current
+        _current = interpreter
     except BaseException:
         os.write(status_fd, traceback.format_exc().encode())
         raise

@@ -10,12 +10,13 @@ from __future__ import annotations
 import inspect
 import io
 import pickle
+import warnings
 from typing import Any
 
 import torch
 from torch.package import PackageImporter, sys_importer
 from torch.package.importer import OrderedImporter
-from torch.package.package_exporter import PackagePickler
+from torch.package._package_pickler import PackagePickler
 
 
 class _SharedStorageReader:
@@ -42,6 +43,12 @@ def importer(path: str, storages: dict[str, torch.Tensor]) -> PackageImporter:
     package_importer = PackageImporter(path)
     package_importer.zip_reader = _SharedStorageReader(package_importer.zip_reader, storages)
     return package_importer
+
+
+def load_pickle(package_importer: PackageImporter, package: str, resource: str) -> Any:
+    with warnings.catch_warnings():  # torch.package itself still uses TypedStorage
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        return package_importer.load_pickle(package, resource)
 
 
 def _importers(package_importer: PackageImporter | None) -> OrderedImporter:
@@ -100,7 +107,9 @@ def from_movable(data: bytes, storages: list[torch.Tensor],
     else:
         unpickler = _StorageUnpickler(io.BytesIO(data))
         unpickler.load_storage = persistent_load
-    return unpickler.load()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        return unpickler.load()
 
 
 class _StorageUnpickler(pickle.Unpickler):

@@ -3,10 +3,15 @@ from __future__ import annotations
 
 import threading
 
+import os
+from typing import IO, Any
+
 from .environment import Environment, NoopEnvironment
-from .errors import InterpreterClosedError
+from .errors import InterpreterClosedError, WrongInterpreterError
 from .interpreter import Interpreter, _acquire_runtimes
-from .session import InterpreterSession
+from .package import Package
+from .replicated import ReplicatedObj
+from .session import InterpreterSession, Obj
 
 
 class InterpreterManager:
@@ -82,6 +87,38 @@ class InterpreterManager:
 
     def count_registered_module_sources(self) -> int:
         return len(self._sources)
+
+    def load_package(self, path_or_file: str | os.PathLike | IO[bytes]) -> Package:
+        """Opens a torch.package archive for every interpreter of this manager."""
+        self._check_open()
+        return Package(self, path_or_file)
+
+    def create_movable(self, obj: Obj, session: InterpreterSession) -> ReplicatedObj:
+        """Makes obj, which lives in session's interpreter, usable from every interpreter.
+
+        Other interpreters rebuild it from a pickle over the same tensor storages; the
+        session's package (if it came from one) resolves packaged classes.
+        """
+        if not session.is_owner(obj):
+            raise WrongInterpreterError(
+                f"Cannot create movable from an object that lives in different session: "
+                f"{obj!r} is not in {session.interpreter}")
+        package = session._package
+        source = session.interpreter
+
+        def importer(interpreter: Interpreter) -> Any:
+            return package._importer(interpreter) if package is not None else None
+
+        data, storages = session.global_("multipy._inside_package", "movable")(
+            obj, importer(source)).deref()
+
+        def load(interpreter: Interpreter) -> Obj:
+            if interpreter is source:
+                return obj
+            rebuild = interpreter._request("global", "multipy._inside_package", "from_movable")
+            return rebuild(data, storages, importer(interpreter))
+
+        return ReplicatedObj(self, load, package)
 
     def close(self) -> None:
         """Undoes the environment and returns the interpreters to the process; idempotent.

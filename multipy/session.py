@@ -66,6 +66,9 @@ class InterpreterSession:
     def __init__(self, interpreter: Interpreter) -> None:
         self._interpreter = interpreter  # whoever makes a session has counted it as a use
         self._closed = False
+        #: The package importer or replicated object this session is about, else None.
+        self.self: Obj | None = None
+        self._package = None  # the Package that self came from, for create_movable
 
     @property
     def interpreter(self) -> Interpreter:
@@ -75,6 +78,10 @@ class InterpreterSession:
     def global_(self, module: str, name: str) -> Obj:
         """The object ``name`` (dots allowed) of ``module``, imported in the interpreter."""
         return self._interpreter._request("global", module, name)
+
+    def from_movable(self, replicated) -> Obj:
+        """The replicated object (from ``create_movable``) in this session's interpreter."""
+        return replicated._instance(self._interpreter)
 
     def is_owner(self, obj: Obj) -> bool:
         """Whether obj lives in this session's interpreter."""

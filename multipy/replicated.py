@@ -1,0 +1,101 @@
+"""ReplicatedObj: one logical object, materialised lazily in each interpreter that runs it."""
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from .session import InterpreterSession, Obj
+
+if TYPE_CHECKING:
+    from .interpreter import Interpreter
+    from .manager import InterpreterManager
+    from .package import Package
+
+
+class ReplicatedObj:
+    """An object that every interpreter of a manager can run.
+
+    Each interpreter builds its own copy on first use (once, even when several threads
+    ask at the same time); tensor storages are shared with the original, not copied.
+    Calling it runs on an interpreter the load balancer picks and returns host values,
+    with tensors and arrays aliased rather than copied.
+    """
+
+    def __init__(self, manager: InterpreterManager, load: Callable[[Interpreter], Obj],
+                 package: Package | None = None) -> None:
+        self._manager = manager
+        self._load = load
+        self._package = package
+        self._instances: dict[Interpreter, Obj] = {}
+        self._lock = threading.Lock()
+
+    def _instance(self, interpreter: Interpreter) -> Obj:
+        """The object in interpreter, materialised there if it is not yet."""
+        with self._lock:
+            instance = self._instances.get(interpreter)
+        if instance is None:
+            made = self._load(interpreter)  # outside the lock: may take long
+            with self._lock:
+                instance = self._instances.setdefault(interpreter, made)
+        return instance
+
+    def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
+        with self._manager.acquire_one() as session:
+            instance = self._instance(session.interpreter)
+            return session.interpreter._request("call_value", instance, method, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the object on a free interpreter; returns host values."""
+        return self._call(None, args, kwargs)
+
+    def call_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Calls the object's method ``name`` on a free interpreter; returns host values."""
+        return self._call(name, args, kwargs)
+
+    def hasattr(self, name: str) -> bool:
+        with self._manager.acquire_one() as session:
+            return self._instance(session.interpreter).hasattr(name)
+
+    def acquire_session(self, interpreter: Interpreter | None = None) -> InterpreterSession:
+        """A session on interpreter (or one the load balancer picks) whose ``self`` is
+        this object in that interpreter."""
+        session = self._manager.acquire_one() if interpreter is None else interpreter.acquire_session()
+        try:
+            session.self = self._instance(session.interpreter)
+        except BaseException:
+            session.close()
+            raise
+        session._package = self._package
+        return session
+
+    def unload(self, interpreter: Interpreter | None = None) -> None:
+        """Drops the copy in interpreter, or in all; a later use materialises it again."""
+        with self._lock:
+            if interpreter is None:
+                self._instances.clear()
+            else:
+                self._instances.pop(interpreter, None)
+
+    def __repr__(self) -> str:
+        return f"<multipy.ReplicatedObj loaded in {len(self._instances)} interpreter(s)>"
+
+
+class PythonMethodWrapper:
+    """A callable for one method of a replicated object; ``argument_names`` lists the
+    method's parameters (read from its signature inside an interpreter)."""
+
+    def __init__(self, replicated: ReplicatedObj, method: str) -> None:
+        self.replicated = replicated
+        self.method = method
+        self._argument_names: list[str] | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.replicated.call_method(self.method, *args, **kwargs)
+
+    @property
+    def argument_names(self) -> list[str]:
+        if self._argument_names is None:
+            with self.replicated.acquire_session() as session:
+                names = session.global_("multipy._inside_package", "argument_names")
+                self._argument_names = names(session.self, self.method).deref()
+        return self._argument_names

@@ -1,0 +1,246 @@
+"""PyTorch across interpreters: packages, replicated objects, shared weights, zero-copy."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+import multipy  # noqa: E402
+from multipy.channel import host_exports  # noqa: E402
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+NAMES = ["simple", "resnet", "multi_return", "batched", "fx", "numpy", "autograd"]
+
+
+@pytest.fixture(scope="session")
+def examples(tmp_path_factory):
+    spec = importlib.util.spec_from_file_location(
+        "generate_examples", os.path.join(EXAMPLES, "generate_examples.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.generate(str(tmp_path_factory.mktemp("examples")))
+
+
+@pytest.fixture(scope="session")
+def torch_manager():
+    with multipy.InterpreterManager(3) as m:
+        m.register_module_source("tensor_tools", (
+            "import torch\n"
+            "def echo(*args, **kwargs):\n"
+            "    return args, kwargs\n"
+            "def add_one_(t):\n"
+            "    t.add_(1)\n"
+            "def data_ptr(t):\n"
+            "    return t.data_ptr()\n"
+            "def requires_grad(t):\n"
+            "    return t.requires_grad\n"
+            "def make(n):\n"
+            "    return torch.arange(n, dtype=torch.float64)\n"))
+        yield m
+
+
+def _direct(path):
+    importer = torch.package.PackageImporter(path)
+    return (importer.load_pickle("model", "model.pkl"), importer.load_pickle("model", "example.pkl"),
+            importer.load_pickle("model", "expected.pkl"))
+
+
+def _close(actual, expected):
+    if isinstance(expected, torch.Tensor):
+        return torch.allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    assert type(actual) is type(expected), (type(actual), type(expected))
+    return len(actual) == len(expected) and all(map(_close, actual, expected))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_example_matches_direct_execution(torch_manager, examples, name):
+    model, example, expected = _direct(examples[name])
+    replicated = torch_manager.load_package(examples[name]).load_pickle("model", "model.pkl")
+    with torch.no_grad():
+        direct = model(*example)
+    result = replicated(*example)
+    assert _close(result, expected)
+    assert _close(result, direct)
+    jit_path = examples[name].replace(".pt", "_jit.pt")
+    if os.path.exists(jit_path):
+        assert _close(result, torch.jit.load(jit_path)(*example))
+
+
+def test_three_threads_101_calls_on_three_interpreters(torch_manager, examples):
+    _, (x,), expected = _direct(examples["simple"])
+    replicated = torch_manager.load_package(examples["simple"]).load_pickle("model", "model.pkl")
+    results, errors = [], []
+
+    def run():
+        try:
+            for _ in range(101):
+                results.append(replicated(x))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(results) == 303
+    assert all(torch.equal(r, results[0]) for r in results)
+    assert torch.allclose(results[0], expected, rtol=1e-5, atol=1e-5)
+    assert len(replicated._instances) == 3, "each interpreter materialised it once"
+
+
+def test_call_forms_and_hasattr(torch_manager, examples):
+    _, (x,), expected = _direct(examples["simple"])
+    simple = torch_manager.load_package(examples["simple"]).load_pickle("model", "model.pkl")
+    assert torch.allclose(simple(x), expected)
+    assert torch.allclose(simple(x=x), expected)
+    assert torch.allclose(simple.call_method("forward", x, **{}), expected)
+    assert simple.hasattr("forward") and not simple.hasattr("make_prediction")
+    _, (batch,), expected = _direct(examples["batched"])
+    batched = torch_manager.load_package(examples["batched"]).load_pickle("model", "model.pkl")
+    assert batched.hasattr("make_prediction")
+    predict = multipy.PythonMethodWrapper(batched, "make_prediction")
+    assert predict.argument_names == ["inputs"]
+    rows = predict(list(batch.unbind(0)))
+    assert torch.allclose(torch.stack(rows), expected)
+
+
+def test_package_extras_and_importer_session(torch_manager, examples):
+    package = torch_manager.load_package(examples["simple"])
+    assert package.load_text("extra", "hello.txt") == "hello"
+    assert package.load_binary("extra", "hello.bin") == b"hello"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        package.load_text("extra", "nope.txt")
+    with pytest.raises(FileNotFoundError, match="missing.pkl"):
+        package.load_pickle("model", "missing.pkl")
+    with package.acquire_session() as session:
+        assert session.self.attr("__class__").attr("__name__").deref() == "PackageImporter"
+    with open(examples["simple"], "rb") as f:
+        from_file = torch_manager.load_package(io.BytesIO(f.read()))
+    _, (x,), expected = _direct(examples["simple"])
+    assert torch.allclose(from_file.load_pickle("model", "model.pkl")(x), expected)
+
+
+def test_weights_are_shared_not_copied(torch_manager, examples):
+    replicated = torch_manager.load_package(examples["resnet"]).load_pickle("model", "model.pkl")
+    pointers = []
+    for interpreter in torch_manager.all_instances():
+        with replicated.acquire_session(interpreter) as session:
+            weight = session.self.attr("conv1").attr("weight")
+            pointers.append(session.global_("tensor_tools", "data_ptr")(weight).deref())
+    assert len(set(pointers)) == 1
+
+
+def test_unload_then_call_again(torch_manager, examples):
+    _, (x,), expected = _direct(examples["simple"])
+    replicated = torch_manager.load_package(examples["simple"]).load_pickle("model", "model.pkl")
+    assert torch.allclose(replicated(x), expected)
+    replicated.unload(torch_manager[0])
+    assert torch_manager[0] not in replicated._instances
+    replicated.unload()
+    assert not replicated._instances
+    assert torch.allclose(replicated(x), expected)
+
+
+def test_movable_across_sessions(torch_manager):
+    with torch_manager[0].acquire_session() as first:
+        linear = first.global_("torch.nn", "Linear")(4, 2)
+        movable = torch_manager.create_movable(linear, first)
+        weight_ptr = first.global_("tensor_tools", "data_ptr")(linear.attr("weight")).deref()
+    x = torch.randn(3, 4)
+    with torch_manager[1].acquire_session() as second:
+        moved = second.from_movable(movable)
+        assert second.is_owner(moved)
+        assert second.global_("tensor_tools", "data_ptr")(moved.attr("weight")).deref() == weight_ptr
+        assert torch.allclose(moved(x).deref(), movable(x))
+    with torch_manager[2].acquire_session() as third:
+        with pytest.raises(multipy.WrongInterpreterError, match="different session"):
+            torch_manager.create_movable(linear, third)
+
+
+def test_host_tensor_changed_in_place_is_seen(torch_manager):
+    t = torch.zeros(5)
+    with torch_manager.acquire_one() as s:
+        s.global_("tensor_tools", "add_one_")(t)
+        s.global_("tensor_tools", "add_one_")(t[1:3])  # a view: only its elements
+    assert t.tolist() == [1, 2, 2, 1, 1]
+
+
+def test_tensors_cross_without_copies_at_any_nesting(torch_manager):
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    array = np.arange(10.0)
+    values = (base, [base.t(), {"view": base[1:, ::2]}], torch.empty(0, 3), array[::-1])
+    with torch_manager.acquire_one() as s:
+        (back, kwargs) = s.global_("tensor_tools", "echo")(*values, key=base[2]).deref()
+    assert back[0].data_ptr() == base.data_ptr() and torch.equal(back[0], base)
+    assert torch.equal(back[1][0], base.t()) and back[1][0].stride() == base.t().stride()
+    assert torch.equal(back[1][1]["view"], base[1:, ::2])
+    assert back[2].shape == (0, 3)
+    assert np.array_equal(back[3], array[::-1]) and back[3].strides == array[::-1].strides
+    assert back[3].__array_interface__["data"][0] == array[::-1].__array_interface__["data"][0]
+    assert torch.equal(kwargs["key"], base[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32,
+                                   torch.int64, torch.float16, torch.bfloat16, torch.float32,
+                                   torch.float64, torch.complex64, torch.complex128])
+def test_every_dtype_round_trips(torch_manager, dtype):
+    t = (torch.randn(3, 5) * 10).to(dtype)
+    with torch_manager.acquire_one() as s:
+        (back,), _ = s.global_("tensor_tools", "echo")(t).deref()
+    assert back.dtype == dtype and torch.equal(back, t) and back.data_ptr() == t.data_ptr()
+
+
+def test_tensors_that_require_grad_cross_detached(torch_manager):
+    t = torch.ones(3, requires_grad=True)
+    with torch_manager.acquire_one() as s:
+        assert s.global_("tensor_tools", "requires_grad")(t).deref() is False
+
+
+def test_results_lent_by_an_interpreter_are_released(torch_manager):
+    with torch_manager[0].acquire_session() as s:
+        stats = s.global_("multipy._inside", "stats")
+        before = stats().deref()["lent"]
+        made = s.global_("tensor_tools", "make")(1000).deref()
+        assert made.sum().item() == sum(range(1000))
+        assert stats().deref()["lent"] == before + 1
+        del made
+        assert stats().deref()["lent"] == before
+        lent_before = len(host_exports)
+        t = torch.ones(10)
+        s.global_("tensor_tools", "data_ptr")(t)
+        s.global_("builtins", "len")("any call brings back releases")
+        assert len(host_exports) == lent_before
+
+
+def test_errors_carry_the_remote_message(torch_manager, examples, tmp_path):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a zip file at all")
+    with pytest.raises(ValueError, match="not a torch.package archive"):
+        torch_manager.load_package(garbage)
+    with pytest.raises(FileNotFoundError):
+        torch_manager.load_package(tmp_path / "missing.pt")
+    simple = torch_manager.load_package(examples["simple"]).load_pickle("model", "model.pkl")
+    with pytest.raises(TypeError, match="unsupported operand type.*'str' and 'Parameter'") as info:
+        simple("not a tensor")
+    assert isinstance(info.value.__cause__, multipy.RemoteTraceback)
+    assert "forward" in info.value.__cause__.traceback_text
+
+
+def test_autograd_inside(torch_manager, examples):
+    model, (x,), expected = _direct(examples["autograd"])
+    replicated = torch_manager.load_package(examples["autograd"]).load_pickle("model", "model.pkl")
+    gradient = replicated(x)
+    assert torch.allclose(gradient, expected) and torch.allclose(gradient, model(x))
+
+
+def test_torch_metadata_inside(torch_manager):
+    with torch_manager.acquire_one() as s:
+        assert s.global_("importlib.metadata", "version")("torch").deref() == torch.__version__
+        assert s.global_("torch.distributed", "is_available")().deref() is True

@@ -35,14 +35,16 @@ def _examples() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple, bool]]:
     }
 
 
-def generate(directory: str) -> dict[str, str]:
-    """Writes every example into directory; returns name -> package path."""
+def generate(directory: str, names: list[str] | None = None) -> dict[str, str]:
+    """Writes the examples (all, or those named) into directory; returns name -> path."""
     os.makedirs(directory, exist_ok=True)
     warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
     warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
     torch.manual_seed(0)
     paths = {}
     for name, (factory, example, traceable) in _examples().items():
+        if names is not None and name not in names:
+            continue
         model = factory()
         with torch.no_grad():
             expected = model(*example)

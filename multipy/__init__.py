@@ -7,7 +7,7 @@ from .environment import Environment, NoopEnvironment, PathEnvironment
 from .errors import (InterpreterClosedError, InterpreterError, InterpreterLimitError,
                      InterpreterStartError, MultipyError, RemoteTraceback,
                      UnsupportedPythonError, WrongInterpreterError)
-from .interpreter import Interpreter
+from .interpreter import Interpreter, timeout
 from .manager import InterpreterManager
 from .package import Package
 from .replicated import PythonMethodWrapper, ReplicatedObj
@@ -18,6 +18,6 @@ __all__ = [
     "InterpreterLimitError", "InterpreterManager", "InterpreterSession",
     "InterpreterStartError", "MultipyError", "NoopEnvironment", "Obj", "Package",
     "PathEnvironment", "PythonMethodWrapper", "RemoteTraceback", "ReplicatedObj",
-    "UnsupportedPythonError", "WrongInterpreterError",
+    "UnsupportedPythonError", "WrongInterpreterError", "timeout",
 ]
 __version__ = "0.1.0"

@@ -15,6 +15,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <time.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 /* Owned by the host, which keeps it alive until the thread has been joined. */
@@ -90,4 +91,85 @@ static void exit_now(int status, void *unused)
 int multipy_skip_destructors_at_exit(void)
 {
     return on_exit(exit_now, NULL);
+}
+
+/*
+ * Fatal-signal report, installed in the host's namespace.  A crash in one interpreter
+ * takes the whole process down (one address space); before it does, this names the
+ * interpreter and the call it was running.  Each interpreter's thread fills its slot:
+ * its kernel thread id once, and a short description before each call.
+ */
+struct multipy_slot {
+    volatile int tid;
+    int index;
+    char what[112];
+};
+
+#define MULTIPY_SLOTS 16
+static struct multipy_slot slots[MULTIPY_SLOTS];
+static const int fatal_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+static struct sigaction previous[sizeof fatal_signals / sizeof *fatal_signals];
+
+static void say(const char *text)
+{
+    size_t length = 0;
+    while (text[length])
+        length++;
+    ssize_t ignored = write(STDERR_FILENO, text, length);
+    (void)ignored;
+}
+
+static void say_number(long number)
+{
+    char digits[24];
+    int at = (int)sizeof digits - 1;
+    digits[at] = '\0';
+    do {
+        digits[--at] = (char)('0' + number % 10);
+        number /= 10;
+    } while (number && at > 0);
+    say(digits + at);
+}
+
+static void report_fatal_signal(int signal_number, siginfo_t *info, void *context)
+{
+    (void)info;
+    (void)context;
+    int tid = (int)syscall(SYS_gettid);
+    for (int i = 0; i < MULTIPY_SLOTS; i++) {
+        if (slots[i].tid == tid) {
+            say("\nmultipy: fatal signal ");
+            say_number(signal_number);
+            say(" in interpreter #");
+            say_number(slots[i].index);
+            say(" (thread ");
+            say_number(tid);
+            say(") while it ran: ");
+            say(slots[i].what);
+            say("\nmultipy: a crash in any interpreter ends the whole process.\n");
+        }
+    }
+    /* Hand the signal to whoever had it before (faulthandler, or the default action):
+     * returning re-runs the faulting instruction, or abort() raises it again. */
+    for (size_t i = 0; i < sizeof fatal_signals / sizeof *fatal_signals; i++)
+        if (fatal_signals[i] == signal_number)
+            sigaction(signal_number, &previous[i], NULL);
+}
+
+/* The slot of interpreter number index (0 to 15). */
+struct multipy_slot *multipy_crash_slot(int index)
+{
+    return &slots[index];
+}
+
+int multipy_report_crashes(void)
+{
+    struct sigaction action = {0};
+    action.sa_sigaction = report_fatal_signal;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < sizeof fatal_signals / sizeof *fatal_signals; i++)
+        if (sigaction(fatal_signals[i], &action, &previous[i]) != 0)
+            return -1;
+    return 0;
 }

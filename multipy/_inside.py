@@ -16,10 +16,11 @@ import itertools
 import os
 import pickle
 import sys
+import threading
 import traceback
 
 from . import _sharing
-from .channel import CLOSED, ERROR, OK, InterpreterEnd
+from .channel import ERROR, OK, InterpreterEnd
 
 
 def _strip_rtld_global() -> None:
@@ -103,15 +104,18 @@ class _Pickler(pickle.Pickler):
 class _Interpreter:
     """State of this interpreter as the host sees it: its objects and its requests."""
 
-    def __init__(self, index: int, stopping_address: int, released: list[int]) -> None:
+    def __init__(self, index: int, released: list[int], crash_slot: int) -> None:
         self.index = index
+        # The host's fatal-signal report reads this thread's id and current call here.
+        identity = (ctypes.c_int * 2).from_address(crash_slot)  # struct multipy_slot
+        identity[0], identity[1] = threading.get_native_id(), index
+        self._what = crash_slot + 8
         self.objects: dict[int, object] = {}
         # Handles and lent tensors share one numbering, never reused, so that a release
         # names one thing and a late release is harmless.
         self._ids = itertools.count(1)
         self.exports = _sharing.Exports(self._ids)  # outlives managers: the host may hold aliases
         self._released = released
-        self._stopping = ctypes.c_int.from_address(stopping_address)
         self.sources = _SourceFinder()
         sys.meta_path.insert(0, self.sources)
 
@@ -165,10 +169,9 @@ class _Interpreter:
         return buffer.getvalue()
 
     def handle_call(self, data: bytes) -> tuple[int, int, bytes]:
-        if self._stopping.value:  # the process is exiting: drop what is still queued
-            return CLOSED, 0, b""
         try:
             op, args = self._load(data)
+            self._note(op, args)
             result = getattr(self, "op_" + op)(*args)
             if isinstance(result, _NewObject):
                 handle = next(self._ids)
@@ -182,6 +185,17 @@ class _Interpreter:
                 detail = (None, "multipy.InterpreterError", "an exception was raised inside "
                           "the interpreter, and describing it failed too", "")
                 return ERROR, 0, pickle.dumps(detail)
+
+    def _note(self, op: str, args: tuple) -> None:
+        """Records what this interpreter runs now, for the fatal-signal report."""
+        if op == "global":
+            text = f"import of {args[0]}.{args[1]}"
+        else:
+            target = args[0] if args else None
+            name = getattr(target, "__qualname__", None) or type(target).__qualname__
+            text = f"{op} of {getattr(target, '__module__', None) or '?'}.{name}"
+        encoded = text.encode(errors="replace")[:111] + b"\0"
+        ctypes.memmove(self._what, encoded, len(encoded))
 
     def _error(self, exc: BaseException) -> tuple[int, int, bytes]:
         kind = type(exc)
@@ -224,12 +238,12 @@ def forget_paths(paths: list[str]) -> None:
     importlib.invalidate_caches()
 
 
-def main(index: int, request_fd: int, status_fd: int, stopping_address: int) -> None:
+def main(index: int, request_fd: int, status_fd: int, state_address: int, crash_slot: int) -> None:
     """Runs this interpreter until the host stops it."""
     try:
         _strip_rtld_global()
-        end = InterpreterEnd(request_fd)
-        interpreter = _Interpreter(index, stopping_address, end.released)
+        end = InterpreterEnd(request_fd, state_address)
+        interpreter = _Interpreter(index, end.released, crash_slot)
         global _current
         _current = interpreter
     except BaseException:

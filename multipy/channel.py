@@ -176,6 +176,11 @@ _host_ends: weakref.WeakSet = weakref.WeakSet()
 os.register_at_fork(after_in_child=_stop_all_in_child)
 
 
+#: Words of host memory both ends of a channel read: set by the host, and counted by
+#: the interpreter.
+_STOPPING, _COMPLETED = 0, 1
+
+
 class HostEnd:
     """The host's end of the channel to one interpreter; safe to use from any thread."""
 
@@ -183,14 +188,30 @@ class HostEnd:
         self._request_fd = request_fd
         self._lock = threading.RLock()  # an Obj finaliser may release while a send holds it
         self._stopped = False
+        self._state = (ctypes.c_uint64 * 2)()  # read by the interpreter end, see InterpreterEnd
+        self._calls_sent = 0       # calls written, in the order the interpreter runs them
+        self._last_abandoned = 0   # the latest call a caller gave up on
         _host_ends.add(self)
 
-    def _send(self, kind: int, reply_fd: int, ident: int, data: bytes) -> None:
+    @property
+    def state_address(self) -> int:
+        """Where the interpreter end finds the words it shares with this end."""
+        return ctypes.addressof(self._state)
+
+    def running_abandoned_call(self) -> bool:
+        """Whether the interpreter still runs (or has queued) a call its caller gave up on."""
+        return self._state[_COMPLETED] < self._last_abandoned
+
+    def _send(self, kind: int, reply_fd: int, ident: int, data: bytes) -> int:
+        """Writes one request; returns a CALL's position among the calls sent."""
         header = REQUEST.pack(kind, reply_fd, ident, address_of(data), len(data))
         with self._lock:
             if self._stopped:
                 raise ChannelClosedError("the interpreter is stopped")
             os.write(self._request_fd, header)
+            if kind == CALL:
+                self._calls_sent += 1
+            return self._calls_sent
 
     def call(self, data: bytes, timeout: float | None = None) -> tuple[int, int, bytes]:
         """Sends a request and waits for its reply: (status, new object handle, bytes).
@@ -201,13 +222,19 @@ class HostEnd:
         pipe = _reply_pipe()
         request_id = next(_request_ids)
         pipe.pending[request_id] = (data, self)
+        position = self._calls_sent + 1  # at least: if sending is interrupted, it may be sent
         try:
-            self._send(CALL, pipe.write_fd, request_id, data)
-        except (ChannelClosedError, OSError):
-            del pipe.pending[request_id]  # surely not sent; after any other exception
-            raise                         # it may have been, so its reply stays due
-        deadline = None if timeout is None else time.monotonic() + timeout
-        status, handle, address, length = pipe.wait(request_id, deadline)
+            try:
+                position = self._send(CALL, pipe.write_fd, request_id, data)
+            except (ChannelClosedError, OSError):
+                del pipe.pending[request_id]  # surely not sent
+                raise
+            deadline = None if timeout is None else time.monotonic() + timeout
+            status, handle, address, length = pipe.wait(request_id, deadline)
+        except BaseException:  # timeout, Ctrl-C: the call runs on without its caller
+            if request_id in pipe.pending:
+                self._last_abandoned = max(self._last_abandoned, position)
+            raise
         return status, handle, copy_from(address, length)
 
     def release(self, handle: int) -> None:
@@ -218,10 +245,11 @@ class HostEnd:
             pass  # the interpreter is gone, and its objects with it
 
     def stop(self) -> None:
-        """Asks the interpreter's loop to end after the requests already sent."""
+        """Asks the interpreter's loop to end: calls already queued get CLOSED."""
         with self._lock:
             if not self._stopped:
                 self._stopped = True
+                self._state[_STOPPING] = 1
                 os.write(self._request_fd, REQUEST.pack(STOP, -1, 0, 0, 0))
 
 
@@ -232,8 +260,9 @@ class InterpreterEnd:
     go back to the host ahead of the next reply.
     """
 
-    def __init__(self, request_fd: int) -> None:
+    def __init__(self, request_fd: int, state_address: int) -> None:
         self._request_fd = request_fd
+        self._state = (ctypes.c_uint64 * 2).from_address(state_address)  # the host's memory
         self._last_reply: dict[int, bytes] = {}
         self.released: list[int] = []
 
@@ -251,7 +280,11 @@ class InterpreterEnd:
         while True:
             kind, reply_fd, ident, address, length = read_header(self._request_fd, REQUEST)
             if kind == CALL:
-                status, handle, data = handle_call(copy_from(address, length))
+                if self._state[_STOPPING]:  # the process is exiting: drop what is queued
+                    status, handle, data = CLOSED, 0, b""
+                else:
+                    status, handle, data = handle_call(copy_from(address, length))
+                self._state[_COMPLETED] += 1
                 self._last_reply[reply_fd] = data  # alive until the caller has copied it
                 try:
                     self._send_released(reply_fd)

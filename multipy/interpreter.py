@@ -8,7 +8,9 @@ manager's view of one runtime.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
+import functools
 import importlib.util
 import io
 import os
@@ -16,7 +18,7 @@ import pickle
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from . import _glibc, _sharing
 from .channel import (CLOSED, OK, REQUEST_PIPE_SIZE, ChannelClosedError, HostEnd, host_exports,
@@ -36,7 +38,7 @@ import sys
 sys.path[:] = {path!r}
 sys.argv[:] = {argv!r}
 from multipy._inside import main
-main({index}, {request_fd}, {status_fd}, {stopping})
+main({index}, {request_fd}, {status_fd}, {state}, {crash_slot})
 """
 
 
@@ -69,10 +71,11 @@ class _Runtime:
         self._join = _JOIN(_glibc.symbol(bootstrap, "multipy_join"))
         request_read, request_write = make_pipe(REQUEST_PIPE_SIZE)
         self._status_read, status_write = os.pipe()
-        self._stopping = ctypes.c_int(0)
+        self.channel = HostEnd(request_write)
         code = _ENTRY.format(path=list(sys.path), argv=list(sys.argv), index=ordinal,
                              request_fd=request_read, status_fd=status_write,
-                             stopping=ctypes.addressof(self._stopping))
+                             state=self.channel.state_address,
+                             crash_slot=_host_library().multipy_crash_slot(ordinal))
         # Both stay referenced for the process's life: the C thread reads them.
         self._start = _Start(sys.executable.encode(), code.encode(), status_write)
         self._thread = ctypes.c_ulong()
@@ -80,7 +83,6 @@ class _Runtime:
             ctypes.byref(self._start), ctypes.byref(self._thread))
         if error:
             raise InterpreterStartError(f"cannot start interpreter thread: {os.strerror(error)}")
-        self.channel = HostEnd(request_write)
         self.stopped = False
 
     def wait_ready(self) -> None:
@@ -93,7 +95,6 @@ class _Runtime:
 
     def stop(self) -> None:
         """Asks the interpreter to finish: calls still queued get InterpreterClosedError."""
-        self._stopping.value = 1
         self.channel.stop()
 
     def join(self, timeout: float) -> bool:
@@ -109,11 +110,22 @@ _pool_lock = threading.Lock()
 _runtimes: list[_Runtime] = []
 
 
+@functools.lru_cache(maxsize=None)
+def _host_library() -> ctypes.CDLL:
+    """The C bootstrap loaded into the host's own namespace, for its process-wide parts:
+    the fatal-signal report and the exit guard."""
+    library = ctypes.CDLL(_bootstrap_path())
+    library.multipy_crash_slot.restype = ctypes.c_void_p
+    library.multipy_crash_slot.argtypes = [ctypes.c_int]
+    return library
+
+
 def _prepare_process() -> None:
     """Once, before the first namespace: see DESIGN.md 3.4 and 3.7."""
     thread = threading.Thread(target=lambda: None, name="multipy-first-thread")
     thread.start()
     thread.join()
+    _host_library().multipy_report_crashes()
     atexit.register(_shutdown)
 
 
@@ -187,10 +199,31 @@ def _shutdown() -> None:
         names = ", ".join(str(r.ordinal) for r in stuck)
         print(f"multipy: interpreter(s) {names} still running a call at exit; leaving "
               f"without finalising them", file=sys.stderr, flush=True)
-        ctypes.CDLL(_bootstrap_path()).multipy_skip_destructors_at_exit()
+        _host_library().multipy_skip_destructors_at_exit()
 
 
 # -- the manager's view --------------------------------------------------------
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def timeout(seconds: float | None) -> Iterator[None]:
+    """Within the block, every call this thread makes into an interpreter waits at most
+    ``seconds``, then raises TimeoutError.  The call runs on in its interpreter, which the
+    load balancer hands to no one else until it has finished."""
+    previous = getattr(_thread, "timeout", None)
+    _thread.timeout = seconds
+    try:
+        yield
+    finally:
+        _thread.timeout = previous
+
+
+def current_timeout() -> float | None:
+    """The timeout set by ``timeout()`` for this thread, if any."""
+    return getattr(_thread, "timeout", None)
+
 
 
 class _Pickler(pickle.Pickler):
@@ -266,19 +299,24 @@ class Interpreter:
     def _release_use(self) -> None:
         self.manager._count_use(self, -1)
 
-    def _request(self, op: str, *args: Any, timeout: float | None = None) -> Any:
+    def _request(self, op: str, *args: Any) -> Any:
         """Runs one operation of _inside._Interpreter; the single path of every call."""
         if self._closed:
             raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
-        return self._send(op, args, timeout)
+        return self._send(op, args)
 
-    def _send(self, op: str, args: tuple, timeout: float | None) -> Any:
+    def _send(self, op: str, args: tuple) -> Any:
         buffer = io.BytesIO()
         _Pickler(buffer, self).dump((op, args))
+        seconds = current_timeout()
         try:
-            status, handle, data = self._runtime.channel.call(buffer.getvalue(), timeout)
+            status, handle, data = self._runtime.channel.call(buffer.getvalue(), seconds)
         except ChannelClosedError:
             raise InterpreterClosedError(f"{self} is stopped: the process is exiting") from None
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self} did not answer within {seconds} s; the call runs on there, and the "
+                f"interpreter is handed to no one else until it finishes") from None
         if status == OK:
             if handle:
                 return Obj(self, handle)
@@ -297,7 +335,7 @@ class Interpreter:
             return
         self._closed = True  # first: nothing new can be made that the reset would miss
         try:
-            self._send("reset", (), None)
+            self._send("reset", ())
         except InterpreterClosedError:
             pass
         _return_runtimes([self._runtime])

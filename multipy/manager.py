@@ -1,14 +1,14 @@
 """InterpreterManager: a pool of interpreters with a load balancer."""
 from __future__ import annotations
 
-import threading
-
 import os
+import threading
+import time
 from typing import IO, Any
 
 from .environment import Environment, NoopEnvironment
 from .errors import InterpreterClosedError, WrongInterpreterError
-from .interpreter import Interpreter, _acquire_runtimes
+from .interpreter import Interpreter, _acquire_runtimes, current_timeout
 from .package import Package
 from .replicated import ReplicatedObj
 from .session import InterpreterSession, Obj
@@ -57,19 +57,32 @@ class InterpreterManager:
         """A session on the interpreter the load balancer picks.
 
         Starting at the calling thread's last pick, the first interpreter with no open
-        session; if all are busy, the one with the fewest.
+        session; if all are busy, the one with the fewest.  An interpreter still running
+        a call that its caller gave up on (timeout, Ctrl-C) is not picked until that call
+        ends; if every one is, this waits (at most the thread's ``multipy.timeout``).
         """
-        self._check_open()
-        with self._lock:
-            candidates = self._interpreters[:self._limit]
-            start = getattr(self._thread, "cursor", 0) % len(candidates)
-            order = candidates[start:] + candidates[:start]
-            chosen = next((i for i in order if i._uses == 0), None)
-            if chosen is None:
-                chosen = min(order, key=lambda i: i._uses)
-            chosen._uses += 1
-            self._thread.cursor = chosen.index
-        return InterpreterSession(chosen)
+        seconds = current_timeout()
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while True:
+            self._check_open()
+            with self._lock:
+                chosen = self._pick()
+                if chosen is not None:
+                    chosen._uses += 1
+                    self._thread.cursor = chosen.index
+                    return InterpreterSession(chosen)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError("every interpreter is still running a call its caller gave up on")
+            time.sleep(0.001)
+
+    def _pick(self) -> Interpreter | None:
+        limited = self._interpreters[:self._limit]
+        start = getattr(self._thread, "cursor", 0) % len(limited)
+        order = [i for i in limited[start:] + limited[:start]
+                 if not i._runtime.channel.running_abandoned_call()]
+        if not order:
+            return None
+        return next((i for i in order if i._uses == 0), None) or min(order, key=lambda i: i._uses)
 
     def debug_limit_interpreters(self, count: int) -> None:
         """Makes the load balancer use only the first ``count`` interpreters."""

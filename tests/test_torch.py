@@ -4,9 +4,12 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import sys
 import threading
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -244,3 +247,99 @@ def test_torch_metadata_inside(torch_manager):
     with torch_manager.acquire_one() as s:
         assert s.global_("importlib.metadata", "version")("torch").deref() == torch.__version__
         assert s.global_("torch.distributed", "is_available")().deref() is True
+
+
+def test_damaged_packages_give_clear_errors(torch_manager, examples, tmp_path):
+    with open(examples["simple"], "rb") as f:
+        data = f.read()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="truncated.pt"):
+        torch_manager.load_package(truncated)
+    # a corrupted pickle inside an intact archive: the error comes from unpickling
+    import zipfile
+
+    corrupted = tmp_path / "corrupted.pt"
+    with zipfile.ZipFile(examples["simple"]) as source, \
+            zipfile.ZipFile(corrupted, "w", zipfile.ZIP_STORED) as target:
+        for info in source.infolist():
+            content = source.read(info)
+            if info.filename.endswith("model/model.pkl"):
+                content = content[:10] + b"\xff\xfe garbage" + content[20:]
+            target.writestr(info, content)
+    replicated = torch_manager.load_package(corrupted).load_pickle("model", "model.pkl")
+    with pytest.raises(Exception) as info:
+        replicated(torch.randn(3, 10))
+    assert isinstance(info.value.__cause__, multipy.RemoteTraceback)
+    assert "load_pickle" in info.value.__cause__.traceback_text
+
+
+def test_extern_module_comes_from_the_environment(examples, tmp_path):
+    (tmp_path / "extern_helper.py").write_text("def double(x):\n    return 2 * x\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import extern_helper
+
+        path = tmp_path / "uses_extern.pt"
+        with torch.package.PackageExporter(path) as exporter:
+            exporter.extern(["extern_helper"])
+            exporter.save_pickle("model", "fn.pkl", extern_helper.double)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("extern_helper", None)
+    with multipy.InterpreterManager(1, multipy.PathEnvironment(tmp_path)) as m:
+        assert m.load_package(path).load_pickle("model", "fn.pkl")(21) == 42
+    with multipy.InterpreterManager(1) as m:
+        with pytest.raises(ModuleNotFoundError, match="extern_helper"):
+            m.load_package(path).load_pickle("model", "fn.pkl")(21)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_random_damage_to_a_package(torch_manager, examples, tmp_path_factory, data):
+    with open(examples["simple"], "rb") as f:
+        original = f.read()
+    if data.draw(st.booleans(), label="truncate"):
+        damaged = original[: data.draw(st.integers(0, len(original) - 1), label="length")]
+    else:
+        damaged = data.draw(st.binary(max_size=2048), label="random bytes")
+    path = tmp_path_factory.mktemp("damaged") / "damaged.pt"
+    path.write_bytes(damaged)
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        torch_manager.load_package(path).load_pickle("model", "model.pkl")
+    assert str(info.value)
+
+
+dtypes = st.sampled_from([torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16,
+                          torch.bfloat16, torch.float32, torch.float64, torch.complex64])
+tensors = st.builds(
+    lambda shape, dtype, step: (torch.randn(tuple(shape)) * 100).to(dtype)[(..., slice(None, None, step)) if shape else ()],
+    st.lists(st.integers(0, 4), min_size=0, max_size=3), dtypes, st.integers(1, 2))
+arrays = st.builds(lambda n, kind: np.arange(n).astype(kind)[::-1],
+                   st.integers(0, 20), st.sampled_from(["int8", "float32", "float64", "complex128"]))
+nested = st.recursive(tensors | arrays | st.integers() | st.text(max_size=8) | st.none(),
+                      lambda children: st.lists(children, max_size=3)
+                      | st.dictionaries(st.text(max_size=4), children, max_size=3)
+                      | st.tuples(children, children),
+                      max_leaves=8)
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and a.stride() == b.stride() and torch.equal(a, b))
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return a == b
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=nested)
+def test_random_tensor_structures_round_trip(torch_manager, value):
+    with torch_manager.acquire_one() as s:
+        (back,), _ = s.global_("tensor_tools", "echo")(value).deref()
+    assert _equal(back, value)

@@ -1,0 +1,128 @@
+"""Faults inside interpreters, timeouts, and bad input: clear errors, nothing else breaks."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import multipy
+
+RAISERS = (
+    "import sys\n"
+    "def system_exit():\n    sys.exit(4)\n"
+    "def keyboard_interrupt():\n    raise KeyboardInterrupt\n"
+    "def recurse(n=0):\n    return recurse(n + 1)\n"
+    "def memory_error():\n    raise MemoryError('no room')\n"
+    "def big_alloc():\n    return bytearray(1 << 62)\n"
+    "def echo(*args, **kwargs):\n    return args, kwargs\n"
+    "def sleep(seconds, value=None):\n"
+    "    import time\n    time.sleep(seconds)\n    return value\n")
+
+
+@pytest.fixture(scope="module")
+def raisers(manager):
+    manager.register_module_source("raisers", RAISERS)
+    return manager
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("system_exit", (multipy.InterpreterError, "builtins.SystemExit")),
+    ("keyboard_interrupt", (multipy.InterpreterError, "builtins.KeyboardInterrupt")),
+    ("recurse", (RecursionError, None)),
+    ("memory_error", (MemoryError, None)),
+    ("big_alloc", (MemoryError, None)),
+])
+def test_any_exception_reaches_the_caller(raisers, name, expected):
+    kind, type_name = expected
+    for interpreter in raisers.all_instances():
+        with interpreter.acquire_session() as s:
+            with pytest.raises(kind) as info:
+                s.global_("raisers", name)()
+            if type_name:
+                assert info.value.type_name == type_name
+            assert isinstance(info.value.__cause__, multipy.RemoteTraceback)
+            assert s.global_("builtins", "sum")([1, 2, 3]).deref() == 6  # still usable
+
+
+def test_timeout_holds_the_interpreter_until_the_call_ends(raisers):
+    first = raisers[0].acquire_session()
+    sleep = first.global_("raisers", "sleep")
+    with multipy.timeout(0.2):
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="runs on there"):
+            sleep(1.5, "late")
+        assert time.monotonic() - started < 1.0
+    first.close()
+    # while the abandoned call runs, the balancer hands out only the other interpreter
+    for _ in range(5):
+        with raisers.acquire_one() as s:
+            assert s.interpreter is raisers[1]
+            assert s.global_("raisers", "echo")(7).deref() == ((7,), {})
+    time.sleep(1.6)
+    seen = set()
+    for _ in range(4):
+        held = [raisers.acquire_one() for _ in range(2)]
+        seen.update(s.interpreter.index for s in held)
+        for s in held:
+            s.close()
+    assert seen == {0, 1}
+    # the caller that timed out gets its own answers afterwards, not the late one
+    with raisers[0].acquire_session() as s:
+        assert s.global_("raisers", "echo")("fresh").deref() == (("fresh",), {})
+
+
+def test_timeout_on_acquire_when_every_interpreter_is_held(raisers):
+    sessions = [i.acquire_session() for i in raisers.all_instances()]
+    sleeps = [s.global_("raisers", "sleep") for s in sessions]
+    with multipy.timeout(0.1):
+        for sleep in sleeps:
+            with pytest.raises(TimeoutError):
+                sleep(1.0)
+        with pytest.raises(TimeoutError, match="every interpreter"):
+            raisers.acquire_one()
+    for s in sessions:
+        s.close()
+    time.sleep(1.1)
+    with raisers.acquire_one() as s:
+        assert s.global_("builtins", "abs")(-2).deref() == 2
+
+
+def test_calls_after_close_and_objects_of_a_closed_manager():
+    m = multipy.InterpreterManager(1)
+    s = m.acquire_one()
+    obj = s.global_("builtins", "list")([1])
+    m.close()
+    with pytest.raises(multipy.InterpreterClosedError, match="closed"):
+        obj.deref()
+    with pytest.raises(multipy.InterpreterClosedError, match="closed"):
+        s.global_("builtins", "len")
+    with pytest.raises(multipy.InterpreterClosedError, match="closed"):
+        m.acquire_one()
+    with pytest.raises(multipy.InterpreterClosedError, match="closed"):
+        m.register_module_source("late", "X = 1\n")
+
+
+def test_unpicklable_result_names_the_type(raisers):
+    with raisers.acquire_one() as s:
+        gen = s.global_("builtins", "eval")("(x for x in range(3))")
+        with pytest.raises(TypeError, match="generator"):
+            gen.deref()
+        assert s.global_("builtins", "list")(gen).deref() == [0, 1, 2]
+
+
+values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+    | st.binary(),
+    lambda children: st.lists(children, max_size=4) | st.tuples(children, children)
+    | st.dictionaries(st.text(max_size=5), children, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=st.lists(values, max_size=3), kwargs=st.dictionaries(
+    st.from_regex(r"[a-z]{1,6}", fullmatch=True), values, max_size=3))
+def test_random_structures_round_trip(raisers, args, kwargs):
+    with raisers.acquire_one() as s:
+        assert s.global_("raisers", "echo")(*args, **kwargs).deref() == (tuple(args), kwargs)

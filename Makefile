@@ -14,6 +14,14 @@ $(VENV)/.installed: pyproject.toml setup.py multipy/_bootstrap.c
 demo: $(VENV)/.installed
 	$(VENV)/bin/multipy run benchmarks/core.py
 
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(VENV)/bin/python -m pip install --quiet -e ".[test,bench]"
+	touch $@
+
+# The original's benchmark on the example packages: table, bench-results/bench.csv and .png.
+bench: $(VENV)/.installed-bench
+	$(VENV)/bin/multipy bench
+
 # The test suite, run with room for 15 interpreters.
 test: $(VENV)/.installed
 	$(VENV)/bin/multipy run -m pytest -q

@@ -1,10 +1,12 @@
-"""The ``multipy`` command: ``run`` a program with room for 15 interpreters, ``info``."""
+"""The ``multipy`` command: ``run`` a program with room for 15 interpreters, ``info``,
+``bench``."""
 from __future__ import annotations
 
 import argparse
 import os
 import platform
 import sys
+from pathlib import Path
 
 from . import _glibc
 
@@ -26,6 +28,15 @@ def _run(module: str | None, script: str | None, args: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, launch_environment())
+
+
+def _bench_script() -> str:
+    """benchmarks/bench.py of the source checkout this package lives in."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    if not script.is_file():
+        sys.exit(f"multipy bench: {script} not found; the benchmark is part of the source "
+                 f"checkout, not of the installed package (pip install -e a checkout)")
+    return str(script)
 
 
 def _info() -> None:
@@ -61,12 +72,16 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("script", nargs="?", help="the program's path")
     run.add_argument("args", nargs="*", help="the program's arguments, passed on untouched")
     commands.add_parser("info", help="what this Python and glibc allow")
+    commands.add_parser("bench", help="run benchmarks/bench.py of the source checkout with room "
+                                      "for 15 interpreters (options: multipy bench --help)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"] and len(argv) > 1 and argv[1] not in ("-h", "--help"):
         # Everything after the script or module belongs to the program, options too.
         module = argv[2] if argv[1] == "-m" and len(argv) > 2 else None
         rest = argv[3:] if module else argv[2:]
         _run(module, None if module else argv[1], rest)
+    if argv[:1] == ["bench"]:  # every argument, --help too, belongs to the benchmark
+        _run(None, _bench_script(), argv[1:])
     args = parser.parse_args(argv)
     if args.command == "run":
         run.error("a script or -m module is required")

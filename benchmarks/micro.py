@@ -1,0 +1,201 @@
+"""Micro-benchmarks, each printing a ratio against a peer measured in the same run.
+
+- roundtrip: a no-op call, host thread -> interpreter -> host (median, p95), against a
+  direct call and a multiprocessing pipe round trip.
+- transfer:  a tensor through a call and back, 1 KB to 256 MB, against a process pool
+  (pickled both ways, as such users do).  The tensors are aliased, not copied.
+- startup:   n interpreters with torch imported, against n processes importing torch.
+- memory:    ResNet-18 held by n interpreters (weights shared) against n processes each
+  holding it: PSS of everything involved, and the weights' size W.
+
+    multipy run benchmarks/micro.py [roundtrip transfer startup memory]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import multipy
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples")
+MB = 1 << 20
+
+
+def _median_p95(call, count: int) -> tuple[float, float]:
+    samples = []
+    for _ in range(count):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    samples.sort()
+    return statistics.median(samples), samples[int(len(samples) * 0.95)]
+
+
+def _noop() -> None:
+    pass
+
+
+def _echo(value):
+    return value
+
+
+def _serve_echo(connection) -> None:
+    while (message := connection.recv()) is not None:
+        connection.send(message)
+
+
+def roundtrip(count: int) -> None:
+    with multipy.InterpreterManager(1) as manager, manager.acquire_one() as s:
+        manager.register_module_source("micro_noop", "def noop():\n    pass\n")
+        noop = s.global_("micro_noop", "noop")
+        _median_p95(noop, 2000)  # warm-up
+        inside = _median_p95(noop, count)
+    direct = _median_p95(_noop, count)
+    here, there = multiprocessing.Pipe()
+    process = multiprocessing.Process(target=_serve_echo, args=(there,))
+    process.start()
+    call = lambda: (here.send(("noop", ())), here.recv())  # noqa: E731
+    _median_p95(call, 2000)
+    pipe = _median_p95(call, count)
+    here.send(None)
+    process.join()
+    print(f"\nno-op call round trip, {count} calls: median / p95")
+    for label, (median, p95) in (("multipy interpreter", inside), ("direct call", direct),
+                                 ("multiprocessing pipe", pipe)):
+        print(f"  {label:22s} {median * 1e6:8.1f} / {p95 * 1e6:8.1f} us")
+    print(f"  pipe / multipy: {pipe[0] / inside[0]:.2f}x")
+
+
+def transfer(count: int) -> None:
+    import torch
+
+    print(f"\ntensor through a call and back (median of {count}):  multipy | process pool | ratio")
+    with multipy.InterpreterManager(1) as manager, manager.acquire_one() as s, \
+            concurrent.futures.ProcessPoolExecutor(1) as pool:
+        manager.register_module_source("micro_echo", "def echo(t):\n    return t\n")
+        echo = s.global_("micro_echo", "echo")
+        pool.submit(_echo, 0).result()
+        first = None
+        for size in (1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20):
+            tensor = torch.ones(size // 4)
+            ours = _median_p95(lambda: echo(tensor).deref(), count)[0]
+            theirs = _median_p95(lambda: pool.submit(_echo, tensor).result(), max(3, count // 20))[0]
+            first = first or ours
+            print(f"  {size / 1024:>9.0f} KB  {ours * 1e6:9.1f} us | {theirs * 1e6:11.1f} us | "
+                  f"{theirs / ours:8.1f}x   (vs 1 KB: {ours / first:.2f})")
+
+
+def _import_torch(index: int, manager) -> None:
+    with manager[index].acquire_session() as s:
+        s.global_("torch", "tensor")
+
+
+def startup(counts: list[int]) -> None:
+    print("\nstart n interpreters / processes with torch imported (all at once)")
+    base = {}
+    for n in counts:
+        started = time.perf_counter()
+        processes = [subprocess.Popen([sys.executable, "-c", "import torch"]) for _ in range(n)]
+        for process in processes:
+            process.wait()
+        process_time = time.perf_counter() - started
+        done = subprocess.run([sys.executable, __file__, "_start_interpreters", str(n)],
+                              capture_output=True, text=True, check=True)
+        ours = float(done.stdout.strip())
+        base.setdefault("ours", ours)
+        base.setdefault("processes", process_time)
+        print(f"  n={n:2d}  multipy {ours:6.2f} s ({ours / base['ours']:.2f}x n=1)   "
+              f"processes {process_time:6.2f} s ({process_time / base['processes']:.2f}x n=1)")
+
+
+def _start_interpreters(n: int) -> None:
+    """In a fresh process: the time to start n interpreters and import torch in each."""
+    started = time.perf_counter()
+    with multipy.InterpreterManager(n) as manager:
+        threads = [threading.Thread(target=_import_torch, args=(i, manager)) for i in range(n)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        print(time.perf_counter() - started)
+
+
+def _pss(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no Pss")
+
+
+def _hold_model(path: str) -> None:
+    import torch
+
+    global _held
+    _held = torch.package.PackageImporter(path).load_pickle("model", "model.pkl")
+
+
+def memory(counts: list[int]) -> None:
+    sys.path.insert(0, EXAMPLES)
+    from generate_examples import generate
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = generate(directory, ["resnet"])["resnet"]
+        print("\nResNet-18 held by n interpreters vs n processes (PSS: shared pages split "
+              "between sharers)")
+        for n in counts:
+            done = subprocess.run([sys.executable, __file__, "_interpreters_memory", str(n), path],
+                                  capture_output=True, text=True, check=True)
+            ours, weights = map(int, done.stdout.split())
+            context = multiprocessing.get_context("spawn")
+            with concurrent.futures.ProcessPoolExecutor(n, mp_context=context,
+                                                        initializer=_hold_model,
+                                                        initargs=(path,)) as pool:
+                list(pool.map(_noop_pid, range(n)))
+                pids = list(pool._processes)
+                theirs = sum(_pss(pid) for pid in pids)
+            print(f"  n={n}  multipy {ours / MB:7.1f} MB   processes {theirs / MB:7.1f} MB   "
+                  f"ratio {theirs / ours:.2f}x   (W = {weights / MB:.1f} MB)")
+
+
+def _noop_pid(_) -> int:
+    return os.getpid()
+
+
+def _interpreters_memory(n: int, path: str) -> None:
+    """In a fresh process: PSS with n interpreters each holding the model; and W."""
+    with multipy.InterpreterManager(n) as manager:
+        replicated = manager.load_package(path).load_pickle("model", "model.pkl")
+        for interpreter in manager.all_instances():
+            replicated.acquire_session(interpreter).close()
+        weights = sum(t.nbytes for t in replicated._package._shared_storages().values())
+        print(_pss(), weights)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a measurement in a fresh process
+        {"_start_interpreters": lambda: _start_interpreters(int(sys.argv[2])),
+         "_interpreters_memory": lambda: _interpreters_memory(int(sys.argv[2]), sys.argv[3]),
+         }[sys.argv[1]]()
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("benchmarks", nargs="*", default=["roundtrip", "transfer", "startup", "memory"])
+    parser.add_argument("--calls", type=int, default=20_000, help="round trips to time (20000)")
+    parser.add_argument("--counts", default="1,2,4", help="n for startup and memory (1,2,4)")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.counts.split(",")]
+    for name in args.benchmarks:
+        {"roundtrip": lambda: roundtrip(args.calls), "transfer": lambda: transfer(50),
+         "startup": lambda: startup(counts), "memory": lambda: memory(counts)}[name]()
+
+
+if __name__ == "__main__":
+    main()

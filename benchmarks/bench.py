@@ -17,7 +17,7 @@ threads.  Each strategy's output is checked against the package's expected outpu
 Writes DIR/bench.csv (the original's columns and format, latencies in seconds) and
 DIR/bench.png, and prints a table.
 
-    multipy bench [--models simple,autograd,resnet] [--strategies ...] [--max-threads 4]
+    multipy bench [--models python_heavy,simple,resnet] [--strategies ...] [--max-threads 4]
                   [--duration 1.5] [--out bench-results] [--no-plot]
 """
 from __future__ import annotations
@@ -327,7 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="multipy bench", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--models", default="simple,autograd,resnet",
+    parser.add_argument("--models", default="python_heavy,simple,resnet",
                         help="comma-separated example names (examples/generate_examples.py)")
     parser.add_argument("--strategies", default=",".join(STRATEGIES),
                         help="comma-separated, from " + ", ".join(STRATEGIES))

@@ -3,7 +3,7 @@
 They mirror the original's example set: a simple model, ResNet-18, a model with nested
 multiple returns and an in-place op, a batched model with ``make_prediction``, an
 FX-traced model with a leaf function, a model that uses numpy, and one that runs
-autograd in its forward.
+autograd in its forward; plus a model whose time goes to eager-mode Python overhead.
 """
 
 import numpy as np
@@ -138,3 +138,24 @@ class WithAutograd(nn.Module):
         with torch.enable_grad():
             (torch.tanh(x @ self.weight) ** 2).sum().backward()
         return x.grad
+
+
+class PythonHeavy(nn.Module):
+    """Eager-mode Python overhead dominates: a small recurrent cell unrolled in a Python
+    loop, a dozen tiny ops per step (the kind of model multipy exists for)."""
+
+    def __init__(self, hidden: int = 16) -> None:
+        super().__init__()
+        self.input = nn.Linear(hidden, hidden)
+        self.recurrent = nn.Linear(hidden, hidden)
+        self.hidden = hidden
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = torch.zeros(x.shape[0], self.hidden)
+        outputs = []
+        for step in range(x.shape[1]):
+            state = torch.tanh(self.input(x[:, step]) + self.recurrent(state))
+            if step % 2:
+                state = 0.5 * state + 0.5 * state.roll(1, dims=-1)
+            outputs.append(state)
+        return torch.stack(outputs, 1).mean(1)

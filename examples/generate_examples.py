@@ -32,6 +32,7 @@ def _examples() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple, bool]]:
         "fx": (lambda: torch.fx.symbolic_trace(models.FXSource()), (torch.randn(2, 6),), True),
         "numpy": (models.WithNumpy, (torch.randn(3, 5),), False),
         "autograd": (models.WithAutograd, (torch.randn(2, 4),), False),
+        "python_heavy": (models.PythonHeavy, (torch.randn(2, 48, 16),), True),
     }
 
 

@@ -19,6 +19,10 @@ from typing import Any, Callable, Iterator
 
 TORCH, NUMPY = "torch", "numpy"
 
+#: Types that are never lent: the common case, rejected before any other check.
+_PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray, tuple,
+                    list, dict, set, frozenset})
+
 
 class Exports:
     """Objects this side lent out, by token, until the other side releases them."""
@@ -51,18 +55,19 @@ class Exports:
 def describe(obj: Any, exports: Exports) -> tuple | None:
     """The record that lends obj's memory to the other side, or None if obj is not a
     CPU tensor or a plain numpy array (it is then pickled as usual).  Tensors that
-    require grad cross detached."""
+    require grad cross detached.  Few calls into torch: this runs for every value."""
+    if type(obj) in _PLAIN:
+        return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if (obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized
                 or obj.is_nested):
             return None
-        tensor = obj.detach()
-        storage = tensor.untyped_storage()
+        storage = obj.untyped_storage()
         nbytes = storage.nbytes()
-        token = exports.export(tensor) if nbytes else 0
-        return (TORCH, token, storage.data_ptr(), nbytes, str(tensor.dtype).split(".")[-1],
-                tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())
+        token = exports.export(obj) if nbytes else 0  # the tensor keeps its storage alive
+        return (TORCH, token, storage.data_ptr(), nbytes, _dtype_name(obj.dtype),
+                tuple(obj.shape), obj.stride(), obj.storage_offset())
     numpy = sys.modules.get("numpy")
     if numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject:
         low = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s < 0 and n)
@@ -72,6 +77,16 @@ def describe(obj: Any, exports: Exports) -> tuple | None:
         return (NUMPY, token, obj.__array_interface__["data"][0] + low, nbytes,
                 obj.dtype.str, obj.shape, obj.strides, -low)
     return None
+
+
+_dtype_names: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).rpartition(".")[2]
+    return name
 
 
 class _Release:
@@ -102,10 +117,7 @@ def alias(record: tuple, on_release: Callable[[int], None]) -> Any:
         dtype = getattr(torch, dtype)
         if buffer is None:
             return torch.empty_strided(shape, strides, dtype=dtype)
-        flat = torch.frombuffer(buffer, dtype=torch.uint8)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if itemsize > 1 or dtype is not torch.uint8:
-            flat = flat[:nbytes - nbytes % itemsize].view(dtype)
+        flat = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize)
         return flat.as_strided(shape, strides, offset)
     import numpy
 

@@ -30,8 +30,10 @@ from .session import InterpreterSession, Obj
 if TYPE_CHECKING:
     from .manager import InterpreterManager
 
-#: How long exiting waits for interpreters to finish the call they are running.
+#: How long exiting waits for interpreters to finish the call they are running ...
 EXIT_GRACE_SECONDS = 2.0
+#: ... and then for those that did to finalise (torch's finalisation takes a while).
+FINALIZE_SECONDS = 30.0
 
 _ENTRY = """\
 import sys
@@ -189,16 +191,25 @@ def _return_runtimes(runtimes: list[_Runtime]) -> None:
 
 
 def _shutdown() -> None:
-    """At exit: stop and finalise every interpreter on its own thread, then join it."""
-    for runtime in _runtimes:
-        if not runtime.stopped:
-            runtime.stop()
+    """At exit: stop and finalise every interpreter on its own thread, then join it.
+
+    An interpreter whose loop does not end within EXIT_GRACE_SECONDS is running a call
+    that does not return: it is left as it is, and the process leaves without the
+    library destructors that would wait for it (DESIGN.md 3.7).
+    """
+    running = [r for r in _runtimes if not r.stopped]
+    for runtime in running:
+        runtime.stop()
     deadline = time.monotonic() + EXIT_GRACE_SECONDS
-    stuck = [r for r in _runtimes if not r.join(deadline - time.monotonic())]
+    while time.monotonic() < deadline and not all(r.channel.loop_finished() for r in running):
+        time.sleep(0.005)
+    deadline = time.monotonic() + FINALIZE_SECONDS
+    stuck = [r for r in running
+             if not (r.channel.loop_finished() and r.join(deadline - time.monotonic()))]
     if stuck:
-        names = ", ".join(str(r.ordinal) for r in stuck)
-        print(f"multipy: interpreter(s) {names} still running a call at exit; leaving "
-              f"without finalising them", file=sys.stderr, flush=True)
+        names = ", ".join(f"#{r.ordinal}" for r in stuck)
+        print(f"multipy: interpreter(s) {names} still running at exit; leaving without "
+              f"finalising them", file=sys.stderr, flush=True)
         _host_library().multipy_skip_destructors_at_exit()
 
 

@@ -140,7 +140,7 @@ def test_exit_while_an_interpreter_never_returns(python):
         sys.exit(7)
     """, timeout=HANG)
     assert result.returncode == 7, result.stderr
-    assert "still running a call at exit" in result.stderr
+    assert "still running at exit" in result.stderr
 
 
 def test_ctrl_c_while_waiting_for_a_call(python):

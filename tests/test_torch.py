@@ -18,7 +18,7 @@ import multipy  # noqa: E402
 from multipy.channel import host_exports  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
-NAMES = ["simple", "resnet", "multi_return", "batched", "fx", "numpy", "autograd"]
+NAMES = ["simple", "resnet", "multi_return", "batched", "fx", "numpy", "autograd", "python_heavy"]
 
 
 @pytest.fixture(scope="session")

@@ -2,8 +2,9 @@
 
 - roundtrip: a no-op call, host thread -> interpreter -> host (median, p95), against a
   direct call and a multiprocessing pipe round trip.
-- transfer:  a tensor through a call and back, 1 KB to 256 MB, against a process pool
-  (pickled both ways, as such users do).  The tensors are aliased, not copied.
+- transfer:  a new tensor through a call and back, 1 KB to 256 MB, against a process
+  pool (sent both ways as its users do: torch moves each new tensor into shared
+  memory).  multipy aliases the tensors, copying nothing.
 - startup:   n interpreters with torch imported, against n processes importing torch.
 - memory:    ResNet-18 held by n interpreters (weights shared) against n processes each
   holding it: PSS of everything involved, and the weights' size W.
@@ -29,11 +30,13 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examp
 MB = 1 << 20
 
 
-def _median_p95(call, count: int) -> tuple[float, float]:
+def _median_p95(call, count: int, make_argument=None) -> tuple[float, float]:
+    """Median and p95 of call() (or call(make_argument()), the making not timed)."""
     samples = []
     for _ in range(count):
+        arguments = () if make_argument is None else (make_argument(),)
         start = time.perf_counter()
-        call()
+        call(*arguments)
         samples.append(time.perf_counter() - start)
     samples.sort()
     return statistics.median(samples), samples[int(len(samples) * 0.95)]
@@ -77,7 +80,9 @@ def roundtrip(count: int) -> None:
 def transfer(count: int) -> None:
     import torch
 
-    print(f"\ntensor through a call and back (median of {count}):  multipy | process pool | ratio")
+    print(f"\ntensor through a call and back, median of {count}: multipy with the same tensor "
+          f"each call | multipy, a new tensor each call | process pool, new tensor | ratio"
+          f"\n  (a new tensor's time includes freeing the previous one, on both sides)")
     with multipy.InterpreterManager(1) as manager, manager.acquire_one() as s, \
             concurrent.futures.ProcessPoolExecutor(1) as pool:
         manager.register_module_source("micro_echo", "def echo(t):\n    return t\n")
@@ -85,12 +90,15 @@ def transfer(count: int) -> None:
         pool.submit(_echo, 0).result()
         first = None
         for size in (1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20):
-            tensor = torch.ones(size // 4)
-            ours = _median_p95(lambda: echo(tensor).deref(), count)[0]
-            theirs = _median_p95(lambda: pool.submit(_echo, tensor).result(), max(3, count // 20))[0]
-            first = first or ours
-            print(f"  {size / 1024:>9.0f} KB  {ours * 1e6:9.1f} us | {theirs * 1e6:11.1f} us | "
-                  f"{theirs / ours:8.1f}x   (vs 1 KB: {ours / first:.2f})")
+            same = torch.ones(size // 4)
+            ours_same = _median_p95(lambda: echo(same).deref(), count)[0]
+            fresh = lambda: torch.ones(size // 4)  # noqa: E731
+            ours = _median_p95(lambda t: echo(t).deref(), count, fresh)[0]
+            theirs = _median_p95(lambda t: pool.submit(_echo, t).result(), max(5, count // 10),
+                                 fresh)[0]
+            first = first or ours_same
+            print(f"  {size / 1024:>9.0f} KB  {ours_same * 1e6:9.1f} ({ours_same / first:4.2f}x 1 KB)"
+                  f" | {ours * 1e6:9.1f} | {theirs * 1e6:10.1f} | {theirs / ours:6.1f}x")
 
 
 def _import_torch(index: int, manager) -> None:
@@ -137,8 +145,11 @@ def _pss(pid: int | str = "self") -> int:
 
 
 def _hold_model(path: str) -> None:
+    import warnings
+
     import torch
 
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
     global _held
     _held = torch.package.PackageImporter(path).load_pickle("model", "model.pkl")
 
@@ -149,41 +160,59 @@ def memory(counts: list[int]) -> None:
 
     with tempfile.TemporaryDirectory() as directory:
         path = generate(directory, ["resnet"])["resnet"]
-        print("\nResNet-18 held by n interpreters vs n processes (PSS: shared pages split "
-              "between sharers)")
+        print("\nResNet-18 held by n interpreters vs n worker processes: PSS (pages shared "
+              "between processes split among them), whole = with the host / parent")
         for n in counts:
             done = subprocess.run([sys.executable, __file__, "_interpreters_memory", str(n), path],
                                   capture_output=True, text=True, check=True)
-            ours, weights = map(int, done.stdout.split())
-            context = multiprocessing.get_context("spawn")
-            with concurrent.futures.ProcessPoolExecutor(n, mp_context=context,
-                                                        initializer=_hold_model,
-                                                        initargs=(path,)) as pool:
-                list(pool.map(_noop_pid, range(n)))
-                pids = list(pool._processes)
-                theirs = sum(_pss(pid) for pid in pids)
-            print(f"  n={n}  multipy {ours / MB:7.1f} MB   processes {theirs / MB:7.1f} MB   "
-                  f"ratio {theirs / ours:.2f}x   (W = {weights / MB:.1f} MB)")
+            host, whole, weights = map(int, done.stdout.split())
+            done = subprocess.run([sys.executable, __file__, "_workers_memory", str(n), path],
+                                  capture_output=True, text=True, check=True)
+            parent, workers = map(int, done.stdout.split())
+            print(f"  n={n}  per replica: multipy {(whole - host) / n / MB:6.1f} MB, processes "
+                  f"{workers / n / MB:6.1f} MB   whole: multipy {whole / MB:7.1f} MB, processes "
+                  f"{(parent + workers) / MB:7.1f} MB   (W = {weights / MB:.1f} MB)")
 
 
 def _noop_pid(_) -> int:
     return os.getpid()
 
 
+def _workers_memory(n: int, path: str) -> None:
+    """In a fresh process (torch imported, as a pool's parent has): its PSS, and the sum
+    of its n workers' PSS, each worker holding the model."""
+    import torch  # noqa: F401
+
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(n, mp_context=context, initializer=_hold_model,
+                                                initargs=(path,)) as pool:
+        list(pool.map(_noop_pid, range(n)))
+        print(_pss(), sum(_pss(pid) for pid in pool._processes))
+
+
 def _interpreters_memory(n: int, path: str) -> None:
-    """In a fresh process: PSS with n interpreters each holding the model; and W."""
+    """In a fresh process: PSS of the host (torch imported), then with n interpreters
+    each holding the model (whose weights the host read once); and W."""
+    import warnings
+
+    import torch  # noqa: F401
+
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+    host = _pss()
     with multipy.InterpreterManager(n) as manager:
-        replicated = manager.load_package(path).load_pickle("model", "model.pkl")
+        package = manager.load_package(path)
+        weights = sum(t.nbytes for t in package._shared_storages().values())
+        replicated = package.load_pickle("model", "model.pkl")
         for interpreter in manager.all_instances():
             replicated.acquire_session(interpreter).close()
-        weights = sum(t.nbytes for t in replicated._package._shared_storages().values())
-        print(_pss(), weights)
+        print(host, _pss(), weights)
 
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a measurement in a fresh process
         {"_start_interpreters": lambda: _start_interpreters(int(sys.argv[2])),
          "_interpreters_memory": lambda: _interpreters_memory(int(sys.argv[2]), sys.argv[3]),
+         "_workers_memory": lambda: _workers_memory(int(sys.argv[2]), sys.argv[3]),
          }[sys.argv[1]]()
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -26,6 +26,7 @@ import argparse
 import multiprocessing
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import threading
@@ -349,7 +350,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    console = Console()
+    console = Console(width=max(100, shutil.get_terminal_size().columns))
     console.print(f"{SETTINGS}; {os.cpu_count()} cores, Python {platform.python_version()}, "
                   f"torch {torch.__version__}")
     use_one_thread()

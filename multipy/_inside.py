@@ -96,9 +96,13 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file, exports: _sharing.Exports) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._exports = exports
+        self.lent: list[int] = []
 
     def persistent_id(self, obj):
-        return _sharing.describe(obj, self._exports)
+        record = _sharing.describe(obj, self._exports)
+        if record is not None and record[1]:
+            self.lent.append(record[1])
+        return record
 
 
 class _Interpreter:
@@ -165,12 +169,20 @@ class _Interpreter:
 
     def _dump(self, value) -> bytes:
         buffer = io.BytesIO()
-        _Pickler(buffer, self.exports).dump(value)
+        pickler = _Pickler(buffer, self.exports)
+        try:
+            pickler.dump(value)
+        except BaseException:
+            for token in pickler.lent:  # the result is not sent: nothing stays lent
+                self.exports.release(token)
+            raise
         return buffer.getvalue()
 
     def handle_call(self, data: bytes) -> tuple[int, int, bytes]:
+        arguments_read = False
         try:
             op, args = self._load(data)
+            arguments_read = True
             self._note(op, args)
             result = getattr(self, "op_" + op)(*args)
             if isinstance(result, _NewObject):
@@ -180,10 +192,10 @@ class _Interpreter:
             return OK, 0, self._dump(result)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
             try:
-                return self._error(exc)
+                return self._error(exc, arguments_read)
             except BaseException:  # the exception cannot even be described (a broken __str__)
                 detail = (None, "multipy.InterpreterError", "an exception was raised inside "
-                          "the interpreter, and describing it failed too", "")
+                          "the interpreter, and describing it failed too", "", arguments_read)
                 return ERROR, 0, pickle.dumps(detail)
 
     def _note(self, op: str, args: tuple) -> None:
@@ -192,12 +204,17 @@ class _Interpreter:
             text = f"import of {args[0]}.{args[1]}"
         else:
             target = args[0] if args else None
-            name = getattr(target, "__qualname__", None) or type(target).__qualname__
-            text = f"{op} of {getattr(target, '__module__', None) or '?'}.{name}"
+            try:  # user objects may answer attribute lookups in any way
+                name = f"{target.__module__}.{target.__qualname__}"
+            except Exception:
+                name = f"a {type(target).__module__}.{type(target).__qualname__}"
+            text = f"{op} of {name}"
         encoded = text.encode(errors="replace")[:111] + b"\0"
         ctypes.memmove(self._what, encoded, len(encoded))
 
-    def _error(self, exc: BaseException) -> tuple[int, int, bytes]:
+    def _error(self, exc: BaseException, arguments_read: bool) -> tuple[int, int, bytes]:
+        """An ERROR reply; arguments_read False tells the host that nothing it lent for
+        this request was aliased, so it may take it all back."""
         kind = type(exc)
         text = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
         picklable = None
@@ -207,7 +224,8 @@ class _Interpreter:
                 pickle.loads(picklable)
             except BaseException:
                 picklable = None
-        detail = (picklable, f"{kind.__module__}.{kind.__qualname__}", str(exc), text)
+        detail = (picklable, f"{kind.__module__}.{kind.__qualname__}", str(exc), text,
+                  arguments_read)
         return ERROR, 0, pickle.dumps(detail, protocol=pickle.HIGHEST_PROTOCOL)
 
     def release(self, handle: int) -> None:
@@ -238,11 +256,12 @@ def forget_paths(paths: list[str]) -> None:
     importlib.invalidate_caches()
 
 
-def main(index: int, request_fd: int, status_fd: int, state_address: int, crash_slot: int) -> None:
+def main(index: int, request_fd: int, released_fd: int, status_fd: int, state_address: int,
+         crash_slot: int) -> None:
     """Runs this interpreter until the host stops it."""
     try:
         _strip_rtld_global()
-        end = InterpreterEnd(request_fd, state_address)
+        end = InterpreterEnd(request_fd, released_fd, state_address)
         interpreter = _Interpreter(index, end.released, crash_slot)
         global _current
         _current = interpreter

@@ -53,23 +53,28 @@ class Exports:
 
 
 def describe(obj: Any, exports: Exports) -> tuple | None:
-    """The record that lends obj's memory to the other side, or None if obj is not a
-    CPU tensor or a plain numpy array (it is then pickled as usual).  Tensors that
-    require grad cross detached.  Few calls into torch: this runs for every value."""
+    """The record that lends obj's memory to the other side, or None if obj is pickled
+    as usual instead: anything but a CPU strided tensor or a plain numpy array, and the
+    cases an alias could not represent faithfully (lazy conjugate or negative views,
+    read-only or structured arrays).  Tensors that require grad cross detached.  The
+    owner must not resize or re-point (set_) a tensor while it is lent.  Few calls into
+    torch: this runs for every value pickled."""
     if type(obj) in _PLAIN:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(obj, torch.Tensor):
         if (obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized
-                or obj.is_nested):
+                or obj.is_nested or obj.is_conj() or obj.is_neg()):
             return None
-        storage = obj.untyped_storage()
-        nbytes = storage.nbytes()
-        token = exports.export(obj) if nbytes else 0  # the tensor keeps its storage alive
-        return (TORCH, token, storage.data_ptr(), nbytes, _dtype_name(obj.dtype),
-                tuple(obj.shape), obj.stride(), obj.storage_offset())
+        dtype, shape, strides = _dtype_name(obj.dtype), tuple(obj.shape), obj.stride()
+        if obj.numel() == 0:
+            return (TORCH, 0, 0, 0, dtype, shape, strides, 0)
+        storage = obj.untyped_storage()  # lent, not the tensor: set_() cannot free it
+        return (TORCH, exports.export(storage), storage.data_ptr(), storage.nbytes(), dtype,
+                shape, strides, obj.storage_offset())
     numpy = sys.modules.get("numpy")
-    if numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject:
+    if (numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject
+            and obj.dtype.fields is None and obj.flags.writeable):
         low = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s < 0 and n)
         high = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s > 0 and n)
         nbytes = (high - low + obj.itemsize) if obj.size else 0

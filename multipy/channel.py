@@ -15,6 +15,9 @@ boundary, each side frees only what it allocated).
 * A waiting side first polls its pipe for a moment, yielding the CPU between polls,
   and only then sleeps: waking a sleeping thread costs tens of microseconds on a
   virtual machine, while a call often answers within a few.
+* Tokens of lent tensors that an interpreter no longer aliases go back on a pipe of
+  their own, which the host drains after each call; the interpreter never blocks on
+  it (what does not fit waits for the next chance).
 * A reply that arrives for a call its caller gave up on (timeout, Ctrl-C) is
   discarded by the owner of the reply pipe; it is never delivered to another call.
   A reply that creates an object carries its handle in the header, so that
@@ -41,7 +44,9 @@ REQUEST = struct.Struct("=IiQQQ")
 REPLY = struct.Struct("=QQQQI")
 
 CALL, RELEASE, STOP = 1, 2, 3
-OK, ERROR, CLOSED, RELEASED = 0, 1, 2, 3  # RELEASED: the host may free lent object <handle>
+OK, ERROR, CLOSED = 0, 1, 2
+#: A token of a host object an interpreter no longer aliases, on the release pipe.
+TOKEN = struct.Struct("=Q")
 
 #: How long a waiting side polls before it sleeps.  Longer polls catch the replies of
 #: longer calls, but polling callers take CPU from the interpreters (measured: worse
@@ -116,7 +121,7 @@ def read_header(fd: int, header: struct.Struct, deadline: float | None = None) -
 _request_ids = itertools.count(1)
 
 #: The tensors and arrays the host lent to interpreters (see _sharing), until an
-#: interpreter sends RELEASED for them ahead of a reply.
+#: interpreter gives their tokens back on its release pipe.
 host_exports = Exports()
 
 
@@ -132,9 +137,6 @@ class _ReplyPipe:
         """Waits for request_id's reply; returns (status, handle, address, length)."""
         while True:
             reply_id, handle, address, length, status = read_header(self.read_fd, REPLY, deadline)
-            if status == RELEASED:
-                host_exports.release(handle)
-                continue
             _, channel = self.pending.pop(reply_id, (None, None))
             if reply_id == request_id:
                 return status, handle, address, length
@@ -145,7 +147,8 @@ class _ReplyPipe:
         if self.pending:
             # Replies are still due (calls given up by a thread that has ended): keep the
             # pipe open so that no other file can take its number while they arrive.
-            _abandoned.append(self)
+            if _abandoned is not None:  # None while Python itself shuts down
+                _abandoned.append(self)
         else:
             os.close(self.read_fd)
             os.close(self.write_fd)
@@ -171,7 +174,7 @@ def _stop_all_in_child() -> None:
     """After fork the interpreters' threads do not exist in the child: its calls and
     releases must not reach the parent's interpreters through the inherited pipes."""
     for end in list(_host_ends):
-        end._stopped = True
+        end._stopped = "it belongs to the parent of this forked process"
 
 
 _host_ends: weakref.WeakSet = weakref.WeakSet()
@@ -187,10 +190,11 @@ _STATE = ctypes.c_uint64 * 3
 class HostEnd:
     """The host's end of the channel to one interpreter; safe to use from any thread."""
 
-    def __init__(self, request_fd: int) -> None:
+    def __init__(self, request_fd: int, released_fd: int) -> None:
         self._request_fd = request_fd
+        self._released_fd = released_fd  # read end of the interpreter's release pipe
         self._lock = threading.RLock()  # an Obj finaliser may release while a send holds it
-        self._stopped = False
+        self._stopped: bool | str = False  # or why the interpreter cannot be reached
         self._state = _STATE()  # shared with the interpreter end
         self._calls_sent = 0       # calls written, in the order the interpreter runs them
         self._last_abandoned = 0   # the latest call a caller gave up on
@@ -214,7 +218,8 @@ class HostEnd:
         header = REQUEST.pack(kind, reply_fd, ident, address_of(data), len(data))
         with self._lock:
             if self._stopped:
-                raise ChannelClosedError("the interpreter is stopped")
+                raise ChannelClosedError(self._stopped if isinstance(self._stopped, str) else
+                                         "the interpreter is stopped: the process is exiting")
             os.write(self._request_fd, header)
             if kind == CALL:
                 self._calls_sent += 1
@@ -240,9 +245,22 @@ class HostEnd:
             status, handle, address, length = pipe.wait(request_id, deadline)
         except BaseException:  # timeout, Ctrl-C: the call runs on without its caller
             if request_id in pipe.pending:
-                self._last_abandoned = max(self._last_abandoned, position)
+                with self._lock:
+                    self._last_abandoned = max(self._last_abandoned, position)
             raise
-        return status, handle, copy_from(address, length)
+        reply = copy_from(address, length)
+        self.drain_released()
+        return status, handle, reply
+
+    def drain_released(self) -> None:
+        """Frees the host objects the interpreter has given back so far; never blocks."""
+        while True:
+            try:
+                data = os.read(self._released_fd, 1 << 16)
+            except BlockingIOError:
+                return
+            for (token,) in TOKEN.iter_unpack(data):  # tokens are written whole
+                host_exports.release(token)
 
     def release(self, handle: int) -> None:
         """Tells the interpreter to drop an object handle; does not wait."""
@@ -264,20 +282,25 @@ class InterpreterEnd:
     """The interpreter thread's end: reads requests and writes replies, in order.
 
     Tokens appended to ``released`` (host objects this interpreter no longer aliases)
-    go back to the host ahead of the next reply.
+    go back to the host on the release pipe, after each request.
     """
 
-    def __init__(self, request_fd: int, state_address: int) -> None:
+    def __init__(self, request_fd: int, released_fd: int, state_address: int) -> None:
         self._request_fd = request_fd
+        self._released_fd = released_fd  # write end, not blocking: see _send_released
         self._state = _STATE.from_address(state_address)  # the host's memory
         self._last_reply: dict[int, bytes] = {}
         self.released: list[int] = []
 
-    def _send_released(self, reply_fd: int) -> None:
-        batch = 4096 // REPLY.size  # one write of at most PIPE_BUF bytes is atomic
+    def _send_released(self) -> None:
+        """Gives tokens back to the host; what does not fit in the pipe now waits."""
+        batch = 4096 // TOKEN.size  # one write of at most PIPE_BUF bytes is whole
         while self.released:
-            tokens, self.released[:batch] = self.released[:batch], []
-            os.write(reply_fd, b"".join(REPLY.pack(0, t, 0, 0, RELEASED) for t in tokens))
+            try:
+                os.write(self._released_fd, b"".join(map(TOKEN.pack, self.released[:batch])))
+            except BlockingIOError:
+                return
+            del self.released[:batch]
 
     def serve(self, handle_call: Callable[[bytes], tuple[int, int, bytes]],
               release: Callable[[int], None]) -> None:
@@ -291,16 +314,17 @@ class InterpreterEnd:
                     status, handle, data = CLOSED, 0, b""
                 else:
                     status, handle, data = handle_call(copy_from(address, length))
-                self._state[_COMPLETED] += 1
                 self._last_reply[reply_fd] = data  # alive until the caller has copied it
+                self._send_released()
                 try:
-                    self._send_released(reply_fd)
                     os.write(reply_fd, REPLY.pack(ident, handle, address_of(data), len(data),
                                                   status))
                 except OSError:
                     pass  # the caller's pipe is gone: nobody waits for this reply
+                self._state[_COMPLETED] += 1
             elif kind == RELEASE:
                 release(ident)
+                self._send_released()
             elif kind == STOP:
                 # Host threads may still be copying the last replies while this
                 # interpreter finalises: never free them.

@@ -40,7 +40,7 @@ import sys
 sys.path[:] = {path!r}
 sys.argv[:] = {argv!r}
 from multipy._inside import main
-main({index}, {request_fd}, {status_fd}, {state}, {crash_slot})
+main({index}, {request_fd}, {released_fd}, {status_fd}, {state}, {crash_slot})
 """
 
 
@@ -72,10 +72,13 @@ class _Runtime:
         bootstrap = _glibc.load_into(lmid, _bootstrap_path())
         self._join = _JOIN(_glibc.symbol(bootstrap, "multipy_join"))
         request_read, request_write = make_pipe(REQUEST_PIPE_SIZE)
+        released_read, released_write = make_pipe()
+        os.set_blocking(released_write, False)
         self._status_read, status_write = os.pipe()
-        self.channel = HostEnd(request_write)
+        self.channel = HostEnd(request_write, released_read)
         code = _ENTRY.format(path=list(sys.path), argv=list(sys.argv), index=ordinal,
-                             request_fd=request_read, status_fd=status_write,
+                             request_fd=request_read, released_fd=released_write,
+                             status_fd=status_write,
                              state=self.channel.state_address,
                              crash_slot=_host_library().multipy_crash_slot(ordinal))
         # Both stay referenced for the process's life: the C thread reads them.
@@ -244,10 +247,19 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file, interpreter: Interpreter) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._interpreter = interpreter
+        self._lent: list[int] = []
+
+    def release_lent(self) -> None:
+        """Takes back what this pickler lent, for a request that is not sent."""
+        for token in self._lent:
+            host_exports.release(token)
 
     def persistent_id(self, obj):
         if type(obj) is not Obj:
-            return _sharing.describe(obj, host_exports)
+            record = _sharing.describe(obj, host_exports)
+            if record is not None and record[1]:
+                self._lent.append(record[1])
+            return record
         owner = obj._interpreter
         if owner._closed:
             raise InterpreterClosedError(f"{obj!r} belongs to a manager that was closed")
@@ -270,9 +282,10 @@ class _Unpickler(pickle.Unpickler):
         return _sharing.alias(record, self._channel.release)
 
 
-def _remote_error(data: bytes) -> BaseException:
-    """The host exception for an error reply, with the remote traceback as its cause."""
-    picklable, type_name, message, traceback_text = pickle.loads(data)
+def _remote_error(data: bytes) -> tuple[BaseException, bool]:
+    """The host exception for an error reply, with the remote traceback as its cause;
+    and whether the interpreter had read the request's arguments."""
+    picklable, type_name, message, traceback_text, arguments_read = pickle.loads(data)
     error = None
     if "in static TLS block" in message:
         error = InterpreterLimitError(f"{message}: {_glibc.static_tls_advice()}")
@@ -284,7 +297,7 @@ def _remote_error(data: bytes) -> BaseException:
     if error is None:
         error = InterpreterError(type_name, message, traceback_text)
     error.__cause__ = RemoteTraceback(traceback_text)
-    return error
+    return error, arguments_read
 
 
 class Interpreter:
@@ -316,25 +329,34 @@ class Interpreter:
             raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
         return self._send(op, args)
 
-    def _send(self, op: str, args: tuple) -> Any:
+    def _send(self, op: str, args: tuple, timeout: Any = "thread") -> Any:
+        """timeout: seconds, None for none, or "thread" for the thread's multipy.timeout."""
+        seconds = current_timeout() if timeout == "thread" else timeout
         buffer = io.BytesIO()
-        _Pickler(buffer, self).dump((op, args))
-        seconds = current_timeout()
+        pickler = _Pickler(buffer, self)
+        try:
+            pickler.dump((op, args))
+        except BaseException:
+            pickler.release_lent()  # nothing was sent: take back what was lent so far
+            raise
         try:
             status, handle, data = self._runtime.channel.call(buffer.getvalue(), seconds)
-        except ChannelClosedError:
-            raise InterpreterClosedError(f"{self} is stopped: the process is exiting") from None
+        except ChannelClosedError as error:
+            raise InterpreterClosedError(f"{self}: {error}") from None
         except TimeoutError:
             raise TimeoutError(
-                f"{self} did not answer within {seconds} s; the call runs on there, and the "
-                f"interpreter is handed to no one else until it finishes") from None
+                f"{self} did not answer within {seconds} s; the call runs (or waits) on "
+                f"there, and the interpreter is handed to no one else until it ends") from None
         if status == OK:
             if handle:
                 return Obj(self, handle)
             return _Unpickler(io.BytesIO(data), self._runtime.channel).load()
         if status == CLOSED:
             raise InterpreterClosedError(f"{self} is stopped: the process is exiting")
-        raise _remote_error(data)
+        error, arguments_read = _remote_error(data)
+        if not arguments_read:  # nothing lent was aliased: take it back
+            pickler.release_lent()
+        raise error
 
     def _release(self, handle: int) -> None:
         if not self._closed:
@@ -346,10 +368,14 @@ class Interpreter:
             return
         self._closed = True  # first: nothing new can be made that the reset would miss
         try:
-            self._send("reset", ())
-        except InterpreterClosedError:
+            # Behind a call its caller gave up on, the reset waits its turn: do not wait
+            # for it.  Queued first, it runs before anything a later manager sends, and
+            # the interpreter counts as held until it has.
+            self._send("reset", (), 0.0 if self._runtime.channel.running_abandoned_call() else None)
+        except (InterpreterClosedError, TimeoutError):
             pass
-        _return_runtimes([self._runtime])
+        finally:
+            _return_runtimes([self._runtime])
 
     def __repr__(self) -> str:
         return f"<multipy.Interpreter {self.index} (#{self._runtime.ordinal} of this process)>"

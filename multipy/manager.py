@@ -112,6 +112,9 @@ class InterpreterManager:
         Other interpreters rebuild it from a pickle over the same tensor storages; the
         session's package (if it came from one) resolves packaged classes.
         """
+        if not isinstance(obj, Obj):
+            raise TypeError(f"create_movable takes an Obj (an object inside an interpreter), "
+                            f"not {type(obj).__name__}")
         if not session.is_owner(obj):
             raise WrongInterpreterError(
                 f"Cannot create movable from an object that lives in different session: "
@@ -143,16 +146,18 @@ class InterpreterManager:
             return
         self._closed = True
         errors = []
-        for interpreter in self._interpreters:
-            try:
-                if interpreter in self._configured:
-                    with interpreter._session() as session:
-                        self.environment.unconfigure(session)
-            except InterpreterClosedError:
-                pass  # the process is exiting
-            except Exception as error:
-                errors.append(error)
-            finally:
+        try:
+            for interpreter in self._interpreters:
+                try:
+                    if interpreter in self._configured:
+                        with interpreter._session() as session:
+                            self.environment.unconfigure(session)
+                except InterpreterClosedError:
+                    pass  # the process is exiting
+                except Exception as error:
+                    errors.append(error)
+        finally:  # even if interrupted: every interpreter goes back to the process
+            for interpreter in self._interpreters:
                 interpreter._close()
         if errors:
             raise errors[0]

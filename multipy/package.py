@@ -7,7 +7,7 @@ import threading
 import zipfile
 from typing import IO, TYPE_CHECKING
 
-from .replicated import ReplicatedObj
+from .replicated import ReplicatedObj, _PerInterpreter
 from .session import InterpreterSession, Obj
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class Package:
         self._manager = manager
         self._spool = None
         if isinstance(path_or_file, (str, os.PathLike)):
-            self.path = os.path.abspath(os.fspath(path_or_file))
+            self.path = self.name = os.path.abspath(os.fspath(path_or_file))
             if not os.path.isfile(self.path):
                 raise FileNotFoundError(f"no package file at {self.path}")
         else:  # a file-like object: interpreters open archives by path, so spool it
@@ -39,8 +39,9 @@ class Package:
             self._spool.write(path_or_file.read())
             self._spool.flush()
             self.path = self._spool.name
+            self.name = f"the package read from {path_or_file!r}"
         if not zipfile.is_zipfile(self.path):
-            raise ValueError(f"{self.path} is not a torch.package archive: not a zip file")
+            raise ValueError(f"{self.name} is not a torch.package archive: not a zip file")
         try:
             with zipfile.ZipFile(self.path) as archive:
                 # records are stored under one top-level folder named after the archive
@@ -48,18 +49,18 @@ class Package:
                                for info in archive.infolist()}
             self._reader = torch._C.PyTorchFileReader(self.path)
         except (zipfile.BadZipFile, RuntimeError, OSError) as error:
-            raise ValueError(f"{self.path} is not a readable torch.package archive: {error}") from error
+            raise ValueError(f"{self.name} is not a readable torch.package archive: {error}") from error
         if ".data/version" not in self._sizes:
-            raise ValueError(f"{self.path} is a zip file but not a torch.package archive "
+            raise ValueError(f"{self.name} is a zip file but not a torch.package archive "
                              f"(it has no .data/version)")
         self._lock = threading.Lock()
         self._storages: dict[str, object] | None = None
-        self._importers: dict[Interpreter, Obj] = {}
+        self._importers = _PerInterpreter(self._make_importer)
 
     def _record(self, package: str, resource: str) -> str:
         name = f"{package.replace('.', '/')}/{resource}"
         if name not in self._sizes:
-            raise FileNotFoundError(f"package {self.path} has no resource {resource!r} in "
+            raise FileNotFoundError(f"{self.name} has no resource {resource!r} in "
                                     f"{package!r}")
         return name
 
@@ -80,14 +81,11 @@ class Package:
 
     def _importer(self, interpreter: Interpreter) -> Obj:
         """This package's PackageImporter in interpreter, made on first use."""
-        with self._lock:
-            importer = self._importers.get(interpreter)
-        if importer is None:
-            make = interpreter._request("global", _HELPERS, "importer")
-            made = make(self.path, self._shared_storages())
-            with self._lock:
-                importer = self._importers.setdefault(interpreter, made)
-        return importer
+        return self._importers.get(interpreter)
+
+    def _make_importer(self, interpreter: Interpreter) -> Obj:
+        make = interpreter._request("global", _HELPERS, "importer")
+        return make(self.path, self._shared_storages())
 
     def load_pickle(self, package: str, resource: str) -> ReplicatedObj:
         """The pickled object at (package, resource), replicated over the interpreters."""
@@ -118,4 +116,4 @@ class Package:
         return session
 
     def __repr__(self) -> str:
-        return f"<multipy.Package {self.path}>"
+        return f"<multipy.Package {self.name}>"

@@ -12,6 +12,44 @@ if TYPE_CHECKING:
     from .package import Package
 
 
+class _PerInterpreter:
+    """A value made once per interpreter, on first use, even when threads race for it."""
+
+    def __init__(self, make: Callable[[Interpreter], Obj]) -> None:
+        self._make = make
+        self._values: dict[Interpreter, Obj] = {}
+        self._making: dict[Interpreter, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    def get(self, interpreter: Interpreter) -> Obj:
+        with self._lock:
+            value = self._values.get(interpreter)
+            if value is not None:
+                return value
+            making = self._making.setdefault(interpreter, threading.Lock())
+        with making:  # one maker per interpreter; the others wait for its value
+            with self._lock:
+                value = self._values.get(interpreter)
+            if value is None:
+                value = self._make(interpreter)
+                with self._lock:
+                    self._values[interpreter] = value
+        return value
+
+    def drop(self, interpreter: Interpreter | None = None) -> None:
+        with self._lock:
+            if interpreter is None:
+                self._values.clear()
+            else:
+                self._values.pop(interpreter, None)
+
+    def __contains__(self, interpreter: Interpreter) -> bool:
+        return interpreter in self._values
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 class ReplicatedObj:
     """An object that every interpreter of a manager can run.
 
@@ -24,20 +62,12 @@ class ReplicatedObj:
     def __init__(self, manager: InterpreterManager, load: Callable[[Interpreter], Obj],
                  package: Package | None = None) -> None:
         self._manager = manager
-        self._load = load
         self._package = package
-        self._instances: dict[Interpreter, Obj] = {}
-        self._lock = threading.Lock()
+        self._instances = _PerInterpreter(load)
 
     def _instance(self, interpreter: Interpreter) -> Obj:
         """The object in interpreter, materialised there if it is not yet."""
-        with self._lock:
-            instance = self._instances.get(interpreter)
-        if instance is None:
-            made = self._load(interpreter)  # outside the lock: may take long
-            with self._lock:
-                instance = self._instances.setdefault(interpreter, made)
-        return instance
+        return self._instances.get(interpreter)
 
     def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
         with self._manager.acquire_one() as session:
@@ -70,11 +100,7 @@ class ReplicatedObj:
 
     def unload(self, interpreter: Interpreter | None = None) -> None:
         """Drops the copy in interpreter, or in all; a later use materialises it again."""
-        with self._lock:
-            if interpreter is None:
-                self._instances.clear()
-            else:
-                self._instances.pop(interpreter, None)
+        self._instances.drop(interpreter)
 
     def __repr__(self) -> str:
         return f"<multipy.ReplicatedObj loaded in {len(self._instances)} interpreter(s)>"

@@ -51,7 +51,7 @@ def test_timeout_holds_the_interpreter_until_the_call_ends(raisers):
     sleep = first.global_("raisers", "sleep")
     with multipy.timeout(0.2):
         started = time.monotonic()
-        with pytest.raises(TimeoutError, match="runs on there"):
+        with pytest.raises(TimeoutError, match=r"runs \(or waits\) on there"):
             sleep(1.5, "late")
         assert time.monotonic() - started < 1.0
     first.close()
@@ -126,3 +126,33 @@ values = st.recursive(
 def test_random_structures_round_trip(raisers, args, kwargs):
     with raisers.acquire_one() as s:
         assert s.global_("raisers", "echo")(*args, **kwargs).deref() == (tuple(args), kwargs)
+
+
+def test_close_under_a_timeout_returns_every_interpreter():
+    from multipy.interpreter import capacity
+
+    m = multipy.InterpreterManager(1)
+    m.register_module_source("slow_close", "import time\ndef nap():\n    time.sleep(0.6)\n")
+    s = m.acquire_one()
+    with multipy.timeout(0.05):
+        with pytest.raises(TimeoutError):
+            s.global_("slow_close", "nap")()
+        free = capacity()["free"]
+        m.close()  # the reset queues behind the abandoned call: close does not wait
+    assert capacity()["free"] == free + 1
+    time.sleep(0.8)
+    with multipy.InterpreterManager(1) as again, again.acquire_one() as fresh:
+        with pytest.raises(ModuleNotFoundError):  # the reset ran before anything new
+            fresh.global_("slow_close", "nap")
+
+
+def test_objects_with_strange_attribute_lookup_can_be_called(raisers):
+    raisers.register_module_source("strange", (
+        "class Strange:\n"
+        "    def __getattr__(self, name):\n"
+        "        raise KeyError(name)\n"
+        "    def __call__(self):\n"
+        "        return 'called'\n"
+        "thing = Strange()\n"))
+    with raisers.acquire_one() as s:
+        assert s.global_("strange", "thing")().deref() == "called"

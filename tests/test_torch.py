@@ -44,7 +44,11 @@ def torch_manager():
             "def requires_grad(t):\n"
             "    return t.requires_grad\n"
             "def make(n):\n"
-            "    return torch.arange(n, dtype=torch.float64)\n"))
+            "    return torch.arange(n, dtype=torch.float64)\n"
+            "def hold(tensors, seconds):\n"
+            "    import time\n"
+            "    time.sleep(seconds)\n"
+            "    return len(tensors)\n"))
         yield m
 
 
@@ -343,3 +347,92 @@ def test_random_tensor_structures_round_trip(torch_manager, value):
     with torch_manager.acquire_one() as s:
         (back,), _ = s.global_("tensor_tools", "echo")(value).deref()
     assert _equal(back, value)
+
+
+def test_lent_memory_survives_the_owner_repointing_its_tensor(torch_manager):
+    t = torch.arange(4.0)
+    with torch_manager.acquire_one() as s:
+        keep = s.global_("builtins", "list")([t])  # the interpreter keeps an alias
+        t.set_(torch.zeros(2))  # the host's tensor now points elsewhere
+        assert s.global_("builtins", "repr")(keep).deref() == "[tensor([0., 1., 2., 3.])]"
+
+
+def test_views_that_an_alias_cannot_represent_are_copied(torch_manager):
+    complex_values = torch.tensor([1 + 2j, 3 - 1j])
+    read_only = np.arange(3.0)
+    read_only.flags.writeable = False
+    structured = np.zeros(2, dtype=[("a", "i4"), ("b", "f8")])
+    structured["a"] = [1, 2]
+    odd_storage = torch.zeros(3, dtype=torch.uint8)[:0].view(torch.float32)
+    values = (complex_values.conj(), torch.ones(3)._neg_view(), read_only, structured,
+              odd_storage, torch.arange(10.0)[3:7])
+    with torch_manager.acquire_one() as s:
+        (back,), _ = s.global_("tensor_tools", "echo")(values).deref()
+    assert torch.equal(back[0], complex_values.conj().resolve_conj())
+    assert torch.equal(back[1], -torch.ones(3))
+    assert np.array_equal(back[2], read_only) and not back[2].flags.writeable
+    assert back[3].dtype == structured.dtype and back[3]["a"].tolist() == [1, 2]
+    assert back[4].shape == (0,) and back[4].dtype == torch.float32
+    assert back[5].tolist() == [3.0, 4.0, 5.0, 6.0]
+
+
+def _lent_after_settling(manager) -> int:
+    """Host objects still lent once every interpreter has given back what it dropped."""
+    for interpreter in manager.all_instances():
+        with interpreter.acquire_session() as s:
+            s.global_("gc", "collect")()
+            s.global_("builtins", "abs")(-1)  # each call brings back the released tokens
+    return len(host_exports)
+
+
+def test_nothing_stays_lent_after_failed_or_abandoned_calls(torch_manager):
+    baseline = _lent_after_settling(torch_manager)
+    with torch_manager.acquire_one() as s:
+        echo = s.global_("tensor_tools", "echo")
+        with pytest.raises(Exception, match="pickle|lambda"):
+            echo(torch.ones(3), lambda: 0)  # fails while pickling, after lending the tensor
+        assert _lent_after_settling(torch_manager) == baseline
+
+        class Poison:
+            def __reduce__(self):
+                return (int, ("not a number",))  # fails while the interpreter unpickles
+
+        with pytest.raises(ValueError):
+            echo(torch.ones(3), Poison())
+        assert _lent_after_settling(torch_manager) == baseline
+
+    def give_up():  # a thread that abandons a call holding many tensors, then ends
+        with torch_manager[1].acquire_session() as s2, multipy.timeout(0.05):
+            with pytest.raises(TimeoutError):
+                s2.global_("tensor_tools", "hold")([torch.ones(2) for _ in range(3000)], 0.5)
+
+    thread = threading.Thread(target=give_up)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    import time
+
+    time.sleep(0.7)
+    with torch_manager[1].acquire_session() as s:
+        assert s.global_("builtins", "abs")(-1).deref() == 1  # not hung
+    assert _lent_after_settling(torch_manager) == baseline
+
+
+def test_replicated_object_materialises_once_under_races(torch_manager):
+    made = []
+
+    def load(interpreter):
+        made.append(interpreter)
+        import time
+
+        time.sleep(0.05)
+        return interpreter.acquire_session().global_("builtins", "object")()
+
+    replicated = multipy.ReplicatedObj(torch_manager, load)
+    threads = [threading.Thread(target=replicated._instance, args=(torch_manager[0],))
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert made == [torch_manager[0]]

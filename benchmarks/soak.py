@@ -31,7 +31,6 @@ import tempfile
 import textwrap
 import threading
 import time
-import zipfile
 
 import multipy
 from multipy.channel import host_exports

@@ -10,7 +10,7 @@ import os
 import platform
 import sysconfig
 
-from .errors import InterpreterLimitError, UnsupportedPythonError
+from .errors import UnsupportedPythonError
 
 LM_ID_NEWLM = -1
 RTLD_NOW = 0x2

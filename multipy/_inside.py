@@ -90,21 +90,6 @@ class _Unpickler(pickle.Unpickler):
         return _sharing.alias(reference, self._released.append)
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles a result: tensors and arrays are lent to the host, not copied."""
-
-    def __init__(self, file, exports: _sharing.Exports) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self._exports = exports
-        self.lent: list[int] = []
-
-    def persistent_id(self, obj):
-        record = _sharing.describe(obj, self._exports)
-        if record is not None and record[1]:
-            self.lent.append(record[1])
-        return record
-
-
 class _Interpreter:
     """State of this interpreter as the host sees it: its objects and its requests."""
 
@@ -169,12 +154,11 @@ class _Interpreter:
 
     def _dump(self, value) -> bytes:
         buffer = io.BytesIO()
-        pickler = _Pickler(buffer, self.exports)
+        pickler = _sharing.LendingPickler(buffer, self.exports)
         try:
             pickler.dump(value)
         except BaseException:
-            for token in pickler.lent:  # the result is not sent: nothing stays lent
-                self.exports.release(token)
+            pickler.take_back()  # the result is not sent: nothing stays lent
             raise
         return buffer.getvalue()
 

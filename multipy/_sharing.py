@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import pickle
 import sys
 import threading
 from typing import Any, Callable, Iterator
@@ -92,6 +93,28 @@ def _dtype_name(dtype: Any) -> str:
     if name is None:
         name = _dtype_names[dtype] = str(dtype).rpartition(".")[2]
     return name
+
+
+class LendingPickler(pickle.Pickler):
+    """Pickles a message, lending CPU tensors and arrays (see describe) instead of
+    copying them; remembers what it lent, so that a message that is not sent can take
+    it back."""
+
+    def __init__(self, file, exports: Exports) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._exports = exports
+        self._lent: list[int] = []
+
+    def persistent_id(self, obj):
+        record = describe(obj, self._exports)
+        if record is not None and record[1]:
+            self._lent.append(record[1])
+        return record
+
+    def take_back(self) -> None:
+        """Releases everything this pickler lent."""
+        for token in self._lent:
+            self._exports.release(token)
 
 
 class _Release:

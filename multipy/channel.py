@@ -174,7 +174,7 @@ def _stop_all_in_child() -> None:
     """After fork the interpreters' threads do not exist in the child: its calls and
     releases must not reach the parent's interpreters through the inherited pipes."""
     for end in list(_host_ends):
-        end._stopped = "it belongs to the parent of this forked process"
+        end._closed_because = "it belongs to the parent of this forked process"
 
 
 _host_ends: weakref.WeakSet = weakref.WeakSet()
@@ -194,7 +194,7 @@ class HostEnd:
         self._request_fd = request_fd
         self._released_fd = released_fd  # read end of the interpreter's release pipe
         self._lock = threading.RLock()  # an Obj finaliser may release while a send holds it
-        self._stopped: bool | str = False  # or why the interpreter cannot be reached
+        self._closed_because: str | None = None  # why the interpreter cannot be reached
         self._state = _STATE()  # shared with the interpreter end
         self._calls_sent = 0       # calls written, in the order the interpreter runs them
         self._last_abandoned = 0   # the latest call a caller gave up on
@@ -217,9 +217,8 @@ class HostEnd:
         """Writes one request; returns a CALL's position among the calls sent."""
         header = REQUEST.pack(kind, reply_fd, ident, address_of(data), len(data))
         with self._lock:
-            if self._stopped:
-                raise ChannelClosedError(self._stopped if isinstance(self._stopped, str) else
-                                         "the interpreter is stopped: the process is exiting")
+            if self._closed_because:
+                raise ChannelClosedError(self._closed_because)
             os.write(self._request_fd, header)
             if kind == CALL:
                 self._calls_sent += 1
@@ -272,8 +271,8 @@ class HostEnd:
     def stop(self) -> None:
         """Asks the interpreter's loop to end: calls already queued get CLOSED."""
         with self._lock:
-            if not self._stopped:
-                self._stopped = True
+            if not self._closed_because:
+                self._closed_because = "the interpreter is stopped: the process is exiting"
                 self._state[_STOPPING] = 1
                 os.write(self._request_fd, REQUEST.pack(STOP, -1, 0, 0, 0))
 

@@ -240,26 +240,17 @@ def current_timeout() -> float | None:
 
 
 
-class _Pickler(pickle.Pickler):
+class _Pickler(_sharing.LendingPickler):
     """Pickles a request: an Obj becomes a reference to the object it stands for, a CPU
     tensor or array is lent (see _sharing), not copied."""
 
     def __init__(self, file, interpreter: Interpreter) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(file, host_exports)
         self._interpreter = interpreter
-        self._lent: list[int] = []
-
-    def release_lent(self) -> None:
-        """Takes back what this pickler lent, for a request that is not sent."""
-        for token in self._lent:
-            host_exports.release(token)
 
     def persistent_id(self, obj):
         if type(obj) is not Obj:
-            record = _sharing.describe(obj, host_exports)
-            if record is not None and record[1]:
-                self._lent.append(record[1])
-            return record
+            return super().persistent_id(obj)
         owner = obj._interpreter
         if owner._closed:
             raise InterpreterClosedError(f"{obj!r} belongs to a manager that was closed")
@@ -337,7 +328,7 @@ class Interpreter:
         try:
             pickler.dump((op, args))
         except BaseException:
-            pickler.release_lent()  # nothing was sent: take back what was lent so far
+            pickler.take_back()  # nothing was sent: take back what was lent so far
             raise
         try:
             status, handle, data = self._runtime.channel.call(buffer.getvalue(), seconds)
@@ -355,7 +346,7 @@ class Interpreter:
             raise InterpreterClosedError(f"{self} is stopped: the process is exiting")
         error, arguments_read = _remote_error(data)
         if not arguments_read:  # nothing lent was aliased: take it back
-            pickler.release_lent()
+            pickler.take_back()
         raise error
 
     def _release(self, handle: int) -> None:

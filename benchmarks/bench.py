@@ -3,9 +3,11 @@ calling a model, for several ways of running Python in parallel.
 
 Strategies (each is a setup that yields one callable, shared by the n threads):
 
-- ``one_python``: 1 thread, the host interpreter, model from torch.package.PackageImporter.
+- ``one_python``: n threads calling a multipy ReplicatedObj on one interpreter (the
+  original's one_python: its manager limited to one interpreter).
 - ``multi_python``: n threads calling a multipy ReplicatedObj on n interpreters (at most 15).
-- ``threads``: n threads sharing the host interpreter's model (the GIL baseline).
+- ``threads``: n threads sharing the host interpreter's model, loaded by
+  torch.package.PackageImporter (the GIL baseline; n = 1 is plain single-thread Python).
 - ``processes``: n threads submitting to a ProcessPoolExecutor(n) whose workers each
   loaded the package; inputs and outputs are pickled, as its users do.
 - ``jit``: n threads on torch.jit.load of the TorchScript copy (models that have one).
@@ -15,7 +17,7 @@ timing each call.  torch.set_num_threads(1) and grad off everywhere (host, worke
 processes, interpreters), so the figures compare Python parallelism, not intra-op
 threads.  Each strategy's output is checked against the package's expected output first.
 Writes DIR/bench.csv (the original's columns and format, latencies in seconds) and
-DIR/bench.png, and prints a table.
+DIR/bench.png, and prints a table and the ratios of multi_python to its peers.
 
     multipy bench [--models python_heavy,simple,resnet] [--strategies ...] [--max-threads 4]
                   [--duration 1.5] [--out bench-results] [--no-plot]
@@ -103,20 +105,31 @@ def use_one_thread() -> None:
 # -- strategies: (example, n, manager) -> a context manager yielding the call ---------------
 
 @contextmanager
-def host_model(example: Example, n: int, manager: Manager | None) -> Iterator[Call]:
-    """one_python and threads: the model loaded in the host by PackageImporter."""
+def threads(example: Example, n: int, manager: Manager | None) -> Iterator[Call]:
+    """The model loaded in the host by PackageImporter."""
     yield lambda: example.host_model(*example.inputs)
+
+
+def _replicated(example: Example, interpreters: int, manager: Manager) -> Call:
+    """The ReplicatedObj, load-balanced over the manager's first ``interpreters``,
+    materialised on each of them before timing."""
+    manager.debug_limit_interpreters(interpreters)
+    for interpreter in manager.all_instances()[:interpreters]:
+        with example.replicated.acquire_session(interpreter):
+            pass
+    return lambda: example.replicated(*example.inputs)
+
+
+@contextmanager
+def one_python(example: Example, n: int, manager: Manager | None) -> Iterator[Call]:
+    """The ReplicatedObj on one interpreter, shared by the n threads."""
+    yield _replicated(example, 1, manager)
 
 
 @contextmanager
 def multi_python(example: Example, n: int, manager: Manager | None) -> Iterator[Call]:
-    """The ReplicatedObj, load-balanced over the manager's first min(n, 15) interpreters,
-    materialised on each of them before timing."""
-    manager.debug_limit_interpreters(min(n, len(manager)))
-    for interpreter in manager.all_instances()[:n]:
-        with example.replicated.acquire_session(interpreter):
-            pass
-    yield lambda: example.replicated(*example.inputs)
+    """The ReplicatedObj on min(n, 15) interpreters."""
+    yield _replicated(example, min(n, len(manager)), manager)
 
 
 _worker_model: Any = None
@@ -161,15 +174,15 @@ def jit(example: Example, n: int, manager: Manager | None) -> Iterator[Call]:
 
 
 SETUPS: dict[str, Callable[..., ContextManager[Call]]] = {
-    "one_python": host_model, "multi_python": multi_python, "threads": host_model,
+    "one_python": one_python, "multi_python": multi_python, "threads": threads,
     "processes": processes, "jit": jit,
 }
+#: Strategies that run on the manager's interpreters.
+ON_INTERPRETERS = ("one_python", "multi_python")
 
 
 def thread_counts(strategy: str, example: Example, max_threads: int) -> list[int]:
     """The n the strategy runs with on example (none for jit without a TorchScript copy)."""
-    if strategy == "one_python":
-        return [1]
     if strategy == "jit" and example.jit is None:
         return []
     return [n for n in THREAD_COUNTS if n <= max_threads]
@@ -279,9 +292,32 @@ def table(reports: list[Report]) -> Table:
     return result
 
 
+#: multi_python's peers in the ratio table: (strategy, n), None for the same n.
+PEERS = (("one_python", 1), ("one_python", None), ("threads", 1), ("threads", None),
+         ("processes", None))
+
+
+def ratios(reports: list[Report]) -> Table:
+    """multi_python's throughput at each n over each peer's (see PEERS)."""
+    rate = {(r.benchmark, r.strategy, r.n_threads): r.work_items_per_second for r in reports}
+    result = Table(title="multi_python throughput / peer's",
+                   caption="threads n=1 is plain single-thread Python")
+    for heading in ("model", "n", *(f"{s} n={n or 'same'}" for s, n in PEERS)):
+        result.add_column(heading, justify="left" if heading == "model" else "right")
+    for r in reports:
+        if r.strategy != "multi_python":
+            continue
+        cells = []
+        for strategy, n in PEERS:
+            peer = rate.get((r.benchmark, strategy, n or r.n_threads))
+            cells.append(f"{r.work_items_per_second / peer:.2f}x" if peer else "-")
+        result.add_row(r.benchmark, str(r.n_threads), *cells)
+    return result
+
+
 def plot(reports: list[Report], path: Path) -> None:
     """Per model: throughput against n, and p50 (solid) / p95 (dashed) latency against n;
-    one_python (n = 1 only) as a dotted line."""
+    plain single-thread Python (threads, n = 1) as a dotted line."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -296,11 +332,10 @@ def plot(reports: list[Report], path: Path) -> None:
             if not runs:
                 continue
             colour = colours[strategy]
-            if strategy == "one_python":  # n = 1 only: a reference line across every n
-                throughput.axhline(runs[0].work_items_per_second, color=colour, linestyle=":",
-                                   label=strategy)
-                latency.axhline(runs[0].latencies[1] * 1e3, color=colour, linestyle=":")
-                continue
+            if strategy == "threads" and runs[0].n_threads == 1:  # the reference across every n
+                throughput.axhline(runs[0].work_items_per_second, color="grey", linestyle=":",
+                                   label="plain Python, 1 thread")
+                latency.axhline(runs[0].latencies[1] * 1e3, color="grey", linestyle=":")
             n = [r.n_threads for r in runs]
             throughput.plot(n, [r.work_items_per_second for r in runs], "o-", color=colour,
                             label=strategy)
@@ -361,7 +396,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"multipy bench: unknown models {', '.join(sorted(unknown))} "
                      f"(known: {', '.join(packages)})")
         manager = (stack.enter_context(start_manager(min(args.max_threads, MAX_INTERPRETERS)))
-                   if "multi_python" in args.strategies else None)
+                   if set(ON_INTERPRETERS) & set(args.strategies) else None)
         examples = [load_example(name, packages[name], manager) for name in args.models]
         plan = [(example, strategy, n) for example in examples for strategy in args.strategies
                 for n in thread_counts(strategy, example, args.max_threads)]
@@ -377,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(reports, args.out / "bench.csv")
     console.print(table(reports))
+    console.print(ratios(reports))
     written = [args.out / "bench.csv"]
     if not args.no_plot:
         plot(reports, args.out / "bench.png")

@@ -8,6 +8,7 @@ everything here costs start-up time in every interpreter.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import importlib.abc
 import importlib.util
@@ -18,6 +19,7 @@ import pickle
 import sys
 import threading
 import traceback
+import types
 
 from . import _sharing
 from .channel import ERROR, OK, InterpreterEnd
@@ -36,6 +38,15 @@ def _strip_rtld_global() -> None:
 
     ctypes.CDLL.__init__ = init
     ctypes.RTLD_GLOBAL = 0
+
+
+#: Callables that carry their own name (``__qualname__``), as classes do.
+_FUNCTIONS = frozenset({types.FunctionType, types.BuiltinFunctionType, types.MethodType})
+
+
+def _c_text(text: str) -> bytes:
+    """text for the crash slot: at most 111 bytes and a NUL."""
+    return text.encode(errors="replace")[:111] + b"\0"
 
 
 class _NewObject:
@@ -71,23 +82,27 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         exec(compile(self.sources[name], f"<multipy:{name}>", "exec"), module.__dict__)
 
 
-class _Unpickler(pickle.Unpickler):
+class _Unpickler(_sharing.AliasingUnpickler):
     """Unpickles a request: a handle becomes the object the host holds, a lent tensor or
     array becomes an alias of the host's memory."""
 
     def __init__(self, file, objects: dict[int, object], released: list[int]) -> None:
-        super().__init__(file)
+        super().__init__(file, released.append)
         self._objects = objects
-        self._released = released
 
-    def persistent_load(self, reference):
-        if type(reference) is int:
-            try:
-                return self._objects[reference]
-            except KeyError:
-                raise LookupError(f"object #{reference} is gone from this interpreter: it was "
-                                  f"released, or the manager it came from closed") from None
-        return _sharing.alias(reference, self._released.append)
+    def find_class(self, module: str, name: str):
+        if module == _sharing.__name__ and name == "handle":
+            return functools.partial(_object, self._objects)  # not a method: see AliasingUnpickler
+        return super().find_class(module, name)
+
+
+def _object(objects: dict[int, object], number: int):
+    """The object behind a handle the host sent."""
+    try:
+        return objects[number]
+    except KeyError:
+        raise LookupError(f"object #{number} is gone from this interpreter: it was "
+                          f"released, or the manager it came from closed") from None
 
 
 class _Interpreter:
@@ -99,6 +114,7 @@ class _Interpreter:
         identity = (ctypes.c_int * 2).from_address(crash_slot)  # struct multipy_slot
         identity[0], identity[1] = threading.get_native_id(), index
         self._what = crash_slot + 8
+        self._instance_notes: dict[tuple[str, type], bytes] = {}
         self.objects: dict[int, object] = {}
         # Handles and lent tensors share one numbering, never reused, so that a release
         # names one thing and a late release is harmless.
@@ -184,16 +200,20 @@ class _Interpreter:
 
     def _note(self, op: str, args: tuple) -> None:
         """Records what this interpreter runs now, for the fatal-signal report."""
+        target = args[0] if args else None
+        kind = type(target)
         if op == "global":
-            text = f"import of {args[0]}.{args[1]}"
-        else:
-            target = args[0] if args else None
-            try:  # user objects may answer attribute lookups in any way
-                name = f"{target.__module__}.{target.__qualname__}"
+            encoded = _c_text(f"import of {args[0]}.{args[1]}")
+        elif kind in _FUNCTIONS or isinstance(target, type):  # they carry their own name
+            try:  # a metaclass may answer attribute lookups in any way
+                encoded = _c_text(f"{op} of {target.__module__}.{target.__qualname__}")
             except Exception:
-                name = f"a {type(target).__module__}.{type(target).__qualname__}"
-            text = f"{op} of {name}"
-        encoded = text.encode(errors="replace")[:111] + b"\0"
+                encoded = _c_text(f"{op} of a {kind.__module__}.{kind.__qualname__}")
+        else:  # an instance: named by its type, worked out once per type
+            encoded = self._instance_notes.get((op, kind))
+            if encoded is None:
+                encoded = _c_text(f"{op} of a {kind.__module__}.{kind.__qualname__}")
+                self._instance_notes[op, kind] = encoded
         ctypes.memmove(self._what, encoded, len(encoded))
 
     def _error(self, exc: BaseException, arguments_read: bool) -> tuple[int, int, bytes]:

@@ -12,17 +12,20 @@ Used on both sides: each has its own ``Exports`` and makes its own aliases.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import pickle
 import sys
 import threading
+import types
 from typing import Any, Callable, Iterator
 
 TORCH, NUMPY = "torch", "numpy"
 
-#: Types that are never lent: the common case, rejected before any other check.
+#: Types that are never lent: the common case, rejected before any other check
+#: (functions: a lent object's pickle names the function ``lent``).
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray, tuple,
-                    list, dict, set, frozenset})
+                    list, dict, set, frozenset, type, types.FunctionType})
 
 
 class Exports:
@@ -95,26 +98,61 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+def lent(record: tuple) -> Any:
+    """Stands for a lent tensor or array in a message: only an AliasingUnpickler can
+    read one (it makes the alias)."""
+    raise pickle.UnpicklingError("a lent tensor or array can only be read by multipy")
+
+
+def handle(number: int) -> Any:
+    """Stands for an object inside an interpreter (a host Obj) in a request: only the
+    interpreter's unpickler can read one."""
+    raise pickle.UnpicklingError("an object handle can only be read by its interpreter")
+
+
 class LendingPickler(pickle.Pickler):
     """Pickles a message, lending CPU tensors and arrays (see describe) instead of
     copying them; remembers what it lent, so that a message that is not sent can take
-    it back."""
+    it back.
+
+    Lent objects are written as a reduction to ``lent(record)``: pickle consults
+    ``reducer_override`` only for objects that are not of a built-in type, so plain
+    values cost nothing extra, and an object met twice is lent once (the memo).
+    """
 
     def __init__(self, file, exports: Exports) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._exports = exports
         self._lent: list[int] = []
 
-    def persistent_id(self, obj):
+    def reducer_override(self, obj):
         record = describe(obj, self._exports)
-        if record is not None and record[1]:
+        if record is None:
+            return NotImplemented
+        if record[1]:
             self._lent.append(record[1])
-        return record
+        return lent, (record,)
 
     def take_back(self) -> None:
         """Releases everything this pickler lent."""
         for token in self._lent:
             self._exports.release(token)
+
+
+class AliasingUnpickler(pickle.Unpickler):
+    """Unpickles a message, turning what the other side lent into aliases;
+    on_release(token) runs when an alias and all its views are gone."""
+
+    def __init__(self, file, on_release: Callable[[int], None]) -> None:
+        super().__init__(file)
+        self._on_release = on_release
+
+    def find_class(self, module: str, name: str) -> Any:
+        # What this returns stays in the memo: it must not refer to the unpickler, or the
+        # memo (and every alias in it) would live on in a cycle until a garbage collection.
+        if module == __name__ and name == "lent":
+            return functools.partial(alias, on_release=self._on_release)
+        return super().find_class(module, name)
 
 
 class _Release:

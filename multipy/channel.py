@@ -14,10 +14,13 @@ boundary, each side frees only what it allocated).
   the host has copied them.
 * A waiting side first polls its pipe for a moment, yielding the CPU between polls,
   and only then sleeps: waking a sleeping thread costs tens of microseconds on a
-  virtual machine, while a call often answers within a few.
+  virtual machine, while a call often answers within a few.  Of the host threads
+  waiting at one time, one polls and the others sleep (see _spinner).
 * Tokens of lent tensors that an interpreter no longer aliases go back on a pipe of
-  their own, which the host drains after each call; the interpreter never blocks on
-  it (what does not fit waits for the next chance).
+  their own, which the host drains after a call when a shared counter says it was
+  written to; the interpreter never blocks on it (what does not fit waits for the
+  next chance).  Not in replies: the reply to a call its caller gave up on may never
+  be read.
 * A reply that arrives for a call its caller gave up on (timeout, Ctrl-C) is
   discarded by the owner of the reply pipe; it is never delivered to another call.
   A reply that creates an object carries its handle in the header, so that
@@ -86,28 +89,44 @@ def make_pipe(size: int | None = None) -> tuple[int, int]:
 
 
 def _read(fd: int, size: int, deadline: float | None) -> bytes:
-    """Reads at most size bytes: polls for SPIN_SECONDS, then sleeps until data arrives
-    or the deadline (time.monotonic()) passes (TimeoutError)."""
+    """Reads at most size bytes: polls for SPIN_SECONDS (if no other thread of this
+    interpreter is polling), then sleeps until data arrives or the deadline
+    (time.monotonic()) passes (TimeoutError)."""
     spin_until = None
-    while True:
-        try:
-            data = os.read(fd, size)
-        except BlockingIOError:
-            now = time.monotonic()
-            if spin_until is None:
-                spin_until = now + SPIN_SECONDS
-            if now < spin_until:
-                os.sched_yield()
+    spinning = False
+    try:
+        while True:
+            try:
+                data = os.read(fd, size)
+            except BlockingIOError:
+                now = time.monotonic()
+                if spin_until is None:
+                    spinning = _spinner.acquire(blocking=False)
+                    spin_until = now + SPIN_SECONDS if spinning else now
+                if now < spin_until:
+                    os.sched_yield()
+                    continue
+                if spinning:
+                    _spinner.release()
+                    spinning = False
+                if deadline is not None and now >= deadline:
+                    raise TimeoutError("the interpreter did not answer in time") from None
+                poller = select.poll()  # unlike select(), any fd number
+                poller.register(fd, select.POLLIN)
+                poller.poll(None if deadline is None else max(0, (deadline - now) * 1000))
                 continue
-            if deadline is not None and now >= deadline:
-                raise TimeoutError("the interpreter did not answer in time") from None
-            poller = select.poll()  # unlike select(), any fd number
-            poller.register(fd, select.POLLIN)
-            poller.poll(None if deadline is None else max(0, (deadline - now) * 1000))
-            continue
-        if not data:
-            raise EOFError("channel closed")
-        return data
+            if not data:
+                raise EOFError("channel closed")
+            return data
+    finally:
+        if spinning:
+            _spinner.release()
+
+
+#: Held by the thread that polls.  Polling releases and retakes this interpreter's GIL
+#: on every try, stalling its other threads' Python (and polling threads take CPU from
+#: the interpreters): with several host threads waiting, one polls and the others sleep.
+_spinner = threading.Lock()
 
 
 def read_header(fd: int, header: struct.Struct, deadline: float | None = None) -> tuple:
@@ -121,7 +140,7 @@ def read_header(fd: int, header: struct.Struct, deadline: float | None = None) -
 _request_ids = itertools.count(1)
 
 #: The tensors and arrays the host lent to interpreters (see _sharing), until an
-#: interpreter gives their tokens back on its release pipe.
+#: interpreter gives their tokens back.
 host_exports = Exports()
 
 
@@ -182,9 +201,9 @@ os.register_at_fork(after_in_child=_stop_all_in_child)
 
 
 #: Words of host memory both ends of a channel read: set by the host (stopping), and
-#: by the interpreter (calls completed; loop finished).
-_STOPPING, _COMPLETED, _FINISHED = 0, 1, 2
-_STATE = ctypes.c_uint64 * 3
+#: by the interpreter (calls completed; loop finished; writes to the release pipe).
+_STOPPING, _COMPLETED, _FINISHED, _RELEASE_WRITES = range(4)
+_STATE = ctypes.c_uint64 * 4
 
 
 class HostEnd:
@@ -198,6 +217,7 @@ class HostEnd:
         self._state = _STATE()  # shared with the interpreter end
         self._calls_sent = 0       # calls written, in the order the interpreter runs them
         self._last_abandoned = 0   # the latest call a caller gave up on
+        self._release_writes_seen = 0  # _RELEASE_WRITES when the release pipe was last drained
         _host_ends.add(self)
 
     @property
@@ -252,7 +272,12 @@ class HostEnd:
         return status, handle, reply
 
     def drain_released(self) -> None:
-        """Frees the host objects the interpreter has given back so far; never blocks."""
+        """Frees the host objects the interpreter gave back on its release pipe; reads
+        the pipe only if the interpreter wrote to it since the last time; never blocks."""
+        writes = self._state[_RELEASE_WRITES]
+        if writes == self._release_writes_seen:
+            return
+        self._release_writes_seen = writes  # read before draining: later writes count again
         while True:
             try:
                 data = os.read(self._released_fd, 1 << 16)
@@ -292,7 +317,7 @@ class InterpreterEnd:
         self.released: list[int] = []
 
     def _send_released(self) -> None:
-        """Gives tokens back to the host; what does not fit in the pipe now waits."""
+        """Gives tokens back on the release pipe; what does not fit in it now waits."""
         batch = 4096 // TOKEN.size  # one write of at most PIPE_BUF bytes is whole
         while self.released:
             try:
@@ -300,6 +325,7 @@ class InterpreterEnd:
             except BlockingIOError:
                 return
             del self.released[:batch]
+            self._state[_RELEASE_WRITES] += 1
 
     def serve(self, handle_call: Callable[[bytes], tuple[int, int, bytes]],
               release: Callable[[int], None]) -> None:

@@ -248,9 +248,9 @@ class _Pickler(_sharing.LendingPickler):
         super().__init__(file, host_exports)
         self._interpreter = interpreter
 
-    def persistent_id(self, obj):
+    def reducer_override(self, obj):
         if type(obj) is not Obj:
-            return super().persistent_id(obj)
+            return super().reducer_override(obj)
         owner = obj._interpreter
         if owner._closed:
             raise InterpreterClosedError(f"{obj!r} belongs to a manager that was closed")
@@ -258,19 +258,7 @@ class _Pickler(_sharing.LendingPickler):
             raise WrongInterpreterError(
                 f"{obj!r} lives in {owner} and cannot be used in {self._interpreter}: "
                 f"an object belongs to the interpreter that made it")
-        return obj._handle
-
-
-class _Unpickler(pickle.Unpickler):
-    """Unpickles a result: a tensor or array the interpreter lent becomes an alias,
-    whose end is reported back to the interpreter."""
-
-    def __init__(self, file, channel: HostEnd) -> None:
-        super().__init__(file)
-        self._channel = channel
-
-    def persistent_load(self, record):
-        return _sharing.alias(record, self._channel.release)
+        return _sharing.handle, (obj._handle,)
 
 
 def _remote_error(data: bytes) -> tuple[BaseException, bool]:
@@ -341,7 +329,8 @@ class Interpreter:
         if status == OK:
             if handle:
                 return Obj(self, handle)
-            return _Unpickler(io.BytesIO(data), self._runtime.channel).load()
+            return _sharing.AliasingUnpickler(io.BytesIO(data),
+                                              self._runtime.channel.release).load()
         if status == CLOSED:
             raise InterpreterClosedError(f"{self} is stopped: the process is exiting")
         error, arguments_read = _remote_error(data)

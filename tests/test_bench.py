@@ -27,8 +27,11 @@ def test_bench_writes_csv_and_plot(tmp_path):
     assert header == HEADER
     runs = {(row[1], int(row[2])): row for row in rows}
     assert sorted(runs) == [("multi_python", 1), ("multi_python", 2), ("one_python", 1),
-                            ("threads", 1), ("threads", 2)]
+                            ("one_python", 2), ("threads", 1), ("threads", 2)]
     for row in rows:
         assert row[0] == "simple" and row[-1] == "cpu"
         assert int(row[3]) > 0 and float(row[4]) > 0, row
     assert (tmp_path / "bench.png").stat().st_size > 0
+    ratios = result.stdout[result.stdout.index("multi_python throughput / peer's"):]
+    assert [line.split()[1:4:2] for line in ratios.splitlines() if line.startswith("│ simple")] \
+        == [["simple", "1"], ["simple", "2"]]

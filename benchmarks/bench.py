@@ -12,7 +12,8 @@ Strategies (each is a setup that yields one callable, shared by the n threads):
   loaded the package; inputs and outputs are pickled, as its users do.
 - ``jit``: n threads on torch.jit.load of the TorchScript copy (models that have one).
 
-Every thread makes one warm-up call, then all call the model in a loop for the duration,
+Every thread warms up (calls for --warm-up seconds, at least once: the first calls of a
+model in an interpreter run slower), then all call the model in a loop for the duration,
 timing each call.  torch.set_num_threads(1) and grad off everywhere (host, worker
 processes, interpreters), so the figures compare Python parallelism, not intra-op
 threads.  Each strategy's output is checked against the package's expected output first.
@@ -20,7 +21,7 @@ Writes DIR/bench.csv (the original's columns and format, latencies in seconds) a
 DIR/bench.png, and prints a table and the ratios of multi_python to its peers.
 
     multipy bench [--models python_heavy,simple,resnet] [--strategies ...] [--max-threads 4]
-                  [--duration 1.5] [--out bench-results] [--no-plot]
+                  [--duration 1.5] [--warm-up 0.3] [--out bench-results] [--no-plot]
 """
 from __future__ import annotations
 
@@ -204,16 +205,20 @@ def check(actual: Any, expected: Any, what: str) -> None:
         raise AssertionError(f"{what}: output differs from expected.pkl")
 
 
-def measure(call: Call, n: int, duration: float) -> tuple[list[float], float]:
-    """Runs call on n threads: one warm-up call each, then calls until duration has passed
-    (at least one each).  Returns every timed call's latency and the elapsed seconds."""
+def measure(call: Call, n: int, duration: float, warm_up: float) -> tuple[list[float], float]:
+    """Runs call on n threads: warm-up calls for warm_up seconds (at least one) each, then
+    calls until duration has passed (at least one each).  Returns every timed call's
+    latency and the elapsed seconds."""
     start: list[float] = []
     barrier = threading.Barrier(n, action=lambda: start.append(time.perf_counter()))
 
     def loop() -> list[float]:
         torch.set_grad_enabled(False)
         try:
+            warm_until = time.perf_counter() + warm_up
             call()
+            while time.perf_counter() < warm_until:
+                call()
         except BaseException:
             barrier.abort()
             raise
@@ -241,12 +246,12 @@ def percentiles(latencies: list[float]) -> list[float]:
     return [ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))] for p in PERCENTILES]
 
 
-def run(example: Example, strategy: str, n: int, duration: float,
+def run(example: Example, strategy: str, n: int, duration: float, warm_up: float,
         manager: Manager | None) -> Report:
     """One benchmark run: set the strategy up, check its output, time it, tear it down."""
     with SETUPS[strategy](example, n, manager) as call:
         check(call(), example.expected, f"{example.name}/{strategy}")
-        latencies, elapsed = measure(call, n, duration)
+        latencies, elapsed = measure(call, n, duration, warm_up)
     return Report(example.name, strategy, n, len(latencies), len(latencies) / elapsed,
                   percentiles(latencies))
 
@@ -370,6 +375,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-threads", type=int, default=4,
                         help=f"largest n; n runs through {', '.join(map(str, THREAD_COUNTS))}")
     parser.add_argument("--duration", type=float, default=1.5, help="seconds per run")
+    parser.add_argument("--warm-up", type=float, default=0.3,
+                        help="seconds each thread calls before the timed run")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip DIR/bench.png")
     args = parser.parse_args(argv)
@@ -378,8 +385,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.strategies) - set(STRATEGIES)
     if unknown:
         parser.error(f"unknown strategies: {', '.join(sorted(unknown))}")
-    if args.max_threads < 1 or args.duration <= 0:
-        parser.error("--max-threads and --duration must be positive")
+    if args.max_threads < 1 or args.duration <= 0 or args.warm_up < 0:
+        parser.error("--max-threads and --duration must be positive, --warm-up not negative")
     return args
 
 
@@ -407,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
             task = progress.add_task("starting", total=len(plan))
             for example, strategy, n in plan:
                 progress.update(task, description=f"{example.name} {strategy} n={n}")
-                reports.append(run(example, strategy, n, args.duration, manager))
+                reports.append(run(example, strategy, n, args.duration, args.warm_up, manager))
                 progress.advance(task)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(reports, args.out / "bench.csv")

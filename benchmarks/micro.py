@@ -8,8 +8,10 @@
 - startup:   n interpreters with torch imported, against n processes importing torch.
 - memory:    ResNet-18 held by n interpreters (weights shared) against n processes each
   holding it: PSS of everything involved, and the weights' size W.
+- ceiling:   the python_heavy model looped inside n interpreters at once, no calls
+  crossing, against a loop in one host thread: the most any call path could reach.
 
-    multipy run benchmarks/micro.py [roundtrip transfer startup memory]
+    multipy run benchmarks/micro.py [roundtrip transfer startup memory ceiling]
 """
 from __future__ import annotations
 
@@ -208,6 +210,60 @@ def _interpreters_memory(n: int, path: str) -> None:
         print(host, _pss(), weights)
 
 
+_LOOP = """
+import time
+def loop(model, inputs, seconds):
+    calls, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        model(*inputs)
+        calls += 1
+    return calls / seconds
+"""
+
+
+def ceiling(counts: list[int], seconds: float = 2.0) -> None:
+    import torch
+
+    sys.path.insert(0, EXAMPLES)
+    from generate_examples import generate
+
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    print(f"\npython_heavy looped for {seconds} s inside n interpreters at once (no call "
+          f"crossing) against one host thread: calls/s")
+    with tempfile.TemporaryDirectory() as directory, \
+            multipy.InterpreterManager(max(counts)) as manager:
+        path = generate(directory, ["python_heavy"])["python_heavy"]
+        importer = torch.package.PackageImporter(path)
+        model = importer.load_pickle("model", "model.pkl")
+        inputs = importer.load_pickle("model", "example.pkl")
+        manager.register_module_source("micro_loop", _LOOP)
+        replicated = manager.load_package(path).load_pickle("model", "model.pkl")
+        loops = []
+        for interpreter in manager.all_instances():
+            with replicated.acquire_session(interpreter) as s:
+                s.global_("torch", "set_num_threads")(1)
+                s.global_("torch", "set_grad_enabled")(False)
+                loops.append((s.global_("micro_loop", "loop"), s.self))
+        host_loop = {}
+        exec(_LOOP, host_loop)
+        for n in counts:
+            host = host_loop["loop"](model, inputs, seconds)
+            rates = [0.0] * n
+
+            def run(i: int) -> None:
+                loop, instance = loops[i]
+                rates[i] = loop(instance, inputs, seconds).deref()
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            print(f"  n={n}  interpreters {sum(rates):8.1f}   one host thread {host:8.1f}   "
+                  f"ratio {sum(rates) / host:.2f}x")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a measurement in a fresh process
         {"_start_interpreters": lambda: _start_interpreters(int(sys.argv[2])),
@@ -216,14 +272,17 @@ def main() -> None:
          }[sys.argv[1]]()
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("benchmarks", nargs="*", default=["roundtrip", "transfer", "startup", "memory"])
+    parser.add_argument("benchmarks", nargs="*",
+                        default=["roundtrip", "transfer", "startup", "memory", "ceiling"])
     parser.add_argument("--calls", type=int, default=20_000, help="round trips to time (20000)")
-    parser.add_argument("--counts", default="1,2,4", help="n for startup and memory (1,2,4)")
+    parser.add_argument("--counts", default="1,2,4",
+                        help="n for startup, memory and ceiling (1,2,4)")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
     for name in args.benchmarks:
         {"roundtrip": lambda: roundtrip(args.calls), "transfer": lambda: transfer(50),
-         "startup": lambda: startup(counts), "memory": lambda: memory(counts)}[name]()
+         "startup": lambda: startup(counts), "memory": lambda: memory(counts),
+         "ceiling": lambda: ceiling(counts)}[name]()
 
 
 if __name__ == "__main__":

@@ -53,7 +53,8 @@ TOKEN = struct.Struct("=Q")
 
 #: How long a waiting side polls before it sleeps.  Longer polls catch the replies of
 #: longer calls, but polling callers take CPU from the interpreters (measured: worse
-#: throughput with two interpreters on two cores).
+#: throughput with two interpreters on two cores).  An interpreter polls only while
+#: its requests come within this time of its replies (see InterpreterEnd.serve).
 SPIN_SECONDS = 100e-6
 #: Room in an interpreter's request pipe: thousands of headers before a writer blocks.
 REQUEST_PIPE_SIZE = 1 << 20
@@ -88,8 +89,8 @@ def make_pipe(size: int | None = None) -> tuple[int, int]:
     return read_fd, write_fd
 
 
-def _read(fd: int, size: int, deadline: float | None) -> bytes:
-    """Reads at most size bytes: polls for SPIN_SECONDS (if no other thread of this
+def _read(fd: int, size: int, deadline: float | None, spin: float) -> bytes:
+    """Reads at most size bytes: polls for spin seconds (if no other thread of this
     interpreter is polling), then sleeps until data arrives or the deadline
     (time.monotonic()) passes (TimeoutError)."""
     spin_until = None
@@ -101,8 +102,8 @@ def _read(fd: int, size: int, deadline: float | None) -> bytes:
             except BlockingIOError:
                 now = time.monotonic()
                 if spin_until is None:
-                    spinning = _spinner.acquire(blocking=False)
-                    spin_until = now + SPIN_SECONDS if spinning else now
+                    spinning = spin > 0 and _spinner.acquire(blocking=False)
+                    spin_until = now + spin if spinning else now
                 if now < spin_until:
                     os.sched_yield()
                     continue
@@ -129,11 +130,12 @@ def _read(fd: int, size: int, deadline: float | None) -> bytes:
 _spinner = threading.Lock()
 
 
-def read_header(fd: int, header: struct.Struct, deadline: float | None = None) -> tuple:
+def read_header(fd: int, header: struct.Struct, deadline: float | None = None,
+                spin: float | None = None) -> tuple:
     """Reads one whole header (headers are written atomically; the loop is defensive)."""
-    data = _read(fd, header.size, deadline)
+    data = _read(fd, header.size, deadline, SPIN_SECONDS if spin is None else spin)
     while len(data) < header.size:
-        data += _read(fd, header.size - len(data), None)
+        data += _read(fd, header.size - len(data), None, SPIN_SECONDS)
     return header.unpack(data)
 
 
@@ -331,10 +333,17 @@ class InterpreterEnd:
               release: Callable[[int], None]) -> None:
         """Runs until STOP: each CALL's payload goes to handle_call, whose
         (status, new object handle, bytes) is sent back to the caller's reply pipe.
-        handle_call must not raise; a reply that cannot be written is dropped."""
+        handle_call must not raise; a reply that cannot be written is dropped.
+
+        After a reply it polls for the next request only if the last one came within
+        SPIN_SECONDS of the reply before it: for calls that come far apart (a host thread
+        that has more to do between calls) polling only takes CPU from other threads."""
+        spin, replied = SPIN_SECONDS, time.monotonic()
         while True:
-            kind, reply_fd, ident, address, length = read_header(self._request_fd, REQUEST)
+            kind, reply_fd, ident, address, length = read_header(self._request_fd, REQUEST,
+                                                                 spin=spin)
             if kind == CALL:
+                spin = SPIN_SECONDS if time.monotonic() - replied < SPIN_SECONDS else 0.0
                 if self._state[_STOPPING]:  # the process is exiting: drop what is queued
                     status, handle, data = CLOSED, 0, b""
                 else:
@@ -346,6 +355,7 @@ class InterpreterEnd:
                                                   status))
                 except OSError:
                     pass  # the caller's pipe is gone: nobody waits for this reply
+                replied = time.monotonic()
                 self._state[_COMPLETED] += 1
             elif kind == RELEASE:
                 release(ident)

@@ -19,7 +19,6 @@ import pickle
 import sys
 import threading
 import traceback
-import types
 
 from . import _sharing
 from .channel import ERROR, OK, InterpreterEnd
@@ -40,13 +39,15 @@ def _strip_rtld_global() -> None:
     ctypes.RTLD_GLOBAL = 0
 
 
-#: Callables that carry their own name (``__qualname__``), as classes do.
-_FUNCTIONS = frozenset({types.FunctionType, types.BuiltinFunctionType, types.MethodType})
-
-
-def _c_text(text: str) -> bytes:
-    """text for the crash slot: at most 111 bytes and a NUL."""
-    return text.encode(errors="replace")[:111] + b"\0"
+def _name(target) -> str:
+    """target's own dotted name if it has one (functions, classes), else its type's.
+    Never runs a __getattr__ (nn.Module's raises, slowly, on every call)."""
+    try:
+        own = object.__getattribute__(target, "__qualname__")
+        return f"{object.__getattribute__(target, '__module__')}.{own}"
+    except AttributeError:
+        kind = type(target)
+        return f"a {kind.__module__}.{kind.__qualname__}"
 
 
 class _NewObject:
@@ -114,7 +115,6 @@ class _Interpreter:
         identity = (ctypes.c_int * 2).from_address(crash_slot)  # struct multipy_slot
         identity[0], identity[1] = threading.get_native_id(), index
         self._what = crash_slot + 8
-        self._instance_notes: dict[tuple[str, type], bytes] = {}
         self.objects: dict[int, object] = {}
         # Handles and lent tensors share one numbering, never reused, so that a release
         # names one thing and a late release is harmless.
@@ -200,20 +200,12 @@ class _Interpreter:
 
     def _note(self, op: str, args: tuple) -> None:
         """Records what this interpreter runs now, for the fatal-signal report."""
-        target = args[0] if args else None
-        kind = type(target)
-        if op == "global":
-            encoded = _c_text(f"import of {args[0]}.{args[1]}")
-        elif kind in _FUNCTIONS or isinstance(target, type):  # they carry their own name
-            try:  # a metaclass may answer attribute lookups in any way
-                encoded = _c_text(f"{op} of {target.__module__}.{target.__qualname__}")
-            except Exception:
-                encoded = _c_text(f"{op} of a {kind.__module__}.{kind.__qualname__}")
-        else:  # an instance: named by its type, worked out once per type
-            encoded = self._instance_notes.get((op, kind))
-            if encoded is None:
-                encoded = _c_text(f"{op} of a {kind.__module__}.{kind.__qualname__}")
-                self._instance_notes[op, kind] = encoded
+        try:
+            text = f"import of {args[0]}.{args[1]}" if op == "global" else \
+                f"{op} of {_name(args[0] if args else None)}"
+        except Exception:  # user objects may answer attribute lookups in any way
+            text = op
+        encoded = text.encode(errors="replace")[:111] + b"\0"
         ctypes.memmove(self._what, encoded, len(encoded))
 
     def _error(self, exc: BaseException, arguments_read: bool) -> tuple[int, int, bytes]:

@@ -15,7 +15,7 @@ boundary, each side frees only what it allocated).
 * A waiting side first polls its pipe for a moment, yielding the CPU between polls,
   and only then sleeps: waking a sleeping thread costs tens of microseconds on a
   virtual machine, while a call often answers within a few.  Of the host threads
-  waiting at one time, one polls and the others sleep (see _spinner).
+  waiting at one time, one polls and the others sleep (see _polling_until).
 * Tokens of lent tensors that an interpreter no longer aliases go back on a pipe of
   their own, which the host drains after a call when a shared counter says it was
   written to; the interpreter never blocks on it (what does not fit waits for the
@@ -41,8 +41,9 @@ from typing import Callable
 
 from ._sharing import Exports
 
-#: kind, reply fd, request id (or handle id for RELEASE), payload address, payload length
-REQUEST = struct.Struct("=IiQQQ")
+#: kind, reply fd, request id (or handle id for RELEASE), payload address, payload
+#: length, when it was sent (time.monotonic())
+REQUEST = struct.Struct("=IiQQQd")
 #: request id, new object handle (0: none), payload address, payload length, status
 REPLY = struct.Struct("=QQQQI")
 
@@ -93,41 +94,39 @@ def _read(fd: int, size: int, deadline: float | None, spin: float) -> bytes:
     """Reads at most size bytes: polls for spin seconds (if no other thread of this
     interpreter is polling), then sleeps until data arrives or the deadline
     (time.monotonic()) passes (TimeoutError)."""
+    global _polling_until
     spin_until = None
-    spinning = False
-    try:
-        while True:
-            try:
-                data = os.read(fd, size)
-            except BlockingIOError:
-                now = time.monotonic()
-                if spin_until is None:
-                    spinning = spin > 0 and _spinner.acquire(blocking=False)
-                    spin_until = now + spin if spinning else now
-                if now < spin_until:
-                    os.sched_yield()
-                    continue
-                if spinning:
-                    _spinner.release()
-                    spinning = False
-                if deadline is not None and now >= deadline:
-                    raise TimeoutError("the interpreter did not answer in time") from None
-                poller = select.poll()  # unlike select(), any fd number
-                poller.register(fd, select.POLLIN)
-                poller.poll(None if deadline is None else max(0, (deadline - now) * 1000))
+    while True:
+        try:
+            data = os.read(fd, size)
+        except BlockingIOError:
+            now = time.monotonic()
+            if spin_until is None:
+                spin_until = now + spin if spin > 0 and now >= _polling_until else now
+                if spin_until > now:
+                    _polling_until = spin_until
+            if now < spin_until:
+                os.sched_yield()
                 continue
-            if not data:
-                raise EOFError("channel closed")
-            return data
-    finally:
-        if spinning:
-            _spinner.release()
+            if deadline is not None and now >= deadline:
+                raise TimeoutError("the interpreter did not answer in time") from None
+            poller = select.poll()  # unlike select(), any fd number
+            poller.register(fd, select.POLLIN)
+            poller.poll(None if deadline is None else max(0, (deadline - now) * 1000))
+            continue
+        if spin_until and _polling_until == spin_until:
+            _polling_until = 0.0  # done polling: another thread may
+        if not data:
+            raise EOFError("channel closed")
+        return data
 
 
-#: Held by the thread that polls.  Polling releases and retakes this interpreter's GIL
-#: on every try, stalling its other threads' Python (and polling threads take CPU from
-#: the interpreters): with several host threads waiting, one polls and the others sleep.
-_spinner = threading.Lock()
+#: Until when (time.monotonic()) a thread of this interpreter polls.  Polling releases
+#: and retakes the GIL on every try, stalling the interpreter's other threads' Python
+#: (and polling threads take CPU from the interpreters): with several host threads
+#: waiting, one polls and the others sleep.  A deadline, not a lock: nothing is left
+#: held when an exception interrupts a poll.
+_polling_until = 0.0
 
 
 def read_header(fd: int, header: struct.Struct, deadline: float | None = None,
@@ -237,7 +236,8 @@ class HostEnd:
 
     def _send(self, kind: int, reply_fd: int, ident: int, data: bytes) -> int:
         """Writes one request; returns a CALL's position among the calls sent."""
-        header = REQUEST.pack(kind, reply_fd, ident, address_of(data), len(data))
+        header = REQUEST.pack(kind, reply_fd, ident, address_of(data), len(data),
+                              time.monotonic())
         with self._lock:
             if self._closed_because:
                 raise ChannelClosedError(self._closed_because)
@@ -276,14 +276,14 @@ class HostEnd:
     def drain_released(self) -> None:
         """Frees the host objects the interpreter gave back on its release pipe; reads
         the pipe only if the interpreter wrote to it since the last time; never blocks."""
-        writes = self._state[_RELEASE_WRITES]
+        writes = self._state[_RELEASE_WRITES]  # read before draining: later writes count again
         if writes == self._release_writes_seen:
             return
-        self._release_writes_seen = writes  # read before draining: later writes count again
         while True:
             try:
                 data = os.read(self._released_fd, 1 << 16)
             except BlockingIOError:
+                self._release_writes_seen = writes  # not before: an interrupted drain repeats
                 return
             for (token,) in TOKEN.iter_unpack(data):  # tokens are written whole
                 host_exports.release(token)
@@ -301,7 +301,7 @@ class HostEnd:
             if not self._closed_because:
                 self._closed_because = "the interpreter is stopped: the process is exiting"
                 self._state[_STOPPING] = 1
-                os.write(self._request_fd, REQUEST.pack(STOP, -1, 0, 0, 0))
+                os.write(self._request_fd, REQUEST.pack(STOP, -1, 0, 0, 0, 0.0))
 
 
 class InterpreterEnd:
@@ -335,15 +335,15 @@ class InterpreterEnd:
         (status, new object handle, bytes) is sent back to the caller's reply pipe.
         handle_call must not raise; a reply that cannot be written is dropped.
 
-        After a reply it polls for the next request only if the last one came within
+        After a reply it polls for the next request only if the last one was sent within
         SPIN_SECONDS of the reply before it: for calls that come far apart (a host thread
         that has more to do between calls) polling only takes CPU from other threads."""
         spin, replied = SPIN_SECONDS, time.monotonic()
         while True:
-            kind, reply_fd, ident, address, length = read_header(self._request_fd, REQUEST,
-                                                                 spin=spin)
+            kind, reply_fd, ident, address, length, sent = read_header(
+                self._request_fd, REQUEST, spin=spin)
             if kind == CALL:
-                spin = SPIN_SECONDS if time.monotonic() - replied < SPIN_SECONDS else 0.0
+                spin = SPIN_SECONDS if sent - replied < SPIN_SECONDS else 0.0
                 if self._state[_STOPPING]:  # the process is exiting: drop what is queued
                     status, handle, data = CLOSED, 0, b""
                 else:

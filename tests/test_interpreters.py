@@ -133,6 +133,27 @@ def test_released_object_is_reported_clearly(sessions):
     stale._interpreter = None  # it owns nothing: keep its finaliser quiet
 
 
+def test_objects_that_answer_lookups_oddly_can_be_called(manager, sessions):
+    # What an interpreter notes for its crash report must not depend on the target's
+    # class being hashable or on its __getattr__.
+    manager.register_module_source("odd_objects", (
+        "class Meta(type):\n"
+        "    def __eq__(cls, other):\n"  # makes its classes unhashable
+        "        return cls is other\n"
+        "class Point(metaclass=Meta):\n"
+        "    def __call__(self):\n"
+        "        return 5\n"
+        "class Loud:\n"
+        "    def __getattr__(self, name):\n"
+        "        raise RuntimeError(name)\n"
+        "    def __call__(self):\n"
+        "        return 6\n"))
+    s = sessions[0]
+    point = s.global_("odd_objects", "Point")()
+    assert point.hasattr("__call__") and point().deref() == 5
+    assert s.global_("odd_objects", "Loud")()().deref() == 6
+
+
 def test_missing_module_and_attribute(sessions):
     with pytest.raises(ModuleNotFoundError, match="no_such_module"):
         sessions[0].global_("no_such_module", "x")

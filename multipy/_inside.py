@@ -12,7 +12,6 @@ import functools
 import importlib
 import importlib.abc
 import importlib.util
-import io
 import itertools
 import os
 import pickle
@@ -87,8 +86,8 @@ class _Unpickler(_sharing.AliasingUnpickler):
     """Unpickles a request: a handle becomes the object the host holds, a lent tensor or
     array becomes an alias of the host's memory."""
 
-    def __init__(self, file, objects: dict[int, object], released: list[int]) -> None:
-        super().__init__(file, released.append)
+    def __init__(self, data: bytes, objects: dict[int, object], released: list[int]) -> None:
+        super().__init__(data, released.append)
         self._objects = objects
 
     def find_class(self, module: str, name: str):
@@ -166,17 +165,7 @@ class _Interpreter:
     # -- plumbing --
 
     def _load(self, data: bytes):
-        return _Unpickler(io.BytesIO(data), self.objects, self._released).load()
-
-    def _dump(self, value) -> bytes:
-        buffer = io.BytesIO()
-        pickler = _sharing.LendingPickler(buffer, self.exports)
-        try:
-            pickler.dump(value)
-        except BaseException:
-            pickler.take_back()  # the result is not sent: nothing stays lent
-            raise
-        return buffer.getvalue()
+        return _Unpickler(data, self.objects, self._released).load()
 
     def handle_call(self, data: bytes) -> tuple[int, int, bytes]:
         arguments_read = False
@@ -189,7 +178,7 @@ class _Interpreter:
                 handle = next(self._ids)
                 self.objects[handle] = result.value
                 return OK, handle, b""
-            return OK, 0, self._dump(result)
+            return OK, 0, _sharing.LendingPickler(self.exports).dumps(result)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
             try:
                 return self._error(exc, arguments_read)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import io
 import itertools
 import pickle
 import sys
@@ -120,10 +121,20 @@ class LendingPickler(pickle.Pickler):
     values cost nothing extra, and an object met twice is lent once (the memo).
     """
 
-    def __init__(self, file, exports: Exports) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+    def __init__(self, exports: Exports) -> None:
+        self._buffer = io.BytesIO()
+        super().__init__(self._buffer, protocol=pickle.HIGHEST_PROTOCOL)
         self._exports = exports
         self._lent: list[int] = []
+
+    def dumps(self, value: Any) -> bytes:
+        """The message for value; if pickling fails, nothing stays lent."""
+        try:
+            self.dump(value)
+        except BaseException:
+            self.take_back()
+            raise
+        return self._buffer.getvalue()
 
     def reducer_override(self, obj):
         record = describe(obj, self._exports)
@@ -140,11 +151,11 @@ class LendingPickler(pickle.Pickler):
 
 
 class AliasingUnpickler(pickle.Unpickler):
-    """Unpickles a message, turning what the other side lent into aliases;
+    """Unpickles a message (``load()``), turning what the other side lent into aliases;
     on_release(token) runs when an alias and all its views are gone."""
 
-    def __init__(self, file, on_release: Callable[[int], None]) -> None:
-        super().__init__(file)
+    def __init__(self, data: bytes, on_release: Callable[[int], None]) -> None:
+        super().__init__(io.BytesIO(data))
         self._on_release = on_release
 
     def find_class(self, module: str, name: str) -> Any:

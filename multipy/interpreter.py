@@ -12,7 +12,6 @@ import contextlib
 import ctypes
 import functools
 import importlib.util
-import io
 import os
 import pickle
 import sys
@@ -239,13 +238,12 @@ def current_timeout() -> float | None:
     return getattr(_thread, "timeout", None)
 
 
-
 class _Pickler(_sharing.LendingPickler):
     """Pickles a request: an Obj becomes a reference to the object it stands for, a CPU
     tensor or array is lent (see _sharing), not copied."""
 
-    def __init__(self, file, interpreter: Interpreter) -> None:
-        super().__init__(file, host_exports)
+    def __init__(self, interpreter: Interpreter) -> None:
+        super().__init__(host_exports)
         self._interpreter = interpreter
 
     def reducer_override(self, obj):
@@ -311,15 +309,10 @@ class Interpreter:
     def _send(self, op: str, args: tuple, timeout: Any = "thread") -> Any:
         """timeout: seconds, None for none, or "thread" for the thread's multipy.timeout."""
         seconds = current_timeout() if timeout == "thread" else timeout
-        buffer = io.BytesIO()
-        pickler = _Pickler(buffer, self)
+        pickler = _Pickler(self)
+        message = pickler.dumps((op, args))
         try:
-            pickler.dump((op, args))
-        except BaseException:
-            pickler.take_back()  # nothing was sent: take back what was lent so far
-            raise
-        try:
-            status, handle, data = self._runtime.channel.call(buffer.getvalue(), seconds)
+            status, handle, data = self._runtime.channel.call(message, seconds)
         except ChannelClosedError as error:
             raise InterpreterClosedError(f"{self}: {error}") from None
         except TimeoutError:
@@ -329,8 +322,7 @@ class Interpreter:
         if status == OK:
             if handle:
                 return Obj(self, handle)
-            return _sharing.AliasingUnpickler(io.BytesIO(data),
-                                              self._runtime.channel.release).load()
+            return _sharing.AliasingUnpickler(data, self._runtime.channel.release).load()
         if status == CLOSED:
             raise InterpreterClosedError(f"{self} is stopped: the process is exiting")
         error, arguments_read = _remote_error(data)

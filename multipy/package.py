@@ -106,14 +106,7 @@ class Package:
     def acquire_session(self) -> InterpreterSession:
         """A session on an interpreter the load balancer picks, whose ``self`` is this
         package's importer there."""
-        session = self._manager.acquire_one()
-        try:
-            session.self = self._importer(session.interpreter)
-        except BaseException:
-            session.close()
-            raise
-        session._package = self
-        return session
+        return self._manager.acquire_one()._about(self._importer, self)
 
     def __repr__(self) -> str:
         return f"<multipy.Package {self.name}>"

@@ -90,13 +90,7 @@ class ReplicatedObj:
         """A session on interpreter (or one the load balancer picks) whose ``self`` is
         this object in that interpreter."""
         session = self._manager.acquire_one() if interpreter is None else interpreter.acquire_session()
-        try:
-            session.self = self._instance(session.interpreter)
-        except BaseException:
-            session.close()
-            raise
-        session._package = self._package
-        return session
+        return session._about(self._instance, self._package)
 
     def unload(self, interpreter: Interpreter | None = None) -> None:
         """Drops the copy in interpreter, or in all; a later use materialises it again."""

@@ -87,6 +87,17 @@ class InterpreterSession:
         """Whether obj lives in this session's interpreter."""
         return isinstance(obj, Obj) and obj.interpreter is self._interpreter
 
+    def _about(self, make_self, package) -> InterpreterSession:
+        """This session, with ``self`` set to make_self(interpreter) and the package it
+        came from; closed if making ``self`` fails."""
+        try:
+            self.self = make_self(self._interpreter)
+        except BaseException:
+            self.close()
+            raise
+        self._package = package
+        return self
+
     def close(self) -> None:
         """Hands the interpreter back to the load balancer; idempotent."""
         if not self._closed:

@@ -33,7 +33,7 @@ import threading
 import time
 
 import multipy
-from multipy.channel import host_exports
+from multipy._runtime import exports as host_exports
 
 try:
     import torch

@@ -1,33 +1,134 @@
 /*
- * The only C in multipy: a plain shared library that the host loads into each
- * interpreter's link-map namespace, after that namespace's libpython.
+ * The C inside each interpreter: a plain shared library that the host loads into the
+ * interpreter's link-map namespace right after the namespace's libpython, so that every
+ * Py* symbol here is that interpreter's (docs/design.md).
  *
- * Its single job is to start the interpreter's thread with the namespace's own
- * pthread_create (a thread must never run two namespaces' Python: DESIGN.md 3.1),
- * initialise CPython on that thread, run the Python entry code given by the host
- * until it returns, and finalise.  All Py* symbols resolve to the namespace's
- * libpython, which is the namespace's root object.
+ * - multipy_start partitions this namespace's pthread keys, then starts the
+ *   interpreter's own thread, which initialises CPython, runs the entry code, and
+ *   waits without the GIL until the host stops it; then it finalises.
+ * - multipy_enter runs one request on the calling host thread: it takes this
+ *   interpreter's GIL with the thread's own state here (made on first entry, kept until
+ *   the thread exits: multipy_forget), calls the Python handler, and gives the GIL back.
+ * - multipy_cancel raises an exception in a call that another thread runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <ctype.h>
+#include <errno.h>
 #include <pthread.h>
-#include <stdio.h>
 #include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
-/* Owned by the host, which keeps it alive until the thread has been joined. */
-struct multipy_start {
-    const char *program; /* the host's sys.executable: gives the same prefix, venv and site */
-    const char *code;    /* Python source run in __main__ once initialised */
-    int error_fd;        /* receives a message if initialisation fails */
+#include "_entry.h"
+
+enum { STARTING, SERVING, STOPPING };
+
+/* A call in progress, on its thread's stack; the list is guarded by the GIL. */
+struct call {
+    struct call *next;
+    unsigned long thread;
+    uint64_t serial;
+    int cancelled;
 };
+
+struct runtime {
+    char *program;     /* the host's sys.executable: the same prefix, venv and site */
+    char *code;        /* run in __main__ once initialised; binds `handler` */
+    int status_fd;     /* gets "ready", or why the interpreter could not start */
+    int stop_fd;       /* the thread waits on it, then finalises */
+    pthread_t thread;
+    PyObject *handler; /* handler(request, releases) -> (status, handle, payload, released) */
+    atomic_int state;
+    atomic_int active; /* entries in progress: stopping waits for none */
+    struct call *calls;
+    /* This namespace's libc sets its <ctype.h> tables per thread when its own
+     * pthread_create starts a thread; a host thread gets them at its first entry. */
+    const unsigned short *ctype_b;
+    const int *ctype_tolower, *ctype_toupper;
+};
+
+static __thread PyThreadState *own_state;         /* this thread's state here */
+static __thread PyObject *last_reply;             /* alive until the host has copied it */
+static __thread struct multipy_record *record;    /* this thread's line in the crash report */
+static PyObject *cancelled_type;                  /* raised in a call by a timeout */
+
+/* -- the module that the interpreter's own Python sees as _multipy_bootstrap -- */
+
+static PyObject *note(PyObject *module, PyObject *text)
+{
+    (void)module;
+    if (!PyBytes_Check(text)) {
+        PyErr_SetString(PyExc_TypeError, "note() takes bytes");
+        return NULL;
+    }
+    if (record)
+        record->what = PyBytes_AS_STRING(text); /* the caller keeps text alive */
+    Py_RETURN_NONE;
+}
+
+static PyObject *next_key(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    pthread_key_t key;
+    int error = pthread_key_create(&key, NULL);
+    if (error)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    pthread_key_delete(key);
+    return PyLong_FromUnsignedLong(key);
+}
+
+static PyObject *thread_states(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    long count = 0;
+    PyThreadState *state = PyInterpreterState_ThreadHead(PyInterpreterState_Get());
+    for (; state; state = PyThreadState_Next(state))
+        count++;
+    return PyLong_FromLong(count);
+}
+
+static PyMethodDef methods[] = {
+    {"note", note, METH_O,
+     "note(text: bytes): what this thread runs now, for the fatal-signal report; the "
+     "caller keeps text alive while it runs"},
+    {"next_key", next_key, METH_NOARGS,
+     "next_key() -> int: the pthread key this namespace's libc would hand out next"},
+    {"thread_states", thread_states, METH_NOARGS,
+     "thread_states() -> int: how many thread states this interpreter has"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_multipy_bootstrap",
+    "What multipy's C gives the code inside an interpreter.", -1, methods,
+};
+
+static PyObject *init_module(void)
+{
+    PyObject *module = PyModule_Create(&module_def);
+    if (!module)
+        return NULL;
+    cancelled_type = PyErr_NewExceptionWithDoc(
+        "_multipy_bootstrap.CallCancelled",
+        "Raised in a call whose caller gave up on it (multipy.timeout).",
+        PyExc_BaseException, NULL);
+    if (!cancelled_type || PyModule_AddObjectRef(module, "CallCancelled", cancelled_type) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
+
+/* -- the interpreter's own thread -- */
 
 static void *interpreter_thread(void *arg)
 {
-    struct multipy_start *start = arg;
+    struct runtime *rt = arg;
     /* Signals sent to the process are the host's: leave them to host threads. */
     sigset_t blocked;
     sigfillset(&blocked);
@@ -36,33 +137,114 @@ static void *interpreter_thread(void *arg)
         sigdelset(&blocked, synchronous[i]);
     pthread_sigmask(SIG_BLOCK, &blocked, NULL);
 
+    PyImport_AppendInittab("_multipy_bootstrap", init_module);
     PyConfig config;
     PyConfig_InitPythonConfig(&config);
     config.install_signal_handlers = 0; /* signal dispositions belong to the host */
     config.parse_argv = 0;
-    PyStatus status = PyConfig_SetBytesString(&config, &config.program_name, start->program);
+    PyStatus status = PyConfig_SetBytesString(&config, &config.program_name, rt->program);
     if (!PyStatus_Exception(status))
         status = Py_InitializeFromConfig(&config);
     PyConfig_Clear(&config);
     if (PyStatus_Exception(status)) {
-        dprintf(start->error_fd, "%s: %s", status.func ? status.func : "Py_InitializeFromConfig",
+        dprintf(rt->status_fd, "%s: %s", status.func ? status.func : "Py_InitializeFromConfig",
                 status.err_msg ? status.err_msg : "failed");
         return NULL;
     }
-    if (PyRun_SimpleString(start->code) != 0)
-        dprintf(start->error_fd, "the interpreter's entry code failed (traceback on stderr)");
+    if (PyRun_SimpleString(rt->code) != 0
+        || !(rt->handler = PyObject_GetAttrString(PyImport_AddModule("__main__"), "handler"))) {
+        PyErr_Clear();
+        dprintf(rt->status_fd, "the interpreter's entry code failed (traceback on stderr)");
+        Py_FinalizeEx();
+        return NULL;
+    }
+    rt->ctype_b = *__ctype_b_loc();
+    rt->ctype_tolower = *__ctype_tolower_loc();
+    rt->ctype_toupper = *__ctype_toupper_loc();
+    PyThreadState *main_state = PyEval_SaveThread();
+    atomic_store(&rt->state, SERVING);
+    dprintf(rt->status_fd, "ready");
+    char byte;
+    while (read(rt->stop_fd, &byte, 1) < 0 && errno == EINTR)
+        ;
+    PyEval_RestoreThread(main_state);
     Py_FinalizeEx();
     return NULL;
 }
 
-/* Starts the interpreter's thread; returns 0 or an errno value. */
-int multipy_start(struct multipy_start *start, pthread_t *thread)
+/*
+ * Makes this namespace's libc hand out pthread keys from `first` to first + 30: takes
+ * every free key up to first + 31, keeps those below first and first + 31 itself (the
+ * host holds its own key of that number: docs/design.md), gives back the rest.
+ */
+static int partition_keys(unsigned first, char *error, size_t size)
 {
-    return pthread_create(thread, NULL, interpreter_thread, start);
+    unsigned last = first + MULTIPY_KEY_BLOCK - 1;
+    char taken[MULTIPY_KEY_BLOCK] = {0};
+    pthread_key_t key;
+    do {
+        int failed = pthread_key_create(&key, NULL);
+        if (failed) {
+            snprintf(error, size, "pthread_key_create: %s", strerror(failed));
+            return -1;
+        }
+        if (key >= first && key <= last)
+            taken[key - first] = 1;
+    } while (key < last);
+    if (key != last) {
+        pthread_key_delete(key);
+        snprintf(error, size, "this namespace's pthread keys already reach %u, above %u",
+                 (unsigned)key, last);
+        return -1;
+    }
+    for (unsigned i = 0; i < MULTIPY_KEY_BLOCK - 1; i++) {
+        if (!taken[i]) {
+            snprintf(error, size, "pthread key %u of this namespace was already in use", first + i);
+            return -1;
+        }
+        pthread_key_delete(first + i);
+    }
+    return 0;
+}
+
+/*
+ * Partitions the keys and starts the interpreter's thread; returns the runtime, or
+ * NULL with the reason in error.  Readiness (or failure) comes on status_fd.
+ */
+void *multipy_start(const char *program, const char *code, unsigned first_key, int status_fd,
+                    int stop_fd, char *error, size_t size)
+{
+    if (partition_keys(first_key, error, size) != 0)
+        return NULL;
+    struct runtime *rt = calloc(1, sizeof *rt); /* lives as long as the process */
+    if (!rt || !(rt->program = strdup(program)) || !(rt->code = strdup(code))) {
+        snprintf(error, size, "out of memory");
+        return NULL;
+    }
+    rt->status_fd = status_fd;
+    rt->stop_fd = stop_fd;
+    atomic_init(&rt->state, STARTING);
+    int failed = pthread_create(&rt->thread, NULL, interpreter_thread, rt);
+    if (failed) {
+        snprintf(error, size, "cannot start the interpreter's thread: %s", strerror(failed));
+        return NULL;
+    }
+    return rt;
+}
+
+/* Refuses entries from now on; the host then waits for multipy_active to reach 0. */
+void multipy_stop(void *runtime)
+{
+    atomic_store(&((struct runtime *)runtime)->state, STOPPING);
+}
+
+int multipy_active(void *runtime)
+{
+    return atomic_load(&((struct runtime *)runtime)->active);
 }
 
 /* Waits up to timeout seconds for the thread to end; returns 0, ETIMEDOUT or an errno value. */
-int multipy_join(pthread_t thread, double timeout)
+int multipy_join(void *runtime, double timeout)
 {
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
@@ -72,104 +254,154 @@ int multipy_join(pthread_t thread, double timeout)
         deadline.tv_sec += 1;
         deadline.tv_nsec -= 1000000000L;
     }
-    return pthread_timedjoin_np(thread, NULL, &deadline);
+    return pthread_timedjoin_np(((struct runtime *)runtime)->thread, NULL, &deadline);
 }
 
-/*
- * Loaded into the host's own namespace.  Once armed, the process leaves through
- * _exit with exit()'s status before glibc runs any library destructor: used when an
- * interpreter could not be stopped, because its libraries' destructors would wait
- * for a GIL that its still-running thread holds (DESIGN.md 3.7).
- */
-static void exit_now(int status, void *unused)
+/* -- entering from host threads -- */
+
+static int admit(struct runtime *rt)
 {
-    (void)unused;
-    fflush(NULL);
-    _exit(status);
+    atomic_fetch_add(&rt->active, 1);
+    if (atomic_load(&rt->state) == SERVING)
+        return 1;
+    atomic_fetch_sub(&rt->active, 1);
+    return 0;
 }
 
-int multipy_skip_destructors_at_exit(void)
+void multipy_leave(void *runtime)
 {
-    return on_exit(exit_now, NULL);
+    atomic_fetch_sub(&((struct runtime *)runtime)->active, 1);
 }
 
-/*
- * Fatal-signal report, installed in the host's namespace.  A crash in one interpreter
- * takes the whole process down (one address space); before it does, this names the
- * interpreter and the call it was running.  Each interpreter's thread fills its slot:
- * its kernel thread id once, and a short description before each call.
- */
-struct multipy_slot {
-    volatile int tid;
-    int index;
-    char what[112];
-};
-
-#define MULTIPY_SLOTS 16
-static struct multipy_slot slots[MULTIPY_SLOTS];
-static const int fatal_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
-static struct sigaction previous[sizeof fatal_signals / sizeof *fatal_signals];
-
-static void say(const char *text)
+/* Gives a thread that this namespace's libc did not start what that libc sets up per
+ * thread and Python needs: the <ctype.h> tables (the rest is in its TLS image). */
+static void adopt_thread(struct runtime *rt)
 {
-    size_t length = 0;
-    while (text[length])
-        length++;
-    ssize_t ignored = write(STDERR_FILENO, text, length);
-    (void)ignored;
+    *__ctype_b_loc() = rt->ctype_b;
+    *__ctype_tolower_loc() = rt->ctype_tolower;
+    *__ctype_toupper_loc() = rt->ctype_toupper;
 }
 
-static void say_number(long number)
+/* Takes this interpreter's GIL with the calling thread's own state here. */
+static void take_gil(struct runtime *rt)
 {
-    char digits[24];
-    int at = (int)sizeof digits - 1;
-    digits[at] = '\0';
-    do {
-        digits[--at] = (char)('0' + number % 10);
-        number /= 10;
-    } while (number && at > 0);
-    say(digits + at);
+    if (own_state) {
+        PyEval_RestoreThread(own_state);
+    } else {
+        adopt_thread(rt);
+        PyGILState_Ensure(); /* makes the state and binds it to this thread; never released */
+        own_state = PyThreadState_Get();
+    }
 }
 
-static void report_fatal_signal(int signal_number, siginfo_t *info, void *context)
+/* "module.Type: message" of the exception being raised, as bytes (cleared). */
+static PyObject *describe_exception(void)
 {
-    (void)info;
-    (void)context;
-    int tid = (int)syscall(SYS_gettid);
-    for (int i = 0; i < MULTIPY_SLOTS; i++) {
-        if (slots[i].tid == tid) {
-            say("\nmultipy: fatal signal ");
-            say_number(signal_number);
-            say(" in interpreter #");
-            say_number(slots[i].index);
-            say(" (thread ");
-            say_number(tid);
-            say(") while it ran: ");
-            say(slots[i].what);
-            say("\nmultipy: a crash in any interpreter ends the whole process.\n");
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    PyObject *text = value ? PyObject_Str(value) : NULL;
+    PyObject *name = type ? PyObject_GetAttrString(type, "__name__") : NULL;
+    PyObject *bytes = PyBytes_FromFormat("%s: %s", name ? PyUnicode_AsUTF8(name) : "?",
+                                         text ? PyUnicode_AsUTF8(text) : "?");
+    PyErr_Clear();
+    Py_XDECREF(text);
+    Py_XDECREF(name);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    return bytes;
+}
+
+int multipy_enter(void *runtime, const char *request, size_t size, const uint64_t *releases,
+                  size_t n_releases, uint64_t serial, struct multipy_record *line,
+                  struct multipy_reply *reply)
+{
+    struct runtime *rt = runtime;
+    memset(reply, 0, sizeof *reply);
+    if (!admit(rt))
+        return reply->status = MULTIPY_CLOSED;
+    take_gil(rt);
+    Py_CLEAR(last_reply);
+    record = line;
+    struct call call = {rt->calls, (unsigned long)pthread_self(), serial, 0};
+    rt->calls = &call;
+
+    PyObject *args[2] = {
+        PyMemoryView_FromMemory((char *)request, (Py_ssize_t)size, PyBUF_READ),
+        n_releases ? PyMemoryView_FromMemory((char *)releases, (Py_ssize_t)(n_releases * 8), PyBUF_READ)
+                   : Py_NewRef(Py_None),
+    };
+    PyObject *result = args[0] && args[1] ? PyObject_Vectorcall(rt->handler, args, 2, NULL) : NULL;
+    Py_XDECREF(args[0]);
+    Py_XDECREF(args[1]);
+
+    for (struct call **at = &rt->calls; *at; at = &(*at)->next)
+        if (*at == &call) {
+            *at = call.next;
+            break;
+        }
+    if (call.cancelled) /* a cancel that arrived as the call ended must not hit the next */
+        PyThreadState_SetAsyncExc(call.thread, NULL);
+
+    if (result && PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 4
+        && PyBytes_Check(PyTuple_GET_ITEM(result, 2)) && PyBytes_Check(PyTuple_GET_ITEM(result, 3))) {
+        reply->status = (int)PyLong_AsLong(PyTuple_GET_ITEM(result, 0));
+        reply->handle = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(result, 1));
+        PyObject *payload = PyTuple_GET_ITEM(result, 2), *released = PyTuple_GET_ITEM(result, 3);
+        reply->data = PyBytes_AS_STRING(payload);
+        reply->size = (size_t)PyBytes_GET_SIZE(payload);
+        reply->released = (const uint64_t *)PyBytes_AS_STRING(released);
+        reply->n_released = (size_t)PyBytes_GET_SIZE(released) / 8;
+        last_reply = result;
+    } else { /* the handler itself failed: an exception a cancel raised in it, say */
+        Py_XDECREF(result);
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_SystemError, "multipy's handler returned a malformed reply");
+        last_reply = describe_exception();
+        reply->status = MULTIPY_BROKEN;
+        if (last_reply) {
+            reply->data = PyBytes_AS_STRING(last_reply);
+            reply->size = (size_t)PyBytes_GET_SIZE(last_reply);
         }
     }
-    /* Hand the signal to whoever had it before (faulthandler, or the default action):
-     * returning re-runs the faulting instruction, or abort() raises it again. */
-    for (size_t i = 0; i < sizeof fatal_signals / sizeof *fatal_signals; i++)
-        if (fatal_signals[i] == signal_number)
-            sigaction(signal_number, &previous[i], NULL);
+    PyErr_Clear();
+    record = NULL;
+    PyEval_SaveThread();
+    return reply->status;
 }
 
-/* The slot of interpreter number index (0 to 15). */
-struct multipy_slot *multipy_crash_slot(int index)
+int multipy_cancel(void *runtime, unsigned long thread, uint64_t serial, int kind)
 {
-    return &slots[index];
+    struct runtime *rt = runtime;
+    if (!admit(rt))
+        return 0;
+    if (!own_state)
+        adopt_thread(rt);
+    PyGILState_STATE state = PyGILState_Ensure();
+    int found = 0;
+    for (struct call *call = rt->calls; call; call = call->next)
+        if (call->thread == thread && call->serial == serial && !call->cancelled) {
+            call->cancelled = 1;
+            found = PyThreadState_SetAsyncExc(
+                thread, kind == MULTIPY_CANCEL_INTERRUPT ? PyExc_KeyboardInterrupt : cancelled_type) > 0;
+        }
+    PyGILState_Release(state);
+    multipy_leave(rt);
+    return found;
 }
 
-int multipy_report_crashes(void)
+void multipy_forget(void *runtime)
 {
-    struct sigaction action = {0};
-    action.sa_sigaction = report_fatal_signal;
-    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
-    sigemptyset(&action.sa_mask);
-    for (size_t i = 0; i < sizeof fatal_signals / sizeof *fatal_signals; i++)
-        if (sigaction(fatal_signals[i], &action, &previous[i]) != 0)
-            return -1;
-    return 0;
+    struct runtime *rt = runtime;
+    if (!own_state)
+        return;
+    if (admit(rt)) {
+        PyEval_RestoreThread(own_state);
+        Py_CLEAR(last_reply);
+        PyGILState_Release(PyGILState_UNLOCKED); /* the last one: deletes the state */
+        multipy_leave(rt);
+    }
+    own_state = NULL;
+    last_reply = NULL;
 }

@@ -1,6 +1,6 @@
 """The host's view of glibc: link-map namespaces (dlmopen) and the tunables that size them.
 
-Everything here runs in the host process and its main namespace.  DESIGN.md section 3
+Everything here runs in the host process and its main namespace.  docs/design.md
 explains each limit this module reports.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ RTLD_DI_LMID = 1
 
 #: glibc's compile-time DL_NNS is 16, and the main namespace takes one of them.
 MAX_NAMESPACES = 15
-#: Static TLS reserve that lets all 15 namespaces import torch (measured: DESIGN.md 3.5).
+#: Static TLS reserve that lets all 15 namespaces import torch (measured: docs/design.md, "Static TLS").
 LAUNCH_STATIC_TLS = 1 << 20
 LAUNCH_TUNABLES = f"glibc.rtld.nns=16:glibc.rtld.optional_static_tls={LAUNCH_STATIC_TLS}"
 

@@ -5,7 +5,8 @@ a call as a record of its memory (address, size, dtype, shape, strides) instead 
 bytes.  The sending side *exports* the object: it keeps it alive under a token.  The
 receiving side builds an *alias* over the same memory; when the last view of the alias
 dies, the token goes back to the owner, whose own thread releases the object
-(DESIGN.md 3.8: memory is only ever freed by the side that allocated it).
+(docs/design.md, "memory": memory is only ever freed by the side that allocated
+it).
 
 Used on both sides: each has its own ``Exports`` and makes its own aliases.
 """
@@ -19,7 +20,7 @@ import pickle
 import sys
 import threading
 import types
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 TORCH, NUMPY = "torch", "numpy"
 
@@ -34,27 +35,28 @@ class Exports:
 
     def __init__(self, tokens: Iterator[int] | None = None) -> None:
         """tokens: where tokens come from, to share a numbering with other ids."""
-        self._objects: dict[int, Any] = {}
+        #: token -> object; the host's C entry drops the tokens an interpreter gives back
+        self.objects: dict[int, Any] = {}
         self._tokens = itertools.count(1) if tokens is None else tokens
         self._lock = threading.Lock()
 
     def export(self, obj: Any) -> int:
         with self._lock:
             token = next(self._tokens)
-            self._objects[token] = obj
+            self.objects[token] = obj
         return token
 
     def release(self, token: int) -> None:
         with self._lock:
-            self._objects.pop(token, None)
+            self.objects.pop(token, None)
 
     def __len__(self) -> int:
-        return len(self._objects)
+        return len(self.objects)
 
     def keep_forever(self) -> None:
         """Never free what was lent: for an interpreter that is finalising while the host
         may still hold aliases of its memory."""
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._objects))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.objects))
 
 
 def describe(obj: Any, exports: Exports) -> tuple | None:
@@ -99,6 +101,41 @@ def _dtype_name(dtype: Any) -> str:
     return name
 
 
+#: A message with nothing lent and no handle in it is pickled with PLAIN_PROTOCOL and
+#: read by pickle.loads, the fast path; any other with MESSAGE_PROTOCOL and read by an
+#: AliasingUnpickler.  The protocol byte (data[1]) tells a reader which it has.
+PLAIN_PROTOCOL = 4
+MESSAGE_PROTOCOL = pickle.HIGHEST_PROTOCOL  # 5: numpy keeps read-only arrays read-only
+
+_SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
+
+
+def is_plain(value: Any) -> bool:
+    """Whether value certainly pickles with nothing to lend: a scalar, or a tuple, list
+    or dict of scalars.  A quick test, not a walk: deeper values take the general path."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return True
+    if kind is tuple or kind is list:
+        for item in value:
+            if type(item) not in _SCALARS:
+                return False
+        return True
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) not in _SCALARS or type(item) not in _SCALARS:
+                return False
+        return True
+    return False
+
+
+def loads(data: bytes | memoryview, on_release: Callable[[int], None]) -> Any:
+    """Reads a message that either side made (see PLAIN_PROTOCOL)."""
+    if data[1] == PLAIN_PROTOCOL:
+        return pickle.loads(data)
+    return AliasingUnpickler(data, on_release).load()
+
+
 def lent(record: tuple) -> Any:
     """Stands for a lent tensor or array in a message: only an AliasingUnpickler can
     read one (it makes the alias)."""
@@ -123,7 +160,7 @@ class LendingPickler(pickle.Pickler):
 
     def __init__(self, exports: Exports) -> None:
         self._buffer = io.BytesIO()
-        super().__init__(self._buffer, protocol=pickle.HIGHEST_PROTOCOL)
+        super().__init__(self._buffer, protocol=MESSAGE_PROTOCOL)
         self._exports = exports
         self._lent: list[int] = []
 
@@ -144,25 +181,30 @@ class LendingPickler(pickle.Pickler):
             self._lent.append(record[1])
         return lent, (record,)
 
-    def take_back(self) -> None:
-        """Releases everything this pickler lent."""
+    def take_back(self, aliased: Iterable[int] = ()) -> None:
+        """Releases what this pickler lent, but for the tokens the other side aliased."""
+        kept = set(aliased)
         for token in self._lent:
-            self._exports.release(token)
+            if token not in kept:
+                self._exports.release(token)
 
 
 class AliasingUnpickler(pickle.Unpickler):
     """Unpickles a message (``load()``), turning what the other side lent into aliases;
-    on_release(token) runs when an alias and all its views are gone."""
+    on_release(token) runs when an alias and all its views are gone.  ``aliased`` lists
+    the tokens aliased so far (each before its alias exists): if reading fails, what the
+    other side lent and is not in it may be taken back."""
 
     def __init__(self, data: bytes, on_release: Callable[[int], None]) -> None:
         super().__init__(io.BytesIO(data))
         self._on_release = on_release
+        self.aliased: list[int] = []
 
     def find_class(self, module: str, name: str) -> Any:
         # What this returns stays in the memo: it must not refer to the unpickler, or the
         # memo (and every alias in it) would live on in a cycle until a garbage collection.
         if module == __name__ and name == "lent":
-            return functools.partial(alias, on_release=self._on_release)
+            return functools.partial(alias, on_release=self._on_release, on_alias=self.aliased.append)
         return super().find_class(module, name)
 
 
@@ -180,12 +222,14 @@ class _Release:
         self.callback(self.token)
 
 
-def alias(record: tuple, on_release: Callable[[int], None]) -> Any:
+def alias(record: tuple, on_release: Callable[[int], None],
+          on_alias: Callable[[int], None] = lambda token: None) -> Any:
     """An object over the memory a record describes; on_release(token) runs when the
     alias and every view of it are gone."""
     kind, token, address, nbytes, dtype, shape, strides, offset = record
     buffer = None
     if nbytes:
+        on_alias(token)
         buffer = (ctypes.c_char * nbytes).from_address(address)
         buffer.release = _Release(token, on_release)
     if kind == TORCH:

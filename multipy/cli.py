@@ -40,7 +40,7 @@ def _bench_script() -> str:
 
 
 def _info() -> None:
-    from .interpreter import capacity
+    from ._pool import capacity
 
     tunables = _glibc.tunables_at_start()
     try:

@@ -4,22 +4,27 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from typing import IO, Any
 
+from . import _pool
 from .environment import Environment, NoopEnvironment
 from .errors import InterpreterClosedError, WrongInterpreterError
-from .interpreter import Interpreter, _acquire_runtimes, current_timeout
 from .package import Package
 from .replicated import ReplicatedObj
-from .session import InterpreterSession, Obj
+from .session import Interpreter, InterpreterSession, Obj, current_timeout
+
+_INSIDE = "multipy._inside"
 
 
 class InterpreterManager:
     """n interpreters of this process, configured by ``environment``.
 
     A context manager; ``close()`` returns the interpreters to the process, which keeps
-    them for the next manager (a process can start at most 15 and never frees one).
-    Objects obtained through a manager stop working when it closes.
+    them for the next manager (a process can start at most 15 and never frees one); a
+    manager dropped without ``close()`` returns them too.  Objects obtained through a
+    manager stop working when it closes.  Raises InterpreterLimitError if the process
+    cannot hold n more, InterpreterStartError if one fails to start.
     """
 
     def __init__(self, n_interpreters: int = 2, environment: Environment | None = None) -> None:
@@ -27,11 +32,13 @@ class InterpreterManager:
             raise ValueError(f"n_interpreters must be at least 1, not {n_interpreters}")
         self.environment = environment if environment is not None else NoopEnvironment()
         self._sources: dict[str, str] = {}
-        self._lock = threading.RLock()  # a session's finaliser may run while it is held
+        self._lock = threading.Lock()
         self._thread = threading.local()  # each thread's load-balancing cursor
         self._closed = False
-        self._interpreters = [Interpreter(i, self, runtime)
-                              for i, runtime in enumerate(_acquire_runtimes(n_interpreters))]
+        runtimes = _pool.acquire(n_interpreters)
+        self._interpreters = [Interpreter(i, self, runtime) for i, runtime in enumerate(runtimes)]
+        # Dropped without close(): the runtimes go back (reset before they are lent again).
+        self._finalizer = weakref.finalize(self, _pool.give_back, runtimes)
         self._limit = n_interpreters
         self._configured: list[Interpreter] = []
         try:
@@ -59,7 +66,8 @@ class InterpreterManager:
         Starting at the calling thread's last pick, the first interpreter with no open
         session; if all are busy, the one with the fewest.  An interpreter still running
         a call that its caller gave up on (timeout, Ctrl-C) is not picked until that call
-        ends; if every one is, this waits (at most the thread's ``multipy.timeout``).
+        ends; if every one is, this waits (at most the thread's ``multipy.timeout``, then
+        TimeoutError).  InterpreterClosedError once the manager is closed.
         """
         seconds = current_timeout()
         deadline = None if seconds is None else time.monotonic() + seconds
@@ -68,9 +76,8 @@ class InterpreterManager:
             with self._lock:
                 chosen = self._pick()
                 if chosen is not None:
-                    chosen._uses += 1
                     self._thread.cursor = chosen.index
-                    return InterpreterSession(chosen)
+                    return chosen.acquire_session()
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError("every interpreter is still running a call its caller gave up on")
             time.sleep(0.001)
@@ -78,11 +85,11 @@ class InterpreterManager:
     def _pick(self) -> Interpreter | None:
         limited = self._interpreters[:self._limit]
         start = getattr(self._thread, "cursor", 0) % len(limited)
-        order = [i for i in limited[start:] + limited[:start]
-                 if not i._runtime.channel.running_abandoned_call()]
+        order = [i for i in limited[start:] + limited[:start] if not i.running_abandoned_call]
         if not order:
             return None
-        return next((i for i in order if i._uses == 0), None) or min(order, key=lambda i: i._uses)
+        return (next((i for i in order if i.open_sessions == 0), None)
+                or min(order, key=lambda i: i.open_sessions))
 
     def debug_limit_interpreters(self, count: int) -> None:
         """Makes the load balancer use only the first ``count`` interpreters."""
@@ -91,12 +98,16 @@ class InterpreterManager:
         self._limit = count
 
     def register_module_source(self, name: str, source: str) -> None:
-        """Makes ``source`` importable as module ``name`` in every interpreter of this manager."""
+        """Makes ``source`` importable as module ``name`` in every interpreter of this
+        manager.  Only that module is touched: registering it again replaces it (it is
+        re-imported on next use); other registered modules keep their state.  A syntax
+        error raises SyntaxError here, before any interpreter is changed."""
         self._check_open()
-        compile(source, f"<multipy:{name}>", "exec")  # a syntax error belongs to the caller
+        compile(source, f"<multipy:{name}>", "exec")
         self._sources[name] = source
         for interpreter in self._interpreters:
-            interpreter._request("set_sources", self._sources)
+            with interpreter.acquire_session() as session:
+                session.global_(_INSIDE, "register_source")(name, source)
 
     def count_registered_module_sources(self) -> int:
         return len(self._sources)
@@ -110,7 +121,8 @@ class InterpreterManager:
         """Makes obj, which lives in session's interpreter, usable from every interpreter.
 
         Other interpreters rebuild it from a pickle over the same tensor storages; the
-        session's package (if it came from one) resolves packaged classes.
+        session's package (if it came from one) resolves packaged classes.  TypeError if
+        obj is not an Obj, WrongInterpreterError if it is not in session's interpreter.
         """
         if not isinstance(obj, Obj):
             raise TypeError(f"create_movable takes an Obj (an object inside an interpreter), "
@@ -119,19 +131,19 @@ class InterpreterManager:
             raise WrongInterpreterError(
                 f"Cannot create movable from an object that lives in different session: "
                 f"{obj!r} is not in {session.interpreter}")
-        package = session._package
+        package = session.package
         source = session.interpreter
 
         def importer(interpreter: Interpreter) -> Any:
-            return package._importer(interpreter) if package is not None else None
+            return package.importer(interpreter) if package is not None else None
 
-        data, storages = session.global_("multipy._inside_package", "movable")(
+        data, storages = session.global_(f"{_INSIDE}.package", "movable")(
             obj, importer(source)).deref()
 
         def load(interpreter: Interpreter) -> Obj:
             if interpreter is source:
                 return obj
-            rebuild = interpreter._request("global", "multipy._inside_package", "from_movable")
+            rebuild = interpreter.global_(f"{_INSIDE}.package", "from_movable")
             return rebuild(data, storages, importer(interpreter))
 
         return ReplicatedObj(self, load, package)
@@ -145,26 +157,22 @@ class InterpreterManager:
         if self._closed:
             return
         self._closed = True
+        self._finalizer.detach()
         errors = []
         try:
-            for interpreter in self._interpreters:
+            for interpreter in self._configured:
                 try:
-                    if interpreter in self._configured:
-                        with interpreter._session() as session:
-                            self.environment.unconfigure(session)
+                    with interpreter.acquire_session() as session:
+                        self.environment.unconfigure(session)
                 except InterpreterClosedError:
                     pass  # the process is exiting
                 except Exception as error:
                     errors.append(error)
         finally:  # even if interrupted: every interpreter goes back to the process
             for interpreter in self._interpreters:
-                interpreter._close()
+                interpreter.close()
         if errors:
             raise errors[0]
-
-    def _count_use(self, interpreter: Interpreter, delta: int) -> None:
-        with self._lock:
-            interpreter._uses += delta
 
     def _check_open(self) -> None:
         if self._closed:

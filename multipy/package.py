@@ -5,16 +5,14 @@ import os
 import tempfile
 import threading
 import zipfile
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, Any
 
-from .replicated import ReplicatedObj, _PerInterpreter
-from .session import InterpreterSession, Obj
+from .replicated import PerInterpreter, ReplicatedObj
 
 if TYPE_CHECKING:
-    from .interpreter import Interpreter
-    from .manager import InterpreterManager
+    from .session import Interpreter, InterpreterSession, Obj
 
-_HELPERS = "multipy._inside_package"
+_HELPERS = "multipy._inside.package"
 
 
 class Package:
@@ -25,7 +23,7 @@ class Package:
     into the host, and every interpreter's objects alias them.
     """
 
-    def __init__(self, manager: InterpreterManager, path_or_file: str | os.PathLike | IO[bytes]) -> None:
+    def __init__(self, manager: Any, path_or_file: str | os.PathLike | IO[bytes]) -> None:
         import torch
 
         self._manager = manager
@@ -55,7 +53,7 @@ class Package:
                              f"(it has no .data/version)")
         self._lock = threading.Lock()
         self._storages: dict[str, object] | None = None
-        self._importers = _PerInterpreter(self._make_importer)
+        self._importers = PerInterpreter(self._make_importer)
 
     def _record(self, package: str, resource: str) -> str:
         name = f"{package.replace('.', '/')}/{resource}"
@@ -79,12 +77,12 @@ class Package:
                             record.untyped_storage())
             return self._storages
 
-    def _importer(self, interpreter: Interpreter) -> Obj:
+    def importer(self, interpreter: Interpreter) -> Obj:
         """This package's PackageImporter in interpreter, made on first use."""
         return self._importers.get(interpreter)
 
     def _make_importer(self, interpreter: Interpreter) -> Obj:
-        make = interpreter._request("global", _HELPERS, "importer")
+        make = interpreter.global_(_HELPERS, "importer")
         return make(self.path, self._shared_storages())
 
     def load_pickle(self, package: str, resource: str) -> ReplicatedObj:
@@ -92,8 +90,8 @@ class Package:
         self._record(package, resource)
 
         def load(interpreter: Interpreter) -> Obj:
-            load_pickle = interpreter._request("global", _HELPERS, "load_pickle")
-            return load_pickle(self._importer(interpreter), package, resource)
+            load_pickle = interpreter.global_(_HELPERS, "load_pickle")
+            return load_pickle(self.importer(interpreter), package, resource)
 
         return ReplicatedObj(self._manager, load, package=self)
 
@@ -106,7 +104,7 @@ class Package:
     def acquire_session(self) -> InterpreterSession:
         """A session on an interpreter the load balancer picks, whose ``self`` is this
         package's importer there."""
-        return self._manager.acquire_one()._about(self._importer, self)
+        return self._manager.acquire_one().about(self.importer, self)
 
     def __repr__(self) -> str:
         return f"<multipy.Package {self.name}>"

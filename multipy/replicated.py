@@ -4,15 +4,12 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
-from .session import InterpreterSession, Obj
-
 if TYPE_CHECKING:
-    from .interpreter import Interpreter
-    from .manager import InterpreterManager
     from .package import Package
+    from .session import Interpreter, InterpreterSession, Obj
 
 
-class _PerInterpreter:
+class PerInterpreter:
     """A value made once per interpreter, on first use, even when threads race for it."""
 
     def __init__(self, make: Callable[[Interpreter], Obj]) -> None:
@@ -59,20 +56,19 @@ class ReplicatedObj:
     with tensors and arrays aliased rather than copied.
     """
 
-    def __init__(self, manager: InterpreterManager, load: Callable[[Interpreter], Obj],
+    def __init__(self, manager: Any, load: Callable[[Interpreter], Obj],
                  package: Package | None = None) -> None:
         self._manager = manager
         self._package = package
-        self._instances = _PerInterpreter(load)
+        self._instances = PerInterpreter(load)
 
-    def _instance(self, interpreter: Interpreter) -> Obj:
+    def instance(self, interpreter: Interpreter) -> Obj:
         """The object in interpreter, materialised there if it is not yet."""
         return self._instances.get(interpreter)
 
     def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
         with self._manager.acquire_one() as session:
-            instance = self._instance(session.interpreter)
-            return session.interpreter._request("call_value", instance, method, args, kwargs)
+            return self.instance(session.interpreter).call_value(method, args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the object on a free interpreter; returns host values."""
@@ -84,13 +80,13 @@ class ReplicatedObj:
 
     def hasattr(self, name: str) -> bool:
         with self._manager.acquire_one() as session:
-            return self._instance(session.interpreter).hasattr(name)
+            return self.instance(session.interpreter).hasattr(name)
 
     def acquire_session(self, interpreter: Interpreter | None = None) -> InterpreterSession:
         """A session on interpreter (or one the load balancer picks) whose ``self`` is
         this object in that interpreter."""
         session = self._manager.acquire_one() if interpreter is None else interpreter.acquire_session()
-        return session._about(self._instance, self._package)
+        return session.about(self.instance, self._package)
 
     def unload(self, interpreter: Interpreter | None = None) -> None:
         """Drops the copy in interpreter, or in all; a later use materialises it again."""
@@ -116,6 +112,6 @@ class PythonMethodWrapper:
     def argument_names(self) -> list[str]:
         if self._argument_names is None:
             with self.replicated.acquire_session() as session:
-                names = session.global_("multipy._inside_package", "argument_names")
+                names = session.global_("multipy._inside.package", "argument_names")
                 self._argument_names = names(session.self, self.method).deref()
         return self._argument_names

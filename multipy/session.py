@@ -1,10 +1,44 @@
-"""Sessions (exclusive use of one interpreter) and Obj, a handle to an object inside one."""
+"""Interpreters as a manager hands them out, sessions on them, and Obj, a handle to an
+object inside one; every call into an interpreter goes through ``Interpreter.request``.
+"""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+import pickle
+import threading
+from typing import Any, Iterator
 
-if TYPE_CHECKING:
-    from .interpreter import Interpreter
+from . import _glibc, _pool, _protocol, _sharing
+from ._protocol import CALL, CALL_VALUE, DEREF, GETATTR, GLOBAL, HASATTR
+from ._runtime import Runtime, exports
+from .errors import (InterpreterClosedError, InterpreterError, InterpreterLimitError,
+                     RemoteTraceback, WrongInterpreterError)
+
+class _ThreadSettings(threading.local):
+    timeout: float | None = None  # a class default: no AttributeError on every call
+
+
+_thread = _ThreadSettings()
+
+
+@contextlib.contextmanager
+def timeout(seconds: float | None) -> Iterator[None]:
+    """Within the block, every call this thread makes into an interpreter gives control
+    back after at most ``seconds``, raising TimeoutError.  The call is cancelled (an
+    exception raised in it at its next bytecode) and runs on until it stops, and the load
+    balancer hands its interpreter to no one else until then.  Timed calls run on a
+    worker thread, which costs some microseconds each."""
+    previous = _thread.timeout
+    _thread.timeout = seconds
+    try:
+        yield
+    finally:
+        _thread.timeout = previous
+
+
+def current_timeout() -> float | None:
+    """The timeout set by ``timeout()`` for this thread, if any."""
+    return _thread.timeout
 
 
 class Obj:
@@ -28,20 +62,24 @@ class Obj:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Obj:
         """Calls the object inside its interpreter; arguments are host values or Objs
-        of the same interpreter."""
-        return self._interpreter._request("call", self, args, kwargs)
+        of the same interpreter (WrongInterpreterError otherwise)."""
+        return self._interpreter.request(CALL, self, args, kwargs)
+
+    def call_value(self, method: str | None, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Calls the object (or its method) and returns the result as a host value."""
+        return self._interpreter.request(CALL_VALUE, self, method, args, kwargs or {})
 
     def attr(self, name: str) -> Obj:
         """The object's attribute ``name``."""
-        return self._interpreter._request("getattr", self, name)
+        return self._interpreter.request(GETATTR, self, name)
 
     def hasattr(self, name: str) -> bool:
         """Whether the object has attribute ``name``."""
-        return self._interpreter._request("hasattr", self, name)
+        return self._interpreter.request(HASATTR, self, name)
 
     def deref(self) -> Any:
         """A copy of the object in the host (it must be picklable)."""
-        return self._interpreter._request("deref", self)
+        return self._interpreter.request(DEREF, self)
 
     def __repr__(self) -> str:
         return f"<multipy.Obj #{self._handle} in {self._interpreter}>"
@@ -51,9 +89,171 @@ class Obj:
                         "own interpreter, or deref() it")
 
     def __del__(self) -> None:
+        # No I/O and no lock: the release goes in with the interpreter's next request.
         interpreter = getattr(self, "_interpreter", None)
         if interpreter is not None:
-            interpreter._release(self._handle)
+            interpreter._runtime.releases.append(self._handle)
+
+
+class _Pickler(_sharing.LendingPickler):
+    """Pickles a request: an Obj becomes a reference to the object it stands for, a CPU
+    tensor or array is lent (see _sharing), not copied."""
+
+    def __init__(self, interpreter: Interpreter) -> None:
+        super().__init__(exports)
+        self._interpreter = interpreter
+
+    def reducer_override(self, obj):
+        if type(obj) is not Obj:
+            return super().reducer_override(obj)
+        self._interpreter._check_owns(obj)
+        return _sharing.handle, (obj._handle,)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _remote_error(record: _protocol.RemoteError) -> BaseException:
+    """The host exception for an error reply, with the remote traceback as its cause."""
+    error = None
+    if "in static TLS block" in record.message:
+        error = InterpreterLimitError(f"{record.message}: {_glibc.static_tls_advice()}")
+    elif record.pickled is not None:
+        try:
+            error = pickle.loads(record.pickled)
+        except Exception:  # its type does not exist in the host
+            error = None
+    if error is None:
+        error = InterpreterError(record.type_name, record.message, record.traceback)
+    error.__cause__ = RemoteTraceback(record.traceback)
+    return error
+
+
+class Interpreter:
+    """One interpreter of a manager; ``index`` is its position in the manager.
+
+    Several host threads may use it at once: they run inside it one at a time, as
+    threads of one CPython do (its GIL).
+    """
+
+    def __init__(self, index: int, manager: Any, runtime: Runtime) -> None:
+        self.index = index
+        self.manager = manager
+        self._runtime = runtime
+        self._closed = False
+        self._sessions = 0  # open sessions: the load balancer's measure of load
+        self._lock = threading.RLock()  # a session's finaliser may close it while held
+
+    @property
+    def open_sessions(self) -> int:
+        """Sessions open on this interpreter now."""
+        return self._sessions
+
+    @property
+    def running_abandoned_call(self) -> bool:
+        """Whether a call that its caller gave up on (a timeout, Ctrl-C) still runs here."""
+        return self._runtime.abandoned > 0
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def acquire_session(self) -> InterpreterSession:
+        """A session on this interpreter, bypassing the load balancer;
+        InterpreterClosedError if its manager is closed."""
+        with self._lock:
+            if self._closed:
+                raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
+            self._sessions += 1
+        return InterpreterSession(self)
+
+    def _session_closed(self) -> None:
+        with self._lock:
+            self._sessions -= 1
+
+    def global_(self, module: str, name: str) -> Obj:
+        """The object ``name`` (dots allowed) of ``module``, imported in the interpreter."""
+        return self.request(GLOBAL, None, module, name)
+
+    def request(self, op: int, target: Obj | None, *args: Any) -> Any:
+        """Runs one operation of multipy._protocol in the interpreter, on this thread (on
+        a worker under ``multipy.timeout``); the one path of every call.  Raises what
+        the operation raised inside, InterpreterClosedError, or TimeoutError."""
+        if self._closed:
+            raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
+        handle = 0
+        if target is not None:
+            if target._interpreter is not self:
+                self._check_owns(target)
+            handle = target._handle
+        for arg in args:
+            if not _sharing.is_plain(arg):
+                pickler = _Pickler(self)
+                request = pickler.dumps((op, handle, args))
+                break
+        else:  # nothing to lend, no handle: the fast path
+            pickler = None
+            request = pickle.dumps((op, handle, args), _sharing.PLAIN_PROTOCOL)
+        seconds = _thread.timeout
+        if seconds is None:
+            reply = self._runtime.call(request)
+            if reply[1]:  # a new object: the common case, first
+                return Obj(self, reply[1])
+            return self._finish(reply, pickler)
+        return self._runtime.call_within(request, seconds, lambda reply: self._finish(reply, pickler),
+                                         pickler.take_back if pickler else _nothing)
+
+    def _finish(self, reply: tuple[int, int, bytes], pickler: _Pickler | None) -> Any:
+        """The result of a reply, or the exception it carries."""
+        status, handle, payload = reply
+        if status == _protocol.OK:
+            if handle:
+                return Obj(self, handle)
+            try:
+                return _sharing.loads(payload, self._runtime.releases.append)
+            except Exception as error:
+                raise InterpreterError(
+                    f"{type(error).__module__}.{type(error).__qualname__}",
+                    f"the call's result could not be read in the host: {error}",
+                    "") from error
+        if status == _protocol.ERROR:
+            record = _protocol.RemoteError(*pickle.loads(payload))
+            if record.aliased is not None and pickler is not None:
+                pickler.take_back(record.aliased)  # reading the request failed midway
+            raise _remote_error(record)
+        if status == _protocol.CLOSED:
+            if pickler is not None:
+                pickler.take_back()  # nothing ran: nothing lent was aliased
+            raise InterpreterClosedError(f"{self}: {self._runtime.closed_because or 'stopped'}")
+        text = payload.decode(errors="replace")  # BROKEN: multipy's own code inside raised
+        if text.startswith("KeyboardInterrupt"):
+            raise KeyboardInterrupt
+        raise InterpreterError("multipy.InterpreterError", f"multipy's code inside the "
+                               f"interpreter failed: {text}", "")
+
+    def _check_owns(self, obj: Obj) -> None:
+        owner = obj._interpreter
+        if owner._closed:
+            raise InterpreterClosedError(f"{obj!r} belongs to a manager that was closed")
+        if owner is not self:
+            raise WrongInterpreterError(
+                f"{obj!r} lives in {owner} and cannot be used in {self}: an object belongs "
+                f"to the interpreter that made it. Bring it to the host with deref(), or "
+                f"make it usable everywhere with manager.create_movable(obj, session)")
+
+    def close(self) -> None:
+        """Used by the manager as it closes: no new calls; the interpreter forgets the
+        manager's objects and goes back to the process's pool.  Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True  # first: nothing new can be made that the reset would miss
+        _pool.give_back([self._runtime])
+        _pool.reset_now([self._runtime])
+
+    def __repr__(self) -> str:
+        return f"<multipy.Interpreter {self.index} (#{self._runtime.ordinal} of this process)>"
 
 
 class InterpreterSession:
@@ -64,11 +264,12 @@ class InterpreterSession:
     """
 
     def __init__(self, interpreter: Interpreter) -> None:
-        self._interpreter = interpreter  # whoever makes a session has counted it as a use
+        self._interpreter = interpreter  # whoever makes a session has counted it
         self._closed = False
         #: The package importer or replicated object this session is about, else None.
         self.self: Obj | None = None
-        self._package = None  # the Package that self came from, for create_movable
+        #: The Package that ``self`` came from, if any (create_movable resolves its classes).
+        self.package = None
 
     @property
     def interpreter(self) -> Interpreter:
@@ -77,32 +278,32 @@ class InterpreterSession:
 
     def global_(self, module: str, name: str) -> Obj:
         """The object ``name`` (dots allowed) of ``module``, imported in the interpreter."""
-        return self._interpreter._request("global", module, name)
+        return self._interpreter.global_(module, name)
 
     def from_movable(self, replicated) -> Obj:
         """The replicated object (from ``create_movable``) in this session's interpreter."""
-        return replicated._instance(self._interpreter)
+        return replicated.instance(self._interpreter)
 
     def is_owner(self, obj: Obj) -> bool:
         """Whether obj lives in this session's interpreter."""
         return isinstance(obj, Obj) and obj.interpreter is self._interpreter
 
-    def _about(self, make_self, package) -> InterpreterSession:
-        """This session, with ``self`` set to make_self(interpreter) and the package it
-        came from; closed if making ``self`` fails."""
+    def about(self, make_self, package=None) -> InterpreterSession:
+        """This session, with ``self`` set to make_self(interpreter) and ``package``; the
+        session is closed if making ``self`` fails."""
         try:
             self.self = make_self(self._interpreter)
         except BaseException:
             self.close()
             raise
-        self._package = package
+        self.package = package
         return self
 
     def close(self) -> None:
         """Hands the interpreter back to the load balancer; idempotent."""
         if not self._closed:
             self._closed = True
-            self._interpreter._release_use()
+            self._interpreter._session_closed()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -129,7 +129,7 @@ def test_random_structures_round_trip(raisers, args, kwargs):
 
 
 def test_close_under_a_timeout_returns_every_interpreter():
-    from multipy.interpreter import capacity
+    from multipy._pool import capacity
 
     m = multipy.InterpreterManager(1)
     m.register_module_source("slow_close", "import time\ndef nap():\n    time.sleep(0.6)\n")
@@ -138,9 +138,12 @@ def test_close_under_a_timeout_returns_every_interpreter():
         with pytest.raises(TimeoutError):
             s.global_("slow_close", "nap")()
         free = capacity()["free"]
-        m.close()  # the reset queues behind the abandoned call: close does not wait
-    assert capacity()["free"] == free + 1
+        started = time.monotonic()
+        m.close()  # close does not wait for the abandoned call
+        assert time.monotonic() - started < 0.3
+    assert capacity()["free"] == free  # not lent again while the abandoned call runs ...
     time.sleep(0.8)
+    assert capacity()["free"] == free + 1  # ... but back once it ends
     with multipy.InterpreterManager(1) as again, again.acquire_one() as fresh:
         with pytest.raises(ModuleNotFoundError):  # the reset ran before anything new
             fresh.global_("slow_close", "nap")

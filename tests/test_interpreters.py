@@ -11,8 +11,9 @@ import multipy
 def test_interpreters_are_distinct(sessions):
     ids = [s.global_("builtins", "id")(s.global_("builtins", "None")).deref() for s in sessions]
     assert len(set(ids)) == len(ids)
-    names = [s.global_("threading", "get_ident")().deref() for s in sessions]
-    assert len(set(names)) == len(names), "each interpreter runs on its own thread"
+    here = threading.get_ident()
+    for s in sessions:  # a call runs on the thread that makes it
+        assert s.global_("threading", "get_ident")().deref() == here
 
 
 def test_module_globals_are_not_shared(sessions):

@@ -143,13 +143,35 @@ def test_exit_while_an_interpreter_never_returns(python):
     assert "still running at exit" in result.stderr
 
 
-def test_ctrl_c_while_waiting_for_a_call(python):
+def test_ctrl_c_interrupts_a_call(python):
+    process = python("""
+        import multipy
+        m = multipy.InterpreterManager(1)
+        m.register_module_source("wait", "import time\\ndef forever():\\n    while True:\\n        time.sleep(0.05)\\n")
+        forever = m.acquire_one().global_("wait", "forever")
+        print("waiting", flush=True)
+        forever()
+    """, popen=True)
+    try:
+        assert process.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=HANG)
+    finally:
+        process.kill()
+    assert "KeyboardInterrupt" in stderr
+    assert "BlockingIOError" not in stderr and "InterpreterError" not in stderr
+    assert process.returncode in (-signal.SIGINT, 128 + signal.SIGINT, 1)
+
+
+def test_ctrl_c_while_a_timed_call_blocks_in_c(python):
     process = python("""
         import multipy
         m = multipy.InterpreterManager(1)
         sleep = m.acquire_one().global_("time", "sleep")
         print("waiting", flush=True)
-        sleep(300)
+        with multipy.timeout(600):
+            sleep(300)
     """, popen=True)
     try:
         assert process.stdout.readline().strip() == "waiting"
@@ -165,7 +187,7 @@ def test_ctrl_c_while_waiting_for_a_call(python):
 def test_limit_with_default_tunables(python):
     result = python("""
         import multipy
-        from multipy.interpreter import capacity
+        from multipy._pool import capacity
         fits = capacity()["more"]
         try:
             multipy.InterpreterManager(fits + 1)
@@ -185,7 +207,7 @@ def test_limit_with_default_tunables(python):
 def test_fifteen_with_the_launcher(python):
     result = python("""
         import multipy
-        from multipy.interpreter import capacity
+        from multipy._pool import capacity
         assert capacity()["more"] == 15
         with multipy.InterpreterManager(15) as m:
             ids = {i.acquire_session().global_("builtins", "id")(None).deref()

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 import multipy
-from multipy.interpreter import capacity
+from multipy._pool import capacity
 
 
 def test_len_index_and_instances(manager):

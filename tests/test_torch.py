@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 import multipy  # noqa: E402
-from multipy.channel import host_exports  # noqa: E402
+from multipy._runtime import exports as host_exports  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 NAMES = ["simple", "resnet", "multi_return", "batched", "fx", "numpy", "autograd", "python_heavy"]
@@ -429,7 +429,7 @@ def test_replicated_object_materialises_once_under_races(torch_manager):
         return interpreter.acquire_session().global_("builtins", "object")()
 
     replicated = multipy.ReplicatedObj(torch_manager, load)
-    threads = [threading.Thread(target=replicated._instance, args=(torch_manager[0],))
+    threads = [threading.Thread(target=replicated.instance, args=(torch_manager[0],))
                for _ in range(4)]
     for thread in threads:
         thread.start()

@@ -1,0 +1,59 @@
+/*
+ * What the host's C (_host.c) and the C inside each interpreter's namespace
+ * (_bootstrap.c) agree on: how a host thread enters an interpreter.
+ * docs/design.md, "The call path", tells the whole story.
+ */
+#ifndef MULTIPY_ENTRY_H
+#define MULTIPY_ENTRY_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* pthread keys (docs/design.md, "pthread keys"): the host keeps the keys below
+ * MULTIPY_KEY_BASE; the libc of interpreter k hands out keys from
+ * MULTIPY_KEY_BASE + k * MULTIPY_KEY_BLOCK, one block of the per-thread key table,
+ * whose last key the host holds so that the block is always the host libc's memory. */
+#define MULTIPY_KEY_BASE 512
+#define MULTIPY_KEY_BLOCK 32
+#define MULTIPY_MAX_INTERPRETERS 15
+
+/* Statuses of a reply (multipy/_protocol.py has the same numbers). */
+enum {
+    MULTIPY_OK = 0,     /* payload: the value, or nothing when handle names a new object */
+    MULTIPY_ERROR = 1,  /* payload: the pickled remote error record */
+    MULTIPY_CLOSED = 2, /* the interpreter is stopped: nothing ran */
+    MULTIPY_BROKEN = 3, /* multipy's own code inside raised; payload: "type: message" */
+};
+
+/* What a cancel raises in the call (multipy/_protocol.py has the same numbers). */
+enum { MULTIPY_CANCEL_TIMEOUT = 0, MULTIPY_CANCEL_INTERRUPT = 1 };
+
+struct multipy_reply {
+    int status;
+    uint64_t handle;           /* a new object's handle, or 0 */
+    const char *data;          /* the payload, alive until multipy_leave */
+    size_t size;
+    const uint64_t *released;  /* tokens of host objects the interpreter no longer uses */
+    size_t n_released;
+};
+
+/* A host thread's line in the fatal-signal report: which interpreter it is in, and
+ * what it runs there (text kept alive by the interpreter, NUL-terminated). */
+struct multipy_record {
+    volatile int tid;
+    volatile int interpreter; /* -1 outside calls */
+    const char *volatile what;
+};
+
+/* Runs one request on the calling thread; multipy_leave must follow once the reply
+ * is copied (unless the status is MULTIPY_CLOSED). */
+typedef int multipy_enter_fn(void *runtime, const char *request, size_t size,
+                             const uint64_t *releases, size_t n_releases, uint64_t serial,
+                             struct multipy_record *record, struct multipy_reply *reply);
+typedef void multipy_leave_fn(void *runtime);
+/* Raises an exception in call `serial` if thread `thread` still runs it; 1 if it did. */
+typedef int multipy_cancel_fn(void *runtime, unsigned long thread, uint64_t serial, int kind);
+/* Drops the calling thread's state in the interpreter: the thread is exiting. */
+typedef void multipy_forget_fn(void *runtime);
+
+#endif

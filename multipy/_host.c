@@ -1,0 +1,364 @@
+/*
+ * multipy._host: the C that the host needs (docs/design.md, "The call path").
+ *
+ * - Entry.call enters an interpreter on the calling thread: it hands the request to the
+ *   namespace's multipy_enter with the host's GIL released for the whole call, copies
+ *   the reply, and drops the host objects the interpreter gave back.
+ * - reserve_keys partitions the host's pthread keys (docs/design.md, "pthread keys").
+ * - A thread that entered interpreters drops its state in each when it exits.
+ * - The fatal-signal report and the exit guard.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include "_entry.h"
+
+/* -- threads that enter interpreters -- */
+
+#define RECORDS 1024
+static struct multipy_record records[RECORDS];
+
+static struct {
+    void *runtime;
+    multipy_forget_fn *forget;
+} interpreters[MULTIPY_MAX_INTERPRETERS];
+
+static pthread_key_t holders[MULTIPY_MAX_INTERPRETERS]; /* last key of each interpreter's block */
+static pthread_key_t exiting;  /* its destructor runs when a thread that entered exits */
+static int keys_reserved;
+
+static __thread unsigned entered; /* bit k: this thread has state in interpreter k */
+static __thread struct multipy_record *line;
+
+static void thread_exit(void *unused)
+{
+    (void)unused;
+    for (int k = 0; k < MULTIPY_MAX_INTERPRETERS; k++)
+        if (entered & (1u << k))
+            interpreters[k].forget(interpreters[k].runtime);
+    entered = 0;
+    if (line) {
+        line->interpreter = -1;
+        line->tid = 0; /* free for another thread */
+        line = NULL;
+    }
+}
+
+/* Before this thread first enters interpreter k: the key block that k's libc will use on
+ * this thread is allocated here, by the host's libc, which frees it when the thread
+ * exits (the block must come from the heap that frees it). */
+static struct multipy_record *prepare(int k)
+{
+    if (!(entered & (1u << k))) {
+        pthread_setspecific(holders[k], (void *)1);
+        pthread_setspecific(exiting, (void *)1);
+        entered |= 1u << k;
+    }
+    if (!line) {
+        int tid = (int)syscall(SYS_gettid);
+        for (int i = 0; i < RECORDS && !line; i++) {
+            int free_slot = 0;
+            if (atomic_compare_exchange_strong((_Atomic int *)&records[i].tid, &free_slot, tid))
+                line = &records[i];
+        }
+    }
+    return line;
+}
+
+static PyObject *reserve_keys(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    if (keys_reserved)
+        Py_RETURN_NONE;
+    /* Take every free key up to the last holder; keep the holders, give back the rest. */
+    enum { END = MULTIPY_KEY_BASE + MULTIPY_MAX_INTERPRETERS * MULTIPY_KEY_BLOCK };
+    static pthread_key_t taken[END];
+    static char got[END];
+    int count = 0, failed = 0;
+    pthread_key_t key;
+    do {
+        if ((failed = pthread_key_create(&key, NULL)) != 0)
+            break;
+        taken[count++] = key;
+        if (key < END)
+            got[key] = 1;
+    } while (key < END - 1);
+    int missing = -1;
+    for (int k = MULTIPY_KEY_BASE; k < END && missing < 0; k++)
+        if (!got[k])
+            missing = k;
+    for (int i = 0; i < count; i++)
+        if (failed || missing >= 0 || taken[i] < MULTIPY_KEY_BASE
+            || (taken[i] - MULTIPY_KEY_BASE) % MULTIPY_KEY_BLOCK != MULTIPY_KEY_BLOCK - 1)
+            pthread_key_delete(taken[i]);
+    if (failed)
+        return PyErr_Format(PyExc_RuntimeError, "pthread_key_create failed: %s", strerror(failed));
+    if (missing >= 0)
+        return PyErr_Format(
+            PyExc_RuntimeError,
+            "this process already uses pthread key %d, and multipy needs the keys from %d "
+            "to %d for its interpreters (a library loaded before multipy created over %d "
+            "keys)", missing, MULTIPY_KEY_BASE, END - 1, MULTIPY_KEY_BASE);
+    for (int k = 0; k < MULTIPY_MAX_INTERPRETERS; k++)
+        holders[k] = MULTIPY_KEY_BASE + k * MULTIPY_KEY_BLOCK + MULTIPY_KEY_BLOCK - 1;
+    if ((failed = pthread_key_create(&exiting, thread_exit)) != 0)
+        return PyErr_Format(PyExc_RuntimeError, "pthread_key_create failed: %s", strerror(failed));
+    keys_reserved = 1;
+    Py_RETURN_NONE;
+}
+
+/* -- Entry: one interpreter's entry points -- */
+
+typedef struct {
+    PyObject_HEAD
+    int ordinal;
+    void *runtime;
+    multipy_enter_fn *enter;
+    multipy_leave_fn *leave;
+    multipy_cancel_fn *cancel;
+} Entry;
+
+static int Entry_init(Entry *self, PyObject *args, PyObject *kwargs)
+{
+    unsigned long long runtime, enter, leave, cancel, forget;
+    static char *names[] = {"ordinal", "runtime", "enter", "leave", "cancel", "forget", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKKKK", names, &self->ordinal, &runtime,
+                                     &enter, &leave, &cancel, &forget))
+        return -1;
+    if (self->ordinal < 0 || self->ordinal >= MULTIPY_MAX_INTERPRETERS || !keys_reserved) {
+        PyErr_SetString(PyExc_ValueError, "no such interpreter, or keys not reserved");
+        return -1;
+    }
+    self->runtime = (void *)(uintptr_t)runtime;
+    self->enter = (multipy_enter_fn *)(uintptr_t)enter;
+    self->leave = (multipy_leave_fn *)(uintptr_t)leave;
+    self->cancel = (multipy_cancel_fn *)(uintptr_t)cancel;
+    interpreters[self->ordinal].runtime = self->runtime;
+    interpreters[self->ordinal].forget = (multipy_forget_fn *)(uintptr_t)forget;
+    return 0;
+}
+
+/* Drops the host objects the interpreter gave back from exports (token -> object). */
+static void drop_released(PyObject *exports, const struct multipy_reply *reply)
+{
+    for (size_t i = 0; i < reply->n_released; i++) {
+        PyObject *token = PyLong_FromUnsignedLongLong(reply->released[i]);
+        if (!token || PyDict_DelItem(exports, token) < 0)
+            PyErr_Clear(); /* already gone */
+        Py_XDECREF(token);
+    }
+}
+
+PyDoc_STRVAR(Entry_call_doc,
+"call(request: bytes, releases: list[int], exports: dict, serial: int) -> (status, handle, payload)\n\n"
+"Runs request in the interpreter on this thread, without the host's GIL.  Takes every\n"
+"number out of releases (handles and tokens the host dropped) and sends them along;\n"
+"removes from exports the tokens the interpreter gave back.");
+
+static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyBytes_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2])) {
+        PyErr_SetString(PyExc_TypeError, "call(request: bytes, releases: list, exports: dict, serial: int)");
+        return NULL;
+    }
+    uint64_t serial = PyLong_AsUnsignedLongLong(args[3]);
+    if (serial == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    PyObject *releases = args[1];
+    Py_ssize_t n = PyList_GET_SIZE(releases);
+    uint64_t few[64], *numbers = n <= 64 ? few : PyMem_RawMalloc((size_t)n * sizeof *numbers);
+    if (!numbers)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < n; i++)
+        numbers[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(releases, i));
+    PyErr_Clear(); /* a number that is not one is skipped inside */
+    if (n && PyList_SetSlice(releases, 0, n, NULL) < 0)
+        PyErr_Clear();
+
+    struct multipy_record *record = prepare(self->ordinal);
+    if (record) {
+        record->what = NULL;
+        record->interpreter = self->ordinal;
+    }
+    struct multipy_reply reply;
+    Py_BEGIN_ALLOW_THREADS
+    self->enter(self->runtime, PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]),
+                numbers, (size_t)n, serial, record, &reply);
+    Py_END_ALLOW_THREADS
+    if (record)
+        record->interpreter = -1;
+    if (numbers != few)
+        PyMem_RawFree(numbers);
+    if (reply.status == MULTIPY_CLOSED)
+        return Py_BuildValue("(iKy)", reply.status, 0ULL, "");
+    PyObject *payload = PyBytes_FromStringAndSize(reply.data, (Py_ssize_t)reply.size);
+    drop_released(args[2], &reply);
+    self->leave(self->runtime);
+    if (!payload)
+        return NULL;
+    return Py_BuildValue("(iKN)", reply.status, (unsigned long long)reply.handle, payload);
+}
+
+PyDoc_STRVAR(Entry_cancel_doc,
+"cancel(thread: int, serial: int, kind: int) -> bool\n\n"
+"Raises an exception (kind: 0 the interpreter's CallCancelled, 1 KeyboardInterrupt) in\n"
+"call serial if thread still runs it; waits for the interpreter's GIL, not for the call.");
+
+static PyObject *Entry_cancel(Entry *self, PyObject *args)
+{
+    unsigned long thread;
+    unsigned long long serial;
+    int kind, found;
+    if (!PyArg_ParseTuple(args, "kKi", &thread, &serial, &kind))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    prepare(self->ordinal);
+    found = self->cancel(self->runtime, thread, serial, kind);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(found);
+}
+
+static PyMethodDef Entry_methods[] = {
+    {"call", (PyCFunction)(void (*)(void))Entry_call, METH_FASTCALL, Entry_call_doc},
+    {"cancel", (PyCFunction)Entry_cancel, METH_VARARGS, Entry_cancel_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EntryType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "multipy._host.Entry",
+    .tp_basicsize = sizeof(Entry),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Entry(ordinal, runtime, enter, leave, cancel, forget): the entry points of "
+              "one interpreter (addresses inside its namespace).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Entry_init,
+    .tp_methods = Entry_methods,
+};
+
+/* -- leaving without library destructors -- */
+
+/* Once armed, the process leaves through _exit with exit()'s status before glibc runs
+ * any library destructor: used when an interpreter could not be stopped, because its
+ * libraries' destructors would wait for a GIL that a running call holds. */
+static void exit_now(int status, void *unused)
+{
+    (void)unused;
+    fflush(NULL);
+    _exit(status);
+}
+
+static PyObject *skip_destructors_at_exit(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    if (on_exit(exit_now, NULL) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+/* -- the fatal-signal report -- */
+
+static const int fatal_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
+static struct sigaction previous[sizeof fatal_signals / sizeof *fatal_signals];
+
+static void say(const char *text)
+{
+    size_t length = 0;
+    while (text[length])
+        length++;
+    ssize_t ignored = write(STDERR_FILENO, text, length);
+    (void)ignored;
+}
+
+static void say_number(long number)
+{
+    char digits[24];
+    int at = (int)sizeof digits - 1;
+    digits[at] = '\0';
+    do {
+        digits[--at] = (char)('0' + number % 10);
+        number /= 10;
+    } while (number && at > 0);
+    say(digits + at);
+}
+
+/* A crash in one interpreter takes the whole process down (one address space); before
+ * it does, this names the interpreter and the call that the crashing thread ran. */
+static void report_fatal_signal(int signal_number, siginfo_t *info, void *context)
+{
+    (void)info, (void)context;
+    int tid = (int)syscall(SYS_gettid);
+    for (int i = 0; i < RECORDS; i++) {
+        if (records[i].tid == tid && records[i].interpreter >= 0) {
+            const char *what = records[i].what;
+            say("\nmultipy: fatal signal ");
+            say_number(signal_number);
+            say(" in interpreter #");
+            say_number(records[i].interpreter);
+            say(" (thread ");
+            say_number(tid);
+            say(") while it ran: ");
+            say(what ? what : "a request");
+            say("\nmultipy: a crash in any interpreter ends the whole process.\n");
+        }
+    }
+    /* Hand the signal to whoever had it before (faulthandler, or the default action):
+     * returning re-runs the faulting instruction, or abort() raises it again. */
+    for (size_t i = 0; i < sizeof fatal_signals / sizeof *fatal_signals; i++)
+        if (fatal_signals[i] == signal_number)
+            sigaction(signal_number, &previous[i], NULL);
+}
+
+static PyObject *report_crashes(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    struct sigaction action = {0};
+    action.sa_sigaction = report_fatal_signal;
+    action.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    for (size_t i = 0; i < sizeof fatal_signals / sizeof *fatal_signals; i++)
+        if (sigaction(fatal_signals[i], &action, &previous[i]) != 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"reserve_keys", reserve_keys, METH_NOARGS,
+     "Keeps the pthread keys of the interpreters' blocks out of the host's hands "
+     "(RuntimeError if the host already uses one); once, before the first interpreter."},
+    {"skip_destructors_at_exit", skip_destructors_at_exit, METH_NOARGS,
+     "Makes the process leave without running library destructors."},
+    {"report_crashes", report_crashes, METH_NOARGS,
+     "Installs the fatal-signal report that names the interpreter and call."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "multipy._host", "multipy's C in the host (docs/design.md).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__host(void)
+{
+    if (PyType_Ready(&EntryType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&module_def);
+    if (!module)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0
+        || PyModule_AddIntConstant(module, "KEY_BASE", MULTIPY_KEY_BASE) < 0
+        || PyModule_AddIntConstant(module, "KEY_BLOCK", MULTIPY_KEY_BLOCK) < 0
+        || PyModule_AddIntConstant(module, "MAX_INTERPRETERS", MULTIPY_MAX_INTERPRETERS) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}

@@ -1,0 +1,285 @@
+"""The code that runs inside each interpreter; no host module imports it.
+
+The C bootstrap runs ``main()`` on the interpreter's own thread once CPython is up;
+``main`` returns the handler that the C entry calls for every request, on whichever host
+thread entered the interpreter, with the interpreter's GIL held.  The handler keeps the
+objects that the host holds handles to, and never raises: every failure becomes an
+error reply.  Imports stay small (``_protocol``, ``_sharing`` and the standard library):
+everything here costs start-up time in every interpreter.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import itertools
+import os
+import pickle
+import sys
+import traceback
+from array import array
+
+import _multipy_bootstrap
+
+from .. import _protocol, _sharing
+from .._protocol import CALL, ERROR, GETATTR, GLOBAL, OK
+
+_NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
+
+
+def _strip_rtld_global() -> None:
+    """RTLD_GLOBAL inside a namespace crashes glibc (docs/design.md, "RTLD_GLOBAL"):
+    drop it everywhere Python code can ask for it (``import torch`` does, through ctypes)."""
+    set_flags = sys.setdlopenflags
+    sys.setdlopenflags = lambda flags: set_flags(flags & ~os.RTLD_GLOBAL)
+    sys.setdlopenflags(sys.getdlopenflags())
+    cdll_init = ctypes.CDLL.__init__
+
+    def init(self, name, mode=ctypes.DEFAULT_MODE, *args, **kwargs):
+        cdll_init(self, name, mode & ~os.RTLD_GLOBAL, *args, **kwargs)
+
+    ctypes.CDLL.__init__ = init
+    ctypes.RTLD_GLOBAL = 0
+
+
+def _name(target) -> str:
+    """target's own dotted name if it has one (functions, classes), else its type's.
+    Never runs a __getattr__ (nn.Module's raises, slowly, on every call)."""
+    try:
+        own = object.__getattribute__(target, "__qualname__")
+        return f"{object.__getattribute__(target, '__module__')}.{own}"
+    except AttributeError:
+        kind = type(target)
+        return f"a {kind.__module__}.{kind.__qualname__}"
+
+
+class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports modules from sources the host registered (register_module_source).
+
+    A registered name that is a prefix of other registered names is a package.
+    """
+
+    def __init__(self) -> None:
+        self.sources: dict[str, str] = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.sources:
+            return None
+        is_package = any(name.startswith(fullname + ".") for name in self.sources)
+        return importlib.util.spec_from_loader(fullname, self, origin=f"<multipy:{fullname}>",
+                                               is_package=is_package)
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        name = module.__spec__.name
+        exec(compile(self.sources[name], f"<multipy:{name}>", "exec"), module.__dict__)
+
+
+class _Unpickler(_sharing.AliasingUnpickler):
+    """Unpickles a request: a handle becomes the object the host holds, a lent tensor or
+    array becomes an alias of the host's memory."""
+
+    def __init__(self, data, objects: dict[int, object], on_release) -> None:
+        super().__init__(data, on_release)
+        self._objects = objects
+
+    def find_class(self, module: str, name: str):
+        if module == _sharing.__name__ and name == "handle":
+            return functools.partial(_object, self._objects)  # not a method: see AliasingUnpickler
+        return super().find_class(module, name)
+
+
+def _object(objects: dict[int, object], number: int):
+    """The object behind a handle the host sent."""
+    try:
+        return objects[number]
+    except KeyError:
+        raise LookupError(f"object #{number} is gone from this interpreter: it was "
+                          f"released, or the manager it came from closed") from None
+
+
+class _Interpreter:
+    """This interpreter as the host sees it: its objects and the requests it runs."""
+
+    def __init__(self) -> None:
+        self.objects: dict[int, object] = {}
+        self._notes: dict = {}  # handle * 8 + op, or (module, name) -> crash-report text
+        # Handles and lent tensors share one numbering, never reused, so that a release
+        # names one thing and a late release is harmless.
+        self._ids = itertools.count(1)
+        self.exports = _sharing.Exports(self._ids)  # outlives managers: the host may hold aliases
+        self.released: list[int] = []  # host tokens no alias here uses any more
+        self.sources = _SourceFinder()
+        sys.meta_path.insert(0, self.sources)
+        self._ops = (self._global, self._call, self._call_value, self._getattr,
+                     self._hasattr, self._deref, self._reset)
+
+    # -- the operations: a result of GLOBAL, CALL or GETATTR stays here (a new handle) --
+
+    def _global(self, target, module: str, name: str):
+        value = importlib.import_module(module)
+        for part in name.split("."):
+            value = getattr(value, part)
+        return value
+
+    def _call(self, target, args, kwargs):
+        return target(*args, **kwargs)
+
+    def _call_value(self, target, method, args, kwargs):
+        return (target if method is None else getattr(target, method))(*args, **kwargs)
+
+    def _getattr(self, target, name: str):
+        return getattr(target, name)
+
+    def _hasattr(self, target, name: str) -> bool:
+        return hasattr(target, name)
+
+    def _deref(self, target):
+        return target
+
+    def _reset(self, target) -> None:
+        """Forgets the host's objects and sources: the manager that used them closed."""
+        self.objects.clear()
+        self._notes.clear()
+        for name in self.sources.sources:
+            sys.modules.pop(name, None)
+        self.sources.sources = {}
+
+    # -- plumbing --
+
+    def handle(self, request: memoryview, releases: memoryview | None) -> tuple:
+        """Runs one request: (status, new object handle or 0, payload, released tokens)."""
+        if releases is not None:
+            for number in releases.cast("Q"):
+                self.release(number)
+        reading = None
+        try:
+            if request[1] == _sharing.PLAIN_PROTOCOL:
+                op, handle, args = pickle.loads(request)
+            else:
+                reading = _Unpickler(request, self.objects, self.released.append)
+                op, handle, args = reading.load()
+                reading = None
+            target = _object(self.objects, handle) if handle else None
+            note = self._notes.get(handle * 8 + op if op != GLOBAL else args)
+            _multipy_bootstrap.note(note or self._note(op, handle, args))
+            result = self._ops[op](target, *args)
+            if op in _NEW_OBJECT:
+                number = next(self._ids)
+                self.objects[number] = result
+                status, number, payload = OK, number, b""
+            elif _sharing.is_plain(result):
+                status, number, payload = OK, 0, pickle.dumps(result, _sharing.PLAIN_PROTOCOL)
+            else:
+                status, number, payload = OK, 0, _sharing.LendingPickler(self.exports).dumps(result)
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
+            status, number, payload = ERROR, 0, _error_record(
+                exc, None if reading is None else tuple(reading.aliased))
+        released = b""
+        if self.released:
+            count = len(self.released)  # an alias may die on another thread meanwhile
+            released = array("Q", self.released[:count]).tobytes()
+            del self.released[:count]
+        return status, number, payload, released
+
+    def _note(self, op: int, handle: int, args: tuple) -> bytes:
+        """What a request runs, for the fatal-signal report; made once per object and
+        operation and kept (the C report points at it)."""
+        try:
+            text = f"import of {args[0]}.{args[1]}" if op == GLOBAL else \
+                f"{_protocol.OP_NAMES[op]} of {_name(self.objects[handle])}"
+        except Exception:  # user objects may answer attribute lookups in any way
+            text = _protocol.OP_NAMES[op]
+        note = self._notes[handle * 8 + op if op != GLOBAL else args] = \
+            text.encode(errors="replace")[:200]
+        return note
+
+    def release(self, number: int) -> None:
+        """Drops a handle, or a tensor lent to the host (they share one numbering)."""
+        if self.objects.pop(number, None) is None:
+            self.exports.release(number)
+        else:
+            for op in range(8):
+                self._notes.pop(number * 8 + op, None)
+
+    def register_source(self, name: str, source: str) -> None:
+        """Makes source importable as module name; unimports only that module."""
+        self.sources.sources[name] = source
+        sys.modules.pop(name, None)
+        importlib.invalidate_caches()
+
+
+def _error_record(exc: BaseException, aliased: tuple[int, ...] | None) -> bytes:
+    """An ERROR reply's payload: the pickled RemoteError for exc (see its ``aliased``)."""
+    try:
+        kind = type(exc)
+        text = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
+        pickled = None
+        if isinstance(exc, Exception):  # BaseExceptions such as SystemExit must not act in the host
+            try:
+                pickled = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.loads(pickled)
+            except BaseException:
+                pickled = None
+        record = _protocol.RemoteError(pickled, f"{kind.__module__}.{kind.__qualname__}",
+                                       str(exc), text, aliased)
+    except BaseException:  # the exception cannot even be described (a broken __str__)
+        record = _protocol.RemoteError(None, "multipy.InterpreterError", "an exception was "
+                                       "raised inside the interpreter, and describing it "
+                                       "failed too", "", aliased)
+    return pickle.dumps(tuple(record), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_current: _Interpreter | None = None
+
+
+def stats() -> dict[str, int]:
+    """What this interpreter holds for the host: objects behind handles, tensors and
+    arrays lent to the host, and host tokens it released but has not yet reported."""
+    return {"objects": len(_current.objects), "lent": len(_current.exports),
+            "unreported": len(_current.released)}
+
+
+def register_source(name: str, source: str) -> None:
+    """See _Interpreter.register_source."""
+    _current.register_source(name, source)
+
+
+def thread_states() -> int:
+    """How many thread states this interpreter has: its own thread's, and one for each
+    host thread that entered it and has not exited."""
+    return _multipy_bootstrap.thread_states()
+
+
+def next_pthread_key() -> int:
+    """The pthread key this namespace's libc would hand out next (its keys' headroom)."""
+    return _multipy_bootstrap.next_key()
+
+
+def forget_paths(paths: list[str]) -> None:
+    """Removes paths from sys.path and unimports every module loaded from under them."""
+    for path in paths:
+        while path in sys.path:
+            sys.path.remove(path)
+    prefixes = tuple(os.path.join(p, "") for p in paths)
+    for name, module in list(sys.modules.items()):
+        if (getattr(module, "__file__", None) or "").startswith(prefixes):
+            del sys.modules[name]
+    importlib.invalidate_caches()
+
+
+def main(status_fd: int):
+    """Sets this interpreter up; returns the handler the C entry calls.  On failure the
+    traceback goes to status_fd, where the host reads why the interpreter did not start."""
+    try:
+        _strip_rtld_global()
+        global _current
+        _current = _Interpreter()
+        return _current.handle
+    except BaseException:
+        os.write(status_fd, traceback.format_exc().encode())
+        raise

@@ -1,0 +1,149 @@
+"""The process-wide pool of interpreters: starting them, lending them to managers,
+taking them back, and stopping them all at exit.
+
+glibc gives a process at most 15 namespaces and never takes one back, so interpreters
+outlive the managers that use them: a manager borrows runtimes here and gives them back
+when it closes (or is dropped), and the next manager reuses them.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import threading
+import time
+
+from . import _glibc, _host
+from ._runtime import Runtime, prepare_process
+from .errors import InterpreterLimitError, InterpreterStartError
+
+#: How long exiting waits for calls in progress to end ...
+EXIT_GRACE_SECONDS = 2.0
+#: ... and then for the interpreters to finalise (torch's finalisation takes a while).
+FINALIZE_SECONDS = 30.0
+
+_lock = threading.Lock()
+_runtimes: list[Runtime] = []
+_lent: set[Runtime] = set()    # runtimes a manager holds
+_stale: set[Runtime] = set()   # given back but still holding a manager's objects
+
+
+def _free() -> list[Runtime]:
+    return [r for r in _runtimes
+            if r not in _lent and not r.closed_because and not r.abandoned]
+
+
+def capacity() -> dict[str, int]:
+    """How many interpreters this process has started, how many of those are free, and
+    how many more fit."""
+    with _lock:
+        return {"started": len(_runtimes), "free": len(_free()),
+                "more": _glibc.namespaces_that_fit(len(_runtimes))}
+
+
+def _limit_error(wanted: int, free: int, more: int) -> InterpreterLimitError:
+    started = len(_runtimes)
+    message = (f"{wanted} interpreters were asked for, but this process can give "
+               f"{free + more}: {free} started and free, {more} more that fit "
+               f"({started} started so far).")
+    if started + more < _glibc.MAX_NAMESPACES:
+        message += (f" glibc sizes the room for interpreters when a process starts; up to "
+                    f"{_glibc.MAX_NAMESPACES} fit when the program is started with "
+                    f"`multipy run SCRIPT` (or `python -m multipy run SCRIPT`), or with "
+                    f"GLIBC_TUNABLES={_glibc.LAUNCH_TUNABLES} in its environment.")
+    else:
+        message += (f" A process holds at most {_glibc.MAX_NAMESPACES} and never gets one "
+                    f"back: close a manager to return its interpreters to the pool.")
+    return InterpreterLimitError(message)
+
+
+def acquire(count: int) -> list[Runtime]:
+    """Lends count runtimes, starting new ones as needed (they initialise in parallel).
+
+    InterpreterLimitError, before any is started, if the process cannot hold them;
+    InterpreterStartError if one fails to start.
+    """
+    with _lock:
+        free = _free()
+        more = _glibc.namespaces_that_fit(len(_runtimes))
+        if count > len(free) + more:
+            raise _limit_error(count, len(free), more)
+        if not _runtimes:
+            prepare_process()
+            atexit.register(_shutdown)
+        new: list[Runtime] = []
+        try:
+            for _ in range(count - len(free)):
+                try:
+                    new.append(Runtime(len(_runtimes)))
+                except _glibc.NamespaceError as error:
+                    if "static TLS" in str(error) or "no more namespaces" in str(error):
+                        raise InterpreterLimitError(
+                            f"{error}: {_glibc.static_tls_advice()}") from None
+                    raise InterpreterStartError(str(error)) from None
+                _runtimes.append(new[-1])
+        finally:
+            for runtime in new:
+                runtime.wait_ready()
+        taken = free[:count]
+        for runtime in taken:
+            if runtime in _stale and runtime.reset():
+                _stale.discard(runtime)
+        taken += new
+        _lent.update(taken)
+        return taken
+
+
+def give_back(runtimes: list[Runtime]) -> None:
+    """Takes runtimes back from a manager.  Each forgets that manager's objects now if
+    no abandoned call runs in it, else before it is lent again.  Never blocks on an
+    interpreter; safe in a finaliser (it enters no interpreter then)."""
+    with _lock:
+        for runtime in runtimes:
+            _lent.discard(runtime)
+            _stale.add(runtime)
+
+
+def reset_now(runtimes: list[Runtime]) -> None:
+    """Forgets the objects of the manager that gave runtimes back, where no abandoned
+    call runs (the others are reset before they are lent again)."""
+    for runtime in runtimes:
+        if runtime.reset():
+            with _lock:
+                _stale.discard(runtime)
+
+
+def _shutdown() -> None:
+    """At exit: stop every interpreter, let calls in progress end, finalise each on its
+    own thread and join it.
+
+    An interpreter still running a call after EXIT_GRACE_SECONDS is left as it is, and
+    the process leaves without the library destructors that would wait for it
+    (docs/design.md, "exit").
+    """
+    running = [r for r in _runtimes if not r.finished and not r.closed_because]
+    for runtime in running:
+        runtime.stop()
+    deadline = time.monotonic() + EXIT_GRACE_SECONDS
+    while time.monotonic() < deadline and not all(r.idle() for r in running):
+        time.sleep(0.005)
+    deadline = time.monotonic() + FINALIZE_SECONDS
+    stuck = [r for r in running
+             if not (r.idle() and r.finalise(deadline - time.monotonic()))]
+    if stuck:
+        names = ", ".join(f"#{r.ordinal}" for r in stuck)
+        print(f"multipy: interpreter(s) {names} still running at exit; leaving without "
+              f"finalising them", file=sys.stderr, flush=True)
+        _host.skip_destructors_at_exit()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has the interpreters' memory but none of their threads: it must
+    not enter them, nor wait for them at exit, nor run their libraries' destructors."""
+    for runtime in _runtimes:
+        runtime.closed_because = "it belongs to the parent of this forked process"
+    if _runtimes:
+        _host.skip_destructors_at_exit()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,45 @@
+"""What the host and the code inside interpreters agree on: operations, statuses, and
+the record of an error raised inside.  Standard library only: both sides import it.
+
+A request is ``pickle((op, target, args))``: ``target`` is the handle of the object the
+operation acts on (0 for none).  The reply is (status, handle, payload); the C that
+carries both is in ``_entry.h``, whose numbers these mirror.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# -- operations: what a request asks the interpreter to do --
+GLOBAL = 0      #: args (module, name): import module, follow the dotted name; a new object
+CALL = 1        #: args (args, kwargs): call target; the result stays inside, a new object
+CALL_VALUE = 2  #: args (method or None, args, kwargs): call target or its method; a value
+GETATTR = 3     #: args (name,): the attribute, a new object
+HASATTR = 4     #: args (name,): bool
+DEREF = 5       #: args (): the target itself, as a value
+RESET = 6       #: args (): forget every object and registered source (a manager closed)
+
+OP_NAMES = ("import", "call", "call", "getattr", "hasattr", "deref", "reset")
+
+# -- statuses of a reply --
+OK = 0       #: payload: the pickled value, or empty when handle names a new object
+ERROR = 1    #: payload: a pickled RemoteError
+CLOSED = 2   #: the interpreter is stopped; nothing ran
+BROKEN = 3   #: multipy's own code inside raised; payload: "Type: message", UTF-8
+
+# -- what a cancel raises in the call --
+CANCEL_TIMEOUT = 0    #: the interpreter's _multipy_bootstrap.CallCancelled
+CANCEL_INTERRUPT = 1  #: KeyboardInterrupt
+
+
+class RemoteError(NamedTuple):
+    """An exception raised inside, as the host receives it."""
+
+    #: the exception pickled, when it is an Exception that pickles and unpickles inside
+    pickled: bytes | None
+    #: its type's qualified name, such as "builtins.ValueError"
+    type_name: str
+    message: str
+    traceback: str
+    #: None once the request was read whole; else the tokens of what the host lent that
+    #: the interpreter aliased before reading failed (the host takes back the rest)
+    aliased: tuple[int, ...] | None = None

@@ -1,0 +1,325 @@
+"""One interpreter: a CPython in its own glibc link-map namespace, the thread that
+started it, and the entry through which host threads run requests in it.
+
+A runtime lives as long as the process: glibc never gives a namespace back.  A request
+runs on the thread that makes it (``call``), with the host's GIL released for all of it
+and the interpreter's GIL serialising the threads inside; ``call_within`` runs it on a
+worker thread instead, so that its caller can give up at a deadline.  The interpreter's
+own thread only starts CPython and, at exit, finalises it (docs/design.md, "The call
+path").  Nothing here knows about managers, sessions or handles.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import itertools
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+from typing import Any, Callable
+
+from . import _glibc, _host, _sharing
+from ._protocol import CANCEL_INTERRUPT, CANCEL_TIMEOUT, OK, RESET
+from .errors import InterpreterStartError
+
+_ENTRY = """\
+import sys
+sys.path[:] = {path!r}
+sys.argv[:] = {argv!r}
+from multipy._inside import main
+handler = main({status_fd})
+del main
+"""
+
+_START = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint,
+                          ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+_STOP = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_ACTIVE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_JOIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_double)
+
+#: The tensors and arrays the host lent to interpreters, until one gives their token back.
+exports = _sharing.Exports()
+
+_serials = itertools.count(1)
+_MAIN_THREAD = threading.main_thread().ident
+
+
+def _bootstrap_path() -> str:
+    spec = importlib.util.find_spec("multipy._bootstrap")
+    if spec is None or not spec.origin:
+        raise InterpreterStartError(
+            "multipy's C bootstrap is not built: install the package with pip "
+            "(pip install . or pip install -e .), which compiles it")
+    return spec.origin
+
+
+def prepare_process() -> None:
+    """Once, before the first namespace: partitions the host's pthread keys and reports
+    fatal signals (docs/design.md); creates and joins one thread, without which the
+    loader's lock can miss a wake-up."""
+    thread = threading.Thread(target=lambda: None, name="multipy-first-thread")
+    thread.start()
+    thread.join()
+    try:
+        _host.reserve_keys()
+    except RuntimeError as error:
+        raise InterpreterStartError(str(error)) from None
+    _host.report_crashes()
+
+
+class Runtime:
+    """A started interpreter; see the module's docstring."""
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        _, lmid = _glibc.open_namespace(_glibc.libpython_path())
+        bootstrap = _glibc.load_into(lmid, _bootstrap_path())
+        symbol = lambda name: _glibc.symbol(bootstrap, name)  # noqa: E731
+        self._status_read, status_write = os.pipe()
+        stop_read, self._stop_write = os.pipe()
+        code = _ENTRY.format(path=list(sys.path), argv=list(sys.argv), status_fd=status_write)
+        error = ctypes.create_string_buffer(512)
+        self._address = _START(symbol("multipy_start"))(
+            sys.executable.encode(), code.encode(), _host.KEY_BASE + _host.KEY_BLOCK * ordinal,
+            status_write, stop_read, error, len(error))
+        if not self._address:
+            raise InterpreterStartError(f"interpreter {ordinal}: {error.value.decode()}")
+        self._stop = _STOP(symbol("multipy_stop"))
+        self._active = _ACTIVE(symbol("multipy_active"))
+        self._join = _JOIN(symbol("multipy_join"))
+        self.entry = _host.Entry(ordinal, self._address, symbol("multipy_enter"),
+                                 symbol("multipy_leave"), symbol("multipy_cancel"),
+                                 symbol("multipy_forget"))
+        #: Handles and tokens the host dropped; they go in with the next request.  Only
+        #: ever appended to (finalisers do that) and emptied by the C entry.
+        self.releases: list[int] = []
+        #: Why the interpreter cannot be entered (stopped, or a forked child's), or None.
+        self.closed_because: str | None = None
+        #: Calls whose callers gave up on them and that still run (or wait to).
+        self.abandoned = 0
+        self.finished = False
+        self._lock = threading.Lock()
+
+    def wait_ready(self) -> None:
+        """Waits until the interpreter can be entered; InterpreterStartError if it cannot."""
+        message = os.read(self._status_read, 1 << 16)
+        if message != b"ready":
+            self.finished = True
+            self.closed_because = "it failed to start"
+            raise InterpreterStartError(
+                f"interpreter {self.ordinal} failed to start: {message.decode(errors='replace')}")
+
+    def call(self, request: bytes) -> tuple[int, int, bytes]:
+        """Runs request on this thread: (status, new object handle, payload).
+
+        On the main thread, Ctrl-C raises KeyboardInterrupt inside the call at its next
+        bytecode (then in the host, as usual).
+        """
+        if self.closed_because:
+            return _CLOSED
+        serial = next(_serials)
+        if threading.get_ident() != _MAIN_THREAD:
+            return self.entry.call(request, self.releases, exports.objects, serial)
+        return _interrupts.run(self, request, serial)
+
+    def call_within(self, request: bytes, seconds: float, finish: Callable[[tuple], Any],
+                    unsent: Callable[[], None]) -> Any:
+        """finish(reply) of request run on a worker thread, if it ends within seconds.
+
+        Otherwise TimeoutError (KeyboardInterrupt if interrupted): the call is cancelled
+        (CallCancelled, or KeyboardInterrupt, raised in it at its next bytecode) and
+        counts in ``abandoned`` until it ends; its result is finished and dropped.  A call
+        that had not started never runs, and unsent() takes back what it lent.
+        """
+        job = _Job(self, request, finish, unsent)
+        _workers.submit(job.run)
+        return job.wait(seconds)
+
+    def reset(self) -> bool:
+        """Forgets the objects and sources of the manager that used this interpreter; runs
+        behind nothing, so only when no abandoned call runs.  True if it ran."""
+        with self._lock:
+            if self.abandoned:
+                return False
+        status, _, _ = self.call(pickle.dumps((RESET, 0, ())))
+        return status == OK
+
+    def _abandon(self, delta: int) -> None:
+        with self._lock:
+            self.abandoned += delta
+
+    # -- exit --
+
+    def stop(self) -> None:
+        """Refuses new entries; calls in progress go on (``idle`` tells when none is)."""
+        self.closed_because = "the interpreter is stopped: the process is exiting"
+        self._stop(self._address)
+
+    def idle(self) -> bool:
+        return self._active(self._address) == 0
+
+    def finalise(self, timeout: float) -> bool:
+        """After stop(), with no call in progress: finalises the interpreter on its own
+        thread and waits up to timeout seconds for that; True if it ended."""
+        if not self.finished:
+            os.write(self._stop_write, b"x")
+            self.finished = self._join(self._address, max(timeout, 0.0)) == 0
+        return self.finished
+
+    def __repr__(self) -> str:
+        return f"<multipy runtime #{self.ordinal}>"
+
+
+_CLOSED = (2, 0, b"")  # what the C entry answers for a stopped interpreter
+
+
+class _Job:
+    """One call of call_within: run by a worker, waited for by its caller."""
+
+    def __init__(self, runtime: Runtime, request: bytes, finish: Callable, unsent: Callable) -> None:
+        self._runtime = runtime
+        self._request = request
+        self._finish = finish
+        self._unsent = unsent
+        self._serial = next(_serials)
+        self._thread: int | None = None
+        self._done = threading.Event()
+        self._outcome: tuple[Any, BaseException | None] = (None, None)
+        self._abandoned = False
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        with self._lock:
+            if self._abandoned:  # given up before it started: never run it
+                self._runtime._abandon(-1)
+                self._unsent()
+                return
+            self._thread = threading.get_ident()
+        runtime = self._runtime
+        try:
+            reply = (runtime.entry.call(self._request, runtime.releases, exports.objects,
+                                        self._serial)
+                     if not runtime.closed_because else _CLOSED)
+            outcome = (self._finish(reply), None)
+        except BaseException as error:
+            outcome = (None, error)
+        with self._lock:
+            if self._abandoned:
+                runtime._abandon(-1)
+            else:
+                self._outcome = outcome
+            self._done.set()
+        del outcome  # an abandoned result goes now: its handles and aliases are released
+
+    def wait(self, seconds: float) -> Any:
+        try:
+            finished = self._done.wait(max(seconds, 0.0))
+        except BaseException:  # Ctrl-C while waiting
+            self._give_up(CANCEL_INTERRUPT)
+            raise
+        if not finished and self._give_up(CANCEL_TIMEOUT):
+            raise TimeoutError(
+                f"interpreter #{self._runtime.ordinal} did not answer within {seconds} s; the "
+                f"call was cancelled and runs (or waits) on there until it stops, and the "
+                f"interpreter is handed to no one else until then")
+        value, error = self._outcome
+        if error is not None:
+            raise error
+        return value
+
+    def _give_up(self, kind: int) -> bool:
+        """Abandons the call unless it has ended; False if it had."""
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._abandoned = True
+            self._runtime._abandon(+1)
+            thread = self._thread
+        if thread is not None:  # cancelling waits for the interpreter's GIL: not here
+            entry, serial = self._runtime.entry, self._serial
+            _workers.submit(lambda: entry.cancel(thread, serial, kind))
+        return True
+
+
+class _Workers:
+    """Daemon threads for call_within: one per job in flight; idle ones are reused."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            spare = self._idle > 0
+            self._idle -= spare
+        if not spare:
+            threading.Thread(target=self._work, name="multipy-worker", daemon=True).start()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
+            with self._lock:
+                self._idle += 1
+
+
+class _Interrupts:
+    """Ctrl-C while the main thread runs a call: the signal's wake-up byte reaches a
+    watcher thread, which raises KeyboardInterrupt in the call (the host's own handler
+    raises it in the host once the call returns).  Used only when no one else set a
+    wake-up fd (an asyncio loop does; then Ctrl-C waits for the call to end)."""
+
+    def __init__(self) -> None:
+        self._call: tuple[Runtime, int] | None = None
+        self._watching = False
+
+    def run(self, runtime: Runtime, request: bytes, serial: int) -> tuple[int, int, bytes]:
+        if not self._watching:
+            self._watch()
+        self._call = (runtime, serial)
+        try:
+            return runtime.entry.call(request, runtime.releases, exports.objects, serial)
+        finally:
+            self._call = None
+
+    def _watch(self) -> None:
+        self._watching = True
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        try:
+            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # not the main interpreter
+            previous = None
+        if previous != -1:
+            if previous is not None:
+                signal.set_wakeup_fd(previous)
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        threading.Thread(target=self._relay, args=(read_fd,), name="multipy-interrupts",
+                         daemon=True).start()
+
+    def _relay(self, read_fd: int) -> None:
+        while True:
+            if signal.SIGINT in os.read(read_fd, 64):
+                call = self._call
+                if call is not None:
+                    call[0].entry.cancel(_MAIN_THREAD, call[1], CANCEL_INTERRUPT)
+
+
+_workers = _Workers()
+_interrupts = _Interrupts()
+
+
+def _after_fork_in_child() -> None:
+    """The workers and the watcher are threads, which a forked child does not have."""
+    global _workers, _interrupts
+    _workers = _Workers()
+    _interrupts = _Interrupts()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -8,15 +8,19 @@
 - startup:   n interpreters with torch imported, against n processes importing torch.
 - memory:    ResNet-18 held by n interpreters (weights shared) against n processes each
   holding it: PSS of everything involved, and the weights' size W.
+- threads:   tiny calls from n host threads, each on its own interpreter: calls/s in
+  all, against n = 1 (the host's GIL is released for the whole of each call).
 - ceiling:   the python_heavy model looped inside n interpreters at once, no calls
-  crossing, against a loop in one host thread: the most any call path could reach.
+  crossing, against a loop in one host thread: the most any call path could reach;
+  and the same model called from n host threads through calls, against that ceiling.
 
-    multipy run benchmarks/micro.py [roundtrip transfer startup memory ceiling]
+    multipy run benchmarks/micro.py [roundtrip transfer threads startup memory ceiling]
 """
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import multiprocessing
 import os
 import statistics
@@ -77,6 +81,49 @@ def roundtrip(count: int) -> None:
                                  ("multiprocessing pipe", pipe)):
         print(f"  {label:22s} {median * 1e6:8.1f} / {p95 * 1e6:8.1f} us")
     print(f"  pipe / multipy: {pipe[0] / inside[0]:.2f}x")
+
+
+def _calls_per_second(calls: list, seconds: float, prepare=None) -> float:
+    """Total calls/s of len(calls) host threads, thread i calling calls[i] for seconds
+    (after prepare(i), if given)."""
+    done = [0] * len(calls)
+    start = threading.Barrier(len(calls) + 1)
+
+    def run(i: int) -> None:
+        call = calls[i]
+        if prepare is not None:
+            prepare(i)
+        call()
+        start.wait()
+        count, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            call()
+            count += 1
+        done[i] = count
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    for thread in threads:
+        thread.join()
+    return sum(done) / seconds
+
+
+def threads(counts: list[int], seconds: float = 2.0) -> None:
+    print(f"\ntiny calls (a no-op returning None) from n host threads, each on its own "
+          f"interpreter, {seconds} s: calls/s in all")
+    with multipy.InterpreterManager(max(counts)) as manager:
+        manager.register_module_source("micro_noop", "def noop():\n    pass\n")
+        noops = []
+        for interpreter in manager.all_instances():
+            with interpreter.acquire_session() as s:
+                noops.append(functools.partial(s.global_("micro_noop", "noop").call_value, None))
+        one = None
+        for n in counts:
+            rate = _calls_per_second(noops[:n], seconds)
+            one = one or rate
+            print(f"  n={n:2d}  {rate:10.0f} calls/s   ({rate / one:.2f}x n=1)")
 
 
 def transfer(count: int) -> None:
@@ -211,8 +258,9 @@ def _interpreters_memory(n: int, path: str) -> None:
 
 
 _LOOP = """
-import time
+import time, torch
 def loop(model, inputs, seconds):
+    torch.set_grad_enabled(False)  # torch's grad mode is per thread
     calls, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         model(*inputs)
@@ -260,8 +308,18 @@ def ceiling(counts: list[int], seconds: float = 2.0) -> None:
                 thread.start()
             for thread in threads:
                 thread.join()
-            print(f"  n={n}  interpreters {sum(rates):8.1f}   one host thread {host:8.1f}   "
-                  f"ratio {sum(rates) / host:.2f}x")
+            looped = sum(rates)
+            calls = [functools.partial(replicated.instance(manager[i]).call_value, None, inputs)
+                     for i in range(n)]
+
+            def grad_off(i: int) -> None:  # torch's grad mode is per thread, in each interpreter
+                with manager[i].acquire_session() as s:
+                    s.global_("torch", "set_grad_enabled")(False)
+
+            through = _calls_per_second(calls, seconds, grad_off)
+            print(f"  n={n}  looped inside {looped:8.1f}   one host thread {host:8.1f}   "
+                  f"ratio {looped / host:.2f}x   through calls {through:8.1f} "
+                  f"({through / looped:.2f}x looped inside)")
 
 
 def main() -> None:
@@ -273,14 +331,16 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmarks", nargs="*",
-                        default=["roundtrip", "transfer", "startup", "memory", "ceiling"])
+                        default=["roundtrip", "transfer", "threads", "startup", "memory",
+                                 "ceiling"])
     parser.add_argument("--calls", type=int, default=20_000, help="round trips to time (20000)")
     parser.add_argument("--counts", default="1,2,4",
-                        help="n for startup, memory and ceiling (1,2,4)")
+                        help="n for threads, startup, memory and ceiling (1,2,4)")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
     for name in args.benchmarks:
         {"roundtrip": lambda: roundtrip(args.calls), "transfer": lambda: transfer(50),
+         "threads": lambda: threads(counts),
          "startup": lambda: startup(counts), "memory": lambda: memory(counts),
          "ceiling": lambda: ceiling(counts)}[name]()
 

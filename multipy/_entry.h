@@ -38,11 +38,13 @@ struct multipy_reply {
 };
 
 /* A host thread's line in the fatal-signal report: which interpreter it is in, and
- * what it runs there (text kept alive by the interpreter, NUL-terminated). */
+ * what it runs there, as "<op> of <target>" (texts that the interpreter keeps alive,
+ * NUL-terminated). */
 struct multipy_record {
     volatile int tid;
     volatile int interpreter; /* -1 outside calls */
-    const char *volatile what;
+    const char *volatile op;
+    const char *volatile target;
 };
 
 /* Runs one request on the calling thread; multipy_leave must follow once the reply

@@ -185,7 +185,7 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
 
     struct multipy_record *record = prepare(self->ordinal);
     if (record) {
-        record->what = NULL;
+        record->op = record->target = NULL;
         record->interpreter = self->ordinal;
     }
     struct multipy_reply reply;
@@ -298,7 +298,7 @@ static void report_fatal_signal(int signal_number, siginfo_t *info, void *contex
     int tid = (int)syscall(SYS_gettid);
     for (int i = 0; i < RECORDS; i++) {
         if (records[i].tid == tid && records[i].interpreter >= 0) {
-            const char *what = records[i].what;
+            const char *op = records[i].op, *target = records[i].target;
             say("\nmultipy: fatal signal ");
             say_number(signal_number);
             say(" in interpreter #");
@@ -306,7 +306,11 @@ static void report_fatal_signal(int signal_number, siginfo_t *info, void *contex
             say(" (thread ");
             say_number(tid);
             say(") while it ran: ");
-            say(what ? what : "a request");
+            say(op ? op : "a request");
+            if (op && target) {
+                say(" of ");
+                say(target);
+            }
             say("\nmultipy: a crash in any interpreter ends the whole process.\n");
         }
     }

@@ -50,10 +50,9 @@ def test_timeout_holds_the_interpreter_until_the_call_ends(raisers):
     first = raisers[0].acquire_session()
     sleep = first.global_("raisers", "sleep")
     with multipy.timeout(0.2):
-        started = time.monotonic()
         with pytest.raises(TimeoutError, match=r"runs \(or waits\) on there"):
             sleep(1.5, "late")
-        assert time.monotonic() - started < 1.0
+        assert raisers[0].running_abandoned_call  # control came back before the call ended
     first.close()
     # while the abandoned call runs, the balancer hands out only the other interpreter
     for _ in range(5):
@@ -138,10 +137,8 @@ def test_close_under_a_timeout_returns_every_interpreter():
         with pytest.raises(TimeoutError):
             s.global_("slow_close", "nap")()
         free = capacity()["free"]
-        started = time.monotonic()
-        m.close()  # close does not wait for the abandoned call
-        assert time.monotonic() - started < 0.3
-    assert capacity()["free"] == free  # not lent again while the abandoned call runs ...
+        m.close()  # close does not wait for the abandoned call ...
+    assert capacity()["free"] == free  # ... which still holds the interpreter, ...
     time.sleep(0.8)
     assert capacity()["free"] == free + 1  # ... but back once it ends
     with multipy.InterpreterManager(1) as again, again.acquire_one() as fresh:
@@ -159,3 +156,18 @@ def test_objects_with_strange_attribute_lookup_can_be_called(raisers):
         "thing = Strange()\n"))
     with raisers.acquire_one() as s:
         assert s.global_("strange", "thing")().deref() == "called"
+
+
+def test_a_timeout_cancels_python_code(raisers):
+    raisers.register_module_source("spin", "def forever():\n    while True:\n        pass\n")
+    with raisers[1].acquire_session() as s:
+        forever = s.global_("spin", "forever")
+        with multipy.timeout(0.2), pytest.raises(TimeoutError):
+            forever()
+        # Without the cancellation the loop would never end; with it, it stops at its
+        # next bytecode and the interpreter is handed out again.
+        deadline = time.monotonic() + 30
+        while raisers[1].running_abandoned_call:
+            assert time.monotonic() < deadline, "the cancelled call still runs"
+            time.sleep(0.01)
+        assert s.global_("raisers", "echo")(1).deref() == ((1,), {})

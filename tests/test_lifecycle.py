@@ -128,6 +128,24 @@ def test_forked_child_cannot_reach_the_parents_interpreters(python):
     assert "child 0" in result.stdout and "parent [1, 2]" in result.stdout
 
 
+def test_forked_child_exits_at_once(python):
+    result = python("""
+        import os, multipy
+        from multipy import _pool
+        m = multipy.InterpreterManager(1)
+        m[0].global_("math", "factorial")(3)
+        pid = os.fork()
+        if pid == 0:  # a normal exit, through atexit: it must not wait for the parent's
+            print("waits for", sum(not r.closed_because for r in _pool._runtimes), flush=True)
+            raise SystemExit(5)
+        _, status = os.waitpid(pid, 0)
+        print("child", os.waitstatus_to_exitcode(status))
+    """, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["waits", "for", "0", "child", "5"]
+    assert "still running" not in result.stderr
+
+
 def test_exit_while_an_interpreter_never_returns(python):
     result = python("""
         import sys, threading, time, multipy

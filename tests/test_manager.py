@@ -154,3 +154,38 @@ def test_reregistering_a_source_replaces_the_module(manager):
         assert s.global_("versioned", "VERSION").deref() == 2
 
 
+
+
+def test_registering_a_module_leaves_the_others_alone(manager):
+    manager.register_module_source("counter", (
+        "count = 0\n"
+        "class Thing:\n    pass\n"
+        "def bump():\n    global count\n    count += 1\n    return count\n"))
+    with manager[0].acquire_session() as s:
+        bump = s.global_("counter", "bump")
+        assert [bump().deref() for _ in range(3)] == [1, 2, 3]
+        thing = s.global_("counter", "Thing")()
+        manager.register_module_source("unrelated", "X = 1\n")
+        assert bump().deref() == 4  # the counter kept its state
+        is_thing = s.global_("builtins", "isinstance")(thing, s.global_("counter", "Thing"))
+        assert is_thing.deref() is True
+
+
+def test_a_dropped_manager_gives_its_interpreters_back(python):
+    result = python("""
+        import gc, multipy
+        from multipy._pool import capacity
+        m = multipy.InterpreterManager(2)
+        m.register_module_source("left_behind", "X = 1\\n")
+        del m
+        gc.collect()
+        print("FREE", capacity()["free"])
+        with multipy.InterpreterManager(2) as again:
+            try:
+                again[0].global_("left_behind", "X")
+            except ModuleNotFoundError:
+                print("RESET")
+        print("STARTED", capacity()["started"])
+    """, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["FREE", "2", "RESET", "STARTED", "2"]

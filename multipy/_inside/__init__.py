@@ -27,6 +27,7 @@ from .. import _protocol, _sharing
 from .._protocol import CALL, ERROR, GETATTR, GLOBAL, OK
 
 _NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
+_OP_TEXTS = tuple(name.encode() for name in _protocol.OP_NAMES)  #: for crash reports
 
 
 def _strip_rtld_global() -> None:
@@ -107,7 +108,7 @@ class _Interpreter:
 
     def __init__(self) -> None:
         self.objects: dict[int, object] = {}
-        self._notes: dict = {}  # handle * 8 + op, or (module, name) -> crash-report text
+        self._names: dict = {}  # handle, or (module, name) -> its name in crash reports
         # Handles and lent tensors share one numbering, never reused, so that a release
         # names one thing and a late release is harmless.
         self._ids = itertools.count(1)
@@ -144,7 +145,7 @@ class _Interpreter:
     def _reset(self, target) -> None:
         """Forgets the host's objects and sources: the manager that used them closed."""
         self.objects.clear()
-        self._notes.clear()
+        self._names.clear()
         for name in self.sources.sources:
             sys.modules.pop(name, None)
         self.sources.sources = {}
@@ -165,8 +166,8 @@ class _Interpreter:
                 op, handle, args = reading.load()
                 reading = None
             target = _object(self.objects, handle) if handle else None
-            note = self._notes.get(handle * 8 + op if op != GLOBAL else args)
-            _multipy_bootstrap.note(note or self._note(op, handle, args))
+            name = self._names.get(handle if op != GLOBAL else args)
+            _multipy_bootstrap.note(_OP_TEXTS[op], name or self._name(op, handle, args))
             result = self._ops[op](target, *args)
             if op in _NEW_OBJECT:
                 number = next(self._ids)
@@ -186,25 +187,22 @@ class _Interpreter:
             del self.released[:count]
         return status, number, payload, released
 
-    def _note(self, op: int, handle: int, args: tuple) -> bytes:
-        """What a request runs, for the fatal-signal report; made once per object and
-        operation and kept (the C report points at it)."""
+    def _name(self, op: int, handle: int, args: tuple) -> bytes:
+        """The name of what a request acts on, for the fatal-signal report; made once
+        per object (or import) and kept: the C report points at it."""
         try:
-            text = f"import of {args[0]}.{args[1]}" if op == GLOBAL else \
-                f"{_protocol.OP_NAMES[op]} of {_name(self.objects[handle])}"
+            text = f"{args[0]}.{args[1]}" if op == GLOBAL else _name(self.objects[handle])
         except Exception:  # user objects may answer attribute lookups in any way
-            text = _protocol.OP_NAMES[op]
-        note = self._notes[handle * 8 + op if op != GLOBAL else args] = \
-            text.encode(errors="replace")[:200]
-        return note
+            text = "an object"
+        name = self._names[handle if op != GLOBAL else args] = text.encode(errors="replace")[:200]
+        return name
 
     def release(self, number: int) -> None:
         """Drops a handle, or a tensor lent to the host (they share one numbering)."""
         if self.objects.pop(number, None) is None:
             self.exports.release(number)
         else:
-            for op in range(8):
-                self._notes.pop(number * 8 + op, None)
+            self._names.pop(number, None)
 
     def register_source(self, name: str, source: str) -> None:
         """Makes source importable as module name; unimports only that module."""

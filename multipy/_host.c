@@ -120,19 +120,33 @@ static PyObject *reserve_keys(PyObject *module, PyObject *unused)
 typedef struct {
     PyObject_HEAD
     int ordinal;
+    int closed;
     void *runtime;
     multipy_enter_fn *enter;
     multipy_leave_fn *leave;
     multipy_cancel_fn *cancel;
+    PyObject *releases; /* list: handles and tokens the host dropped, sent with the next call */
+    PyObject *exports;  /* dict: token -> host object lent to interpreters */
 } Entry;
+
+static _Atomic uint64_t serials;       /* numbers calls, process-wide */
+static unsigned long main_thread;      /* the host's main thread */
+static struct {                        /* the call the main thread runs; under the host GIL */
+    Entry *entry;
+    uint64_t serial;
+} main_call;
 
 static int Entry_init(Entry *self, PyObject *args, PyObject *kwargs)
 {
     unsigned long long runtime, enter, leave, cancel, forget;
-    static char *names[] = {"ordinal", "runtime", "enter", "leave", "cancel", "forget", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKKKK", names, &self->ordinal, &runtime,
-                                     &enter, &leave, &cancel, &forget))
+    static char *names[] = {"ordinal", "runtime", "enter", "leave", "cancel", "forget",
+                            "releases", "exports", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKKKKO!O!", names, &self->ordinal,
+                                     &runtime, &enter, &leave, &cancel, &forget, &PyList_Type,
+                                     &self->releases, &PyDict_Type, &self->exports))
         return -1;
+    Py_INCREF(self->releases);
+    Py_INCREF(self->exports);
     if (self->ordinal < 0 || self->ordinal >= MULTIPY_MAX_INTERPRETERS || !keys_reserved) {
         PyErr_SetString(PyExc_ValueError, "no such interpreter, or keys not reserved");
         return -1;
@@ -158,21 +172,27 @@ static void drop_released(PyObject *exports, const struct multipy_reply *reply)
 }
 
 PyDoc_STRVAR(Entry_call_doc,
-"call(request: bytes, releases: list[int], exports: dict, serial: int) -> (status, handle, payload)\n\n"
-"Runs request in the interpreter on this thread, without the host's GIL.  Takes every\n"
-"number out of releases (handles and tokens the host dropped) and sends them along;\n"
-"removes from exports the tokens the interpreter gave back.");
+"call(request: bytes, serial: int = 0) -> (status, handle, payload)\n\n"
+"Runs request in the interpreter on this thread, without the host's GIL (serial 0: a\n"
+"new number).  Takes every number out of the releases list and sends them along;\n"
+"removes from the exports dict the tokens the interpreter gave back.  On the main\n"
+"thread, interrupt_main() cancels the call.");
 
 static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4 || !PyBytes_Check(args[0]) || !PyList_Check(args[1]) || !PyDict_Check(args[2])) {
-        PyErr_SetString(PyExc_TypeError, "call(request: bytes, releases: list, exports: dict, serial: int)");
+    if (nargs < 1 || nargs > 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "call(request: bytes, serial: int = 0)");
         return NULL;
     }
-    uint64_t serial = PyLong_AsUnsignedLongLong(args[3]);
+    uint64_t serial = nargs == 2 ? PyLong_AsUnsignedLongLong(args[1]) : 0;
     if (serial == (uint64_t)-1 && PyErr_Occurred())
         return NULL;
-    PyObject *releases = args[1];
+    if (self->closed)
+        return Py_BuildValue("(iKy)", MULTIPY_CLOSED, 0ULL, "");
+    if (!serial)
+        serial = ++serials;
+    int on_main = (unsigned long)pthread_self() == main_thread;
+    PyObject *releases = self->releases;
     Py_ssize_t n = PyList_GET_SIZE(releases);
     uint64_t few[64], *numbers = n <= 64 ? few : PyMem_RawMalloc((size_t)n * sizeof *numbers);
     if (!numbers)
@@ -189,10 +209,16 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         record->interpreter = self->ordinal;
     }
     struct multipy_reply reply;
+    if (on_main) {
+        main_call.entry = self;
+        main_call.serial = serial;
+    }
     Py_BEGIN_ALLOW_THREADS
     self->enter(self->runtime, PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]),
                 numbers, (size_t)n, serial, record, &reply);
     Py_END_ALLOW_THREADS
+    if (on_main)
+        main_call.entry = NULL;
     if (record)
         record->interpreter = -1;
     if (numbers != few)
@@ -200,7 +226,7 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     if (reply.status == MULTIPY_CLOSED)
         return Py_BuildValue("(iKy)", reply.status, 0ULL, "");
     PyObject *payload = PyBytes_FromStringAndSize(reply.data, (Py_ssize_t)reply.size);
-    drop_released(args[2], &reply);
+    drop_released(self->exports, &reply);
     self->leave(self->runtime);
     if (!payload)
         return NULL;
@@ -226,7 +252,23 @@ static PyObject *Entry_cancel(Entry *self, PyObject *args)
     return PyBool_FromLong(found);
 }
 
+static void Entry_dealloc(Entry *self)
+{
+    Py_XDECREF(self->releases);
+    Py_XDECREF(self->exports);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Entry_close(Entry *self, PyObject *unused)
+{
+    (void)unused;
+    self->closed = 1;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Entry_methods[] = {
+    {"close", (PyCFunction)Entry_close, METH_NOARGS,
+     "From now on call() answers CLOSED without entering (a forked child's interpreters)."},
     {"call", (PyCFunction)(void (*)(void))Entry_call, METH_FASTCALL, Entry_call_doc},
     {"cancel", (PyCFunction)Entry_cancel, METH_VARARGS, Entry_cancel_doc},
     {NULL, NULL, 0, NULL},
@@ -237,10 +279,12 @@ static PyTypeObject EntryType = {
     .tp_name = "multipy._host.Entry",
     .tp_basicsize = sizeof(Entry),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Entry(ordinal, runtime, enter, leave, cancel, forget): the entry points of "
-              "one interpreter (addresses inside its namespace).",
+    .tp_doc = "Entry(ordinal, runtime, enter, leave, cancel, forget, releases, exports): the "
+              "entry points of one interpreter (addresses inside its namespace), its list "
+              "of releases to send and the host's dict of lent objects.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Entry_init,
+    .tp_dealloc = (destructor)Entry_dealloc,
     .tp_methods = Entry_methods,
 };
 
@@ -334,7 +378,42 @@ static PyObject *report_crashes(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *set_main_thread(PyObject *module, PyObject *ident)
+{
+    (void)module;
+    main_thread = PyLong_AsUnsignedLong(ident);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *next_serial(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return PyLong_FromUnsignedLongLong(++serials);
+}
+
+static PyObject *interrupt_main(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    Entry *entry = main_call.entry;
+    if (!entry)
+        Py_RETURN_FALSE;
+    uint64_t serial = main_call.serial;
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    prepare(entry->ordinal);
+    found = entry->cancel(entry->runtime, main_thread, serial, MULTIPY_CANCEL_INTERRUPT);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(found);
+}
+
 static PyMethodDef module_methods[] = {
+    {"set_main_thread", set_main_thread, METH_O,
+     "set_main_thread(ident): the thread whose calls interrupt_main() cancels."},
+    {"next_serial", next_serial, METH_NOARGS, "A new call number."},
+    {"interrupt_main", interrupt_main, METH_NOARGS,
+     "Raises KeyboardInterrupt in the call the main thread runs, if any; True if it did."},
     {"reserve_keys", reserve_keys, METH_NOARGS,
      "Keeps the pthread keys of the interpreters' blocks out of the host's hands "
      "(RuntimeError if the host already uses one); once, before the first interpreter."},

@@ -141,7 +141,7 @@ def _after_fork_in_child() -> None:
     """A forked child has the interpreters' memory but none of their threads: it must
     not enter them, nor wait for them at exit, nor run their libraries' destructors."""
     for runtime in _runtimes:
-        runtime.closed_because = "it belongs to the parent of this forked process"
+        runtime.close("it belongs to the parent of this forked process")
     if _runtimes:
         _host.skip_destructors_at_exit()
 

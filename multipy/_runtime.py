@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import itertools
 import os
 import pickle
 import queue
@@ -43,8 +42,6 @@ _JOIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_double)
 #: The tensors and arrays the host lent to interpreters, until one gives their token back.
 exports = _sharing.Exports()
 
-_serials = itertools.count(1)
-_MAIN_THREAD = threading.main_thread().ident
 
 
 def _bootstrap_path() -> str:
@@ -68,10 +65,17 @@ def prepare_process() -> None:
     except RuntimeError as error:
         raise InterpreterStartError(str(error)) from None
     _host.report_crashes()
+    _watch_interrupts()
 
 
 class Runtime:
-    """A started interpreter; see the module's docstring."""
+    """A started interpreter; see the module's docstring.
+
+    ``call(request)`` runs request on the calling thread and returns (status, new object
+    handle, payload): the C entry itself, which sends ``releases`` along.  On the main
+    thread, Ctrl-C raises KeyboardInterrupt inside the call at its next bytecode (and
+    then in the host, as usual).
+    """
 
     def __init__(self, ordinal: int) -> None:
         self.ordinal = ordinal
@@ -90,12 +94,13 @@ class Runtime:
         self._stop = _STOP(symbol("multipy_stop"))
         self._active = _ACTIVE(symbol("multipy_active"))
         self._join = _JOIN(symbol("multipy_join"))
-        self.entry = _host.Entry(ordinal, self._address, symbol("multipy_enter"),
-                                 symbol("multipy_leave"), symbol("multipy_cancel"),
-                                 symbol("multipy_forget"))
         #: Handles and tokens the host dropped; they go in with the next request.  Only
         #: ever appended to (finalisers do that) and emptied by the C entry.
         self.releases: list[int] = []
+        self.entry = _host.Entry(ordinal, self._address, symbol("multipy_enter"),
+                                 symbol("multipy_leave"), symbol("multipy_cancel"),
+                                 symbol("multipy_forget"), self.releases, exports.objects)
+        self.call = self.entry.call
         #: Why the interpreter cannot be entered (stopped, or a forked child's), or None.
         self.closed_because: str | None = None
         #: Calls whose callers gave up on them and that still run (or wait to).
@@ -108,22 +113,14 @@ class Runtime:
         message = os.read(self._status_read, 1 << 16)
         if message != b"ready":
             self.finished = True
-            self.closed_because = "it failed to start"
+            self.close("it failed to start")
             raise InterpreterStartError(
                 f"interpreter {self.ordinal} failed to start: {message.decode(errors='replace')}")
 
-    def call(self, request: bytes) -> tuple[int, int, bytes]:
-        """Runs request on this thread: (status, new object handle, payload).
-
-        On the main thread, Ctrl-C raises KeyboardInterrupt inside the call at its next
-        bytecode (then in the host, as usual).
-        """
-        if self.closed_because:
-            return _CLOSED
-        serial = next(_serials)
-        if threading.get_ident() != _MAIN_THREAD:
-            return self.entry.call(request, self.releases, exports.objects, serial)
-        return _interrupts.run(self, request, serial)
+    def close(self, reason: str) -> None:
+        """No entry from now on: calls answer CLOSED."""
+        self.closed_because = reason
+        self.entry.close()
 
     def call_within(self, request: bytes, seconds: float, finish: Callable[[tuple], Any],
                     unsent: Callable[[], None]) -> Any:
@@ -155,7 +152,7 @@ class Runtime:
 
     def stop(self) -> None:
         """Refuses new entries; calls in progress go on (``idle`` tells when none is)."""
-        self.closed_because = "the interpreter is stopped: the process is exiting"
+        self.close("the interpreter is stopped: the process is exiting")
         self._stop(self._address)
 
     def idle(self) -> bool:
@@ -173,9 +170,6 @@ class Runtime:
         return f"<multipy runtime #{self.ordinal}>"
 
 
-_CLOSED = (2, 0, b"")  # what the C entry answers for a stopped interpreter
-
-
 class _Job:
     """One call of call_within: run by a worker, waited for by its caller."""
 
@@ -184,7 +178,7 @@ class _Job:
         self._request = request
         self._finish = finish
         self._unsent = unsent
-        self._serial = next(_serials)
+        self._serial = _host.next_serial()
         self._thread: int | None = None
         self._done = threading.Event()
         self._outcome: tuple[Any, BaseException | None] = (None, None)
@@ -200,10 +194,7 @@ class _Job:
             self._thread = threading.get_ident()
         runtime = self._runtime
         try:
-            reply = (runtime.entry.call(self._request, runtime.releases, exports.objects,
-                                        self._serial)
-                     if not runtime.closed_because else _CLOSED)
-            outcome = (self._finish(reply), None)
+            outcome = (self._finish(runtime.entry.call(self._request, self._serial)), None)
         except BaseException as error:
             outcome = (None, error)
         with self._lock:
@@ -267,59 +258,43 @@ class _Workers:
                 self._idle += 1
 
 
-class _Interrupts:
+def _watch_interrupts() -> None:
     """Ctrl-C while the main thread runs a call: the signal's wake-up byte reaches a
-    watcher thread, which raises KeyboardInterrupt in the call (the host's own handler
-    raises it in the host once the call returns).  Used only when no one else set a
-    wake-up fd (an asyncio loop does; then Ctrl-C waits for the call to end)."""
+    watcher thread, which raises KeyboardInterrupt in that call (the host's own handler
+    raises it in the host once the call returns).  Only when this runs on the main
+    thread and no one else set a wake-up fd (an asyncio loop does; then Ctrl-C waits
+    for the call to end)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except ValueError:  # not the main interpreter
+        previous = None
+    if previous != -1:
+        if previous is not None:
+            signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    _host.set_main_thread(threading.get_ident())
 
-    def __init__(self) -> None:
-        self._call: tuple[Runtime, int] | None = None
-        self._watching = False
-
-    def run(self, runtime: Runtime, request: bytes, serial: int) -> tuple[int, int, bytes]:
-        if not self._watching:
-            self._watch()
-        self._call = (runtime, serial)
-        try:
-            return runtime.entry.call(request, runtime.releases, exports.objects, serial)
-        finally:
-            self._call = None
-
-    def _watch(self) -> None:
-        self._watching = True
-        read_fd, write_fd = os.pipe()
-        os.set_blocking(write_fd, False)
-        try:
-            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        except ValueError:  # not the main interpreter
-            previous = None
-        if previous != -1:
-            if previous is not None:
-                signal.set_wakeup_fd(previous)
-            os.close(read_fd)
-            os.close(write_fd)
-            return
-        threading.Thread(target=self._relay, args=(read_fd,), name="multipy-interrupts",
-                         daemon=True).start()
-
-    def _relay(self, read_fd: int) -> None:
+    def relay() -> None:
         while True:
             if signal.SIGINT in os.read(read_fd, 64):
-                call = self._call
-                if call is not None:
-                    call[0].entry.cancel(_MAIN_THREAD, call[1], CANCEL_INTERRUPT)
+                _host.interrupt_main()
+
+    threading.Thread(target=relay, name="multipy-interrupts", daemon=True).start()
 
 
 _workers = _Workers()
-_interrupts = _Interrupts()
 
 
 def _after_fork_in_child() -> None:
-    """The workers and the watcher are threads, which a forked child does not have."""
-    global _workers, _interrupts
+    """The workers are threads, which a forked child does not have."""
+    global _workers
     _workers = _Workers()
-    _interrupts = _Interrupts()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -129,13 +129,6 @@ def is_plain(value: Any) -> bool:
     return False
 
 
-def loads(data: bytes | memoryview, on_release: Callable[[int], None]) -> Any:
-    """Reads a message that either side made (see PLAIN_PROTOCOL)."""
-    if data[1] == PLAIN_PROTOCOL:
-        return pickle.loads(data)
-    return AliasingUnpickler(data, on_release).load()
-
-
 def lent(record: tuple) -> Any:
     """Stands for a lent tensor or array in a message: only an AliasingUnpickler can
     read one (it makes the alias)."""
@@ -206,6 +199,57 @@ class AliasingUnpickler(pickle.Unpickler):
         if module == __name__ and name == "lent":
             return functools.partial(alias, on_release=self._on_release, on_alias=self.aliased.append)
         return super().find_class(module, name)
+
+
+class _Anything:
+    """Stands for every class while a message is read only for the tokens it lends."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Anything:
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Anything:
+        return _Anything()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _TokenReader(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.tokens: list[int] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "lent":
+            return self._lent
+        return _Anything
+
+    def _lent(self, record: tuple) -> None:
+        if record[1]:
+            self.tokens.append(record[1])
+
+
+def lent_tokens(data: bytes) -> list[int]:
+    """The tokens of everything a message lends, as far as it can be read without the
+    classes it names: what to give back when the message itself cannot be read."""
+    reader = _TokenReader(data)
+    try:
+        reader.load()
+    except Exception:
+        pass  # what was read so far is all there is to give back
+    return reader.tokens
 
 
 class _Release:

@@ -210,9 +210,15 @@ class Interpreter:
         if status == _protocol.OK:
             if handle:
                 return Obj(self, handle)
+            if payload[1] == _sharing.PLAIN_PROTOCOL:
+                return pickle.loads(payload)
+            reader = _sharing.AliasingUnpickler(payload, self._runtime.releases.append)
             try:
-                return _sharing.loads(payload, self._runtime.releases.append)
-            except Exception as error:
+                return reader.load()
+            except Exception as error:  # give back what the reply lent and was not aliased
+                aliased = set(reader.aliased)
+                self._runtime.releases.extend(
+                    token for token in _sharing.lent_tokens(payload) if token not in aliased)
                 raise InterpreterError(
                     f"{type(error).__module__}.{type(error).__qualname__}",
                     f"the call's result could not be read in the host: {error}",

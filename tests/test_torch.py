@@ -436,3 +436,17 @@ def test_replicated_object_materialises_once_under_races(torch_manager):
     for thread in threads:
         thread.join(timeout=30)
     assert made == [torch_manager[0]]
+
+
+def test_a_result_the_host_cannot_read_gives_back_what_it_lent(torch_manager):
+    torch_manager.register_module_source("inside_only", (
+        "import torch\n"
+        "class Secret:\n    pass\n"
+        "def make():\n    return [torch.ones(2), Secret(), torch.ones(3)]\n"))
+    with torch_manager[0].acquire_session() as s:
+        stats = s.global_("multipy._inside", "stats")
+        before = stats().deref()["lent"]
+        with pytest.raises(multipy.InterpreterError, match="result could not be read in the host"):
+            s.global_("inside_only", "make").call_value(None)
+        s.global_("gc", "collect")()  # this call carries the releases
+        assert stats().deref()["lent"] == before

@@ -27,6 +27,7 @@ from .. import _protocol, _sharing
 from .._protocol import CALL, ERROR, GETATTR, GLOBAL, OK
 
 _NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
+_GONE = object()
 _OP_TEXTS = tuple(name.encode() for name in _protocol.OP_NAMES)  #: for crash reports
 
 
@@ -165,7 +166,12 @@ class _Interpreter:
                 reading = _Unpickler(request, self.objects, self.released.append)
                 op, handle, args = reading.load()
                 reading = None
-            target = _object(self.objects, handle) if handle else None
+            target = None
+            if handle:
+                try:
+                    target = self.objects[handle]
+                except KeyError:
+                    target = _object(self.objects, handle)  # raises what to say
             name = self._names.get(handle if op != GLOBAL else args)
             _multipy_bootstrap.note(_OP_TEXTS[op], name or self._name(op, handle, args))
             result = self._ops[op](target, *args)
@@ -199,7 +205,7 @@ class _Interpreter:
 
     def release(self, number: int) -> None:
         """Drops a handle, or a tensor lent to the host (they share one numbering)."""
-        if self.objects.pop(number, None) is None:
+        if self.objects.pop(number, _GONE) is _GONE:
             self.exports.release(number)
         else:
             self._names.pop(number, None)

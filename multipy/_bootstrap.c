@@ -27,6 +27,8 @@
 #include "_entry.h"
 
 enum { STARTING, SERVING, STOPPING };
+#define EARLY_CANCELS 64
+#define KEPT_BUFFER (1 << 20) /* a thread's reply buffer is kept between calls up to this */
 
 /* A call in progress, on its thread's stack; the list is guarded by the GIL. */
 struct call {
@@ -42,10 +44,20 @@ struct runtime {
     int status_fd;     /* gets "ready", or why the interpreter could not start */
     int stop_fd;       /* the thread waits on it, then finalises */
     pthread_t thread;
-    PyObject *handler; /* handler(request, releases) -> (status, handle, payload, released) */
+    PyObject *handler; /* handler(request) -> (status, handle, payload) */
+    /* The handler's tables, where releases are applied in C, before any Python runs:
+     * handle -> object, token -> object lent to the host, handle -> crash-report name;
+     * and the list of host tokens that aliases here gave back, collected in C after. */
+    PyObject *objects, *lent, *names, *released;
     atomic_int state;
     atomic_int active; /* entries in progress: stopping waits for none */
     struct call *calls;
+    /* Cancels that came before their call started (guarded by the GIL). */
+    struct {
+        unsigned long thread;
+        uint64_t serial;
+    } early[EARLY_CANCELS];
+    unsigned next_early;
     /* This namespace's libc sets its <ctype.h> tables per thread when its own
      * pthread_create starts a thread; a host thread gets them at its first entry. */
     const unsigned short *ctype_b;
@@ -53,7 +65,8 @@ struct runtime {
 };
 
 static __thread PyThreadState *own_state;         /* this thread's state here */
-static __thread PyObject *last_reply;             /* alive until the host has copied it */
+static __thread char *buffer;                     /* the reply, until the host has copied it */
+static __thread size_t capacity;
 static __thread struct multipy_record *record;    /* this thread's line in the crash report */
 static PyObject *cancelled_type;                  /* raised in a call by a timeout */
 
@@ -153,8 +166,13 @@ static void *interpreter_thread(void *arg)
                 status.err_msg ? status.err_msg : "failed");
         return NULL;
     }
+    PyObject *main_module = PyImport_AddModule("__main__");
     if (PyRun_SimpleString(rt->code) != 0
-        || !(rt->handler = PyObject_GetAttrString(PyImport_AddModule("__main__"), "handler"))) {
+        || !(rt->handler = PyObject_GetAttrString(main_module, "handler"))
+        || !(rt->objects = PyObject_GetAttrString(main_module, "objects"))
+        || !(rt->lent = PyObject_GetAttrString(main_module, "lent"))
+        || !(rt->names = PyObject_GetAttrString(main_module, "names"))
+        || !(rt->released = PyObject_GetAttrString(main_module, "released"))) {
         PyErr_Clear();
         dprintf(rt->status_fd, "the interpreter's entry code failed (traceback on stderr)");
         Py_FinalizeEx();
@@ -272,6 +290,11 @@ static int admit(struct runtime *rt)
 
 void multipy_leave(void *runtime)
 {
+    if (capacity > KEPT_BUFFER) { /* a big reply: give its memory back now */
+        free(buffer);
+        buffer = NULL;
+        capacity = 0;
+    }
     atomic_fetch_sub(&((struct runtime *)runtime)->active, 1);
 }
 
@@ -304,8 +327,12 @@ static PyObject *describe_exception(void)
     PyErr_NormalizeException(&type, &value, &traceback);
     PyObject *text = value ? PyObject_Str(value) : NULL;
     PyObject *name = type ? PyObject_GetAttrString(type, "__name__") : NULL;
-    PyObject *bytes = PyBytes_FromFormat("%s: %s", name ? PyUnicode_AsUTF8(name) : "?",
-                                         text ? PyUnicode_AsUTF8(text) : "?");
+    const char *name_text = name ? PyUnicode_AsUTF8(name) : NULL;
+    PyErr_Clear();
+    const char *message = text ? PyUnicode_AsUTF8(text) : NULL; /* NULL for lone surrogates */
+    PyErr_Clear();
+    PyObject *bytes = PyBytes_FromFormat("%s: %s", name_text ? name_text : "?",
+                                         message ? message : "?");
     PyErr_Clear();
     Py_XDECREF(text);
     Py_XDECREF(name);
@@ -313,6 +340,80 @@ static PyObject *describe_exception(void)
     Py_XDECREF(value);
     Py_XDECREF(traceback);
     return bytes;
+}
+
+/* Drops what the host released: handles (and their names) or tokens of objects lent to
+ * it.  In C, so that an exception raised by a cancel cannot stop it half-way. */
+static void apply_releases(struct runtime *rt, const uint64_t *numbers, size_t count)
+{
+    for (size_t i = 0; i < count; i++) {
+        PyObject *key = PyLong_FromUnsignedLongLong(numbers[i]);
+        if (!key) {
+            PyErr_Clear();
+            continue;
+        }
+        if (PyDict_DelItem(rt->objects, key) == 0) {
+            if (PyDict_DelItem(rt->names, key) < 0)
+                PyErr_Clear();
+        } else {
+            PyErr_Clear();
+            if (PyDict_DelItem(rt->lent, key) < 0)
+                PyErr_Clear();
+        }
+        Py_DECREF(key);
+    }
+}
+
+/* Whether a cancel for this call came before it started (and forgets it). */
+static int cancelled_early(struct runtime *rt, unsigned long thread, uint64_t serial)
+{
+    for (unsigned i = 0; i < EARLY_CANCELS; i++)
+        if (rt->early[i].serial == serial && rt->early[i].thread == thread) {
+            rt->early[i].serial = 0;
+            return 1;
+        }
+    return 0;
+}
+
+/* Copies the reply into this thread's buffer (the handler's objects are dropped under
+ * the GIL; the host copies the buffer without it), after the host tokens that aliases
+ * here gave back, which it takes out of rt->released; 0, or -1 out of memory. */
+static int keep_reply(struct runtime *rt, struct multipy_reply *reply, const char *data,
+                      size_t size)
+{
+    Py_ssize_t count = PyList_GET_SIZE(rt->released);
+    size_t released_size = (size_t)count * 8, need = released_size + size;
+    if (need > capacity) {
+        char *grown = realloc(buffer, need);
+        if (!grown)
+            return -1;
+        buffer = grown;
+        capacity = need;
+    }
+    uint64_t *tokens = (uint64_t *)buffer;
+    for (Py_ssize_t i = 0; i < count; i++)
+        tokens[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(rt->released, i));
+    if (count && PyList_SetSlice(rt->released, 0, count, NULL) < 0)
+        count = 0;
+    PyErr_Clear();
+    if (size)
+        memcpy(buffer + released_size, data, size);
+    reply->released = (const uint64_t *)buffer;
+    reply->n_released = (size_t)count;
+    reply->data = buffer + released_size;
+    reply->size = size;
+    return 0;
+}
+
+/* After the handler: the memoryview over host memory must not outlive the call. */
+static void release_view(PyObject *view)
+{
+    if (view && Py_REFCNT(view) > 1) { /* kept, by a traceback for instance */
+        PyObject *done = PyObject_CallMethod(view, "release", NULL);
+        Py_XDECREF(done);
+        PyErr_Clear();
+    }
+    Py_XDECREF(view);
 }
 
 int multipy_enter(void *runtime, const char *request, size_t size, const uint64_t *releases,
@@ -324,20 +425,18 @@ int multipy_enter(void *runtime, const char *request, size_t size, const uint64_
     if (!admit(rt))
         return reply->status = MULTIPY_CLOSED;
     take_gil(rt);
-    Py_CLEAR(last_reply);
     record = line;
     struct call call = {rt->calls, (unsigned long)pthread_self(), serial, 0};
+    call.cancelled = cancelled_early(rt, call.thread, serial);
     rt->calls = &call;
+    apply_releases(rt, releases, n_releases);
 
-    PyObject *args[2] = {
-        PyMemoryView_FromMemory((char *)request, (Py_ssize_t)size, PyBUF_READ),
-        n_releases ? PyMemoryView_FromMemory((char *)releases, (Py_ssize_t)(n_releases * 8), PyBUF_READ)
-                   : Py_NewRef(Py_None),
-    };
-    PyObject *result = args[0] && args[1] ? PyObject_Vectorcall(rt->handler, args, 2, NULL) : NULL;
-    Py_XDECREF(args[0]);
-    Py_XDECREF(args[1]);
-
+    PyObject *result = NULL;
+    if (!call.cancelled) {
+        PyObject *view = PyMemoryView_FromMemory((char *)request, (Py_ssize_t)size, PyBUF_READ);
+        result = view ? PyObject_CallOneArg(rt->handler, view) : NULL;
+        release_view(view);
+    }
     for (struct call **at = &rt->calls; *at; at = &(*at)->next)
         if (*at == &call) {
             *at = call.next;
@@ -346,27 +445,27 @@ int multipy_enter(void *runtime, const char *request, size_t size, const uint64_
     if (call.cancelled) /* a cancel that arrived as the call ended must not hit the next */
         PyThreadState_SetAsyncExc(call.thread, NULL);
 
-    if (result && PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 4
-        && PyBytes_Check(PyTuple_GET_ITEM(result, 2)) && PyBytes_Check(PyTuple_GET_ITEM(result, 3))) {
+    int kept = -1;
+    if (result && PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3
+        && PyBytes_Check(PyTuple_GET_ITEM(result, 2))) {
         reply->status = (int)PyLong_AsLong(PyTuple_GET_ITEM(result, 0));
         reply->handle = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(result, 1));
-        PyObject *payload = PyTuple_GET_ITEM(result, 2), *released = PyTuple_GET_ITEM(result, 3);
-        reply->data = PyBytes_AS_STRING(payload);
-        reply->size = (size_t)PyBytes_GET_SIZE(payload);
-        reply->released = (const uint64_t *)PyBytes_AS_STRING(released);
-        reply->n_released = (size_t)PyBytes_GET_SIZE(released) / 8;
-        last_reply = result;
-    } else { /* the handler itself failed: an exception a cancel raised in it, say */
-        Py_XDECREF(result);
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_SystemError, "multipy's handler returned a malformed reply");
-        last_reply = describe_exception();
-        reply->status = MULTIPY_BROKEN;
-        if (last_reply) {
-            reply->data = PyBytes_AS_STRING(last_reply);
-            reply->size = (size_t)PyBytes_GET_SIZE(last_reply);
-        }
+        PyObject *payload = PyTuple_GET_ITEM(result, 2);
+        kept = keep_reply(rt, reply, PyBytes_AS_STRING(payload), (size_t)PyBytes_GET_SIZE(payload));
+    } else if (call.cancelled && !result && !PyErr_Occurred()) { /* cancelled before it ran */
+        reply->status = MULTIPY_CANCELLED;
+        kept = keep_reply(rt, reply, NULL, 0);
     }
+    if (kept != 0) { /* the handler itself failed: an exception a cancel raised in it, say */
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_MemoryError, "no memory for multipy's reply");
+        PyObject *text = describe_exception();
+        reply->status = MULTIPY_BROKEN;
+        if (!text || keep_reply(rt, reply, PyBytes_AS_STRING(text), (size_t)PyBytes_GET_SIZE(text)))
+            keep_reply(rt, reply, "MemoryError: ?", 14);
+        Py_XDECREF(text);
+    }
+    Py_XDECREF(result);
     PyErr_Clear();
     record = NULL;
     PyEval_SaveThread();
@@ -388,6 +487,11 @@ int multipy_cancel(void *runtime, unsigned long thread, uint64_t serial, int kin
             found = PyThreadState_SetAsyncExc(
                 thread, kind == MULTIPY_CANCEL_INTERRUPT ? PyExc_KeyboardInterrupt : cancelled_type) > 0;
         }
+    if (!found) { /* not started yet (or already over): it must not run when it starts */
+        rt->early[rt->next_early].thread = thread;
+        rt->early[rt->next_early].serial = serial;
+        rt->next_early = (rt->next_early + 1) % EARLY_CANCELS;
+    }
     PyGILState_Release(state);
     multipy_leave(rt);
     return found;
@@ -400,10 +504,11 @@ void multipy_forget(void *runtime)
         return;
     if (admit(rt)) {
         PyEval_RestoreThread(own_state);
-        Py_CLEAR(last_reply);
         PyGILState_Release(PyGILState_UNLOCKED); /* the last one: deletes the state */
         multipy_leave(rt);
     }
     own_state = NULL;
-    last_reply = NULL;
+    free(buffer);
+    buffer = NULL;
+    capacity = 0;
 }

@@ -23,6 +23,7 @@ enum {
     MULTIPY_ERROR = 1,  /* payload: the pickled remote error record */
     MULTIPY_CLOSED = 2, /* the interpreter is stopped: nothing ran */
     MULTIPY_BROKEN = 3, /* multipy's own code inside raised; payload: "type: message" */
+    MULTIPY_CANCELLED = 4, /* cancelled before it started: nothing ran */
 };
 
 /* What a cancel raises in the call (multipy/_protocol.py has the same numbers). */
@@ -31,9 +32,10 @@ enum { MULTIPY_CANCEL_TIMEOUT = 0, MULTIPY_CANCEL_INTERRUPT = 1 };
 struct multipy_reply {
     int status;
     uint64_t handle;           /* a new object's handle, or 0 */
-    const char *data;          /* the payload, alive until multipy_leave */
+    const char *data;          /* the payload, valid until multipy_leave */
     size_t size;
-    const uint64_t *released;  /* tokens of host objects the interpreter no longer uses */
+    const uint64_t *released;  /* tokens of host objects the interpreter no longer uses
+                                  (valid until multipy_leave too) */
     size_t n_released;
 };
 

@@ -127,6 +127,7 @@ typedef struct {
     multipy_cancel_fn *cancel;
     PyObject *releases; /* list: handles and tokens the host dropped, sent with the next call */
     PyObject *exports;  /* dict: token -> host object lent to interpreters */
+    PyObject *lent_tokens; /* lent_tokens(payload) -> the tokens a reply lends */
 } Entry;
 
 static _Atomic uint64_t serials;       /* numbers calls, process-wide */
@@ -140,13 +141,15 @@ static int Entry_init(Entry *self, PyObject *args, PyObject *kwargs)
 {
     unsigned long long runtime, enter, leave, cancel, forget;
     static char *names[] = {"ordinal", "runtime", "enter", "leave", "cancel", "forget",
-                            "releases", "exports", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKKKKO!O!", names, &self->ordinal,
+                            "releases", "exports", "lent_tokens", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKKKKO!O!O", names, &self->ordinal,
                                      &runtime, &enter, &leave, &cancel, &forget, &PyList_Type,
-                                     &self->releases, &PyDict_Type, &self->exports))
+                                     &self->releases, &PyDict_Type, &self->exports,
+                                     &self->lent_tokens))
         return -1;
     Py_INCREF(self->releases);
     Py_INCREF(self->exports);
+    Py_INCREF(self->lent_tokens);
     if (self->ordinal < 0 || self->ordinal >= MULTIPY_MAX_INTERPRETERS || !keys_reserved) {
         PyErr_SetString(PyExc_ValueError, "no such interpreter, or keys not reserved");
         return -1;
@@ -161,14 +164,38 @@ static int Entry_init(Entry *self, PyObject *args, PyObject *kwargs)
 }
 
 /* Drops the host objects the interpreter gave back from exports (token -> object). */
-static void drop_released(PyObject *exports, const struct multipy_reply *reply)
+static void drop_released(PyObject *exports, const uint64_t *tokens, size_t count)
 {
-    for (size_t i = 0; i < reply->n_released; i++) {
-        PyObject *token = PyLong_FromUnsignedLongLong(reply->released[i]);
+    for (size_t i = 0; i < count; i++) {
+        PyObject *token = PyLong_FromUnsignedLongLong(tokens[i]);
         if (!token || PyDict_DelItem(exports, token) < 0)
             PyErr_Clear(); /* already gone */
         Py_XDECREF(token);
     }
+}
+
+/* A reply that will not be read (its caller was interrupted): what it made or lent in
+ * the interpreter goes back with the next call.  Keeps the exception being raised. */
+static void give_back(Entry *self, int status, uint64_t handle, PyObject *payload)
+{
+    if (status != MULTIPY_OK)
+        return;
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    if (handle) {
+        PyObject *number = PyLong_FromUnsignedLongLong(handle);
+        if (!number || PyList_Append(self->releases, number) < 0)
+            PyErr_Clear();
+        Py_XDECREF(number);
+    } else if (PyBytes_GET_SIZE(payload)) {
+        PyObject *tokens = PyObject_CallOneArg(self->lent_tokens, payload);
+        Py_ssize_t end = PyList_GET_SIZE(self->releases);
+        if (!tokens || !PyList_Check(tokens)
+            || PyList_SetSlice(self->releases, end, end, tokens) < 0)
+            PyErr_Clear();
+        Py_XDECREF(tokens);
+    }
+    PyErr_Restore(type, value, traceback);
 }
 
 PyDoc_STRVAR(Entry_call_doc,
@@ -225,11 +252,26 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         PyMem_RawFree(numbers);
     if (reply.status == MULTIPY_CLOSED)
         return Py_BuildValue("(iKy)", reply.status, 0ULL, "");
+    /* Copy what the reply holds, then let the interpreter reuse its buffer: dropping
+     * host objects may run Python code that enters the interpreter again. */
     PyObject *payload = PyBytes_FromStringAndSize(reply.data, (Py_ssize_t)reply.size);
-    drop_released(self->exports, &reply);
+    size_t count = reply.n_released;
+    uint64_t *tokens = count <= 64 ? few : PyMem_RawMalloc(count * sizeof *tokens);
+    if (tokens)
+        memcpy(tokens, reply.released, count * sizeof *tokens);
     self->leave(self->runtime);
+    if (tokens) {
+        drop_released(self->exports, tokens, count);
+        if (tokens != few)
+            PyMem_RawFree(tokens);
+    }
     if (!payload)
         return NULL;
+    if (on_main && PyErr_CheckSignals() < 0) { /* Ctrl-C: nobody will read this reply */
+        give_back(self, reply.status, reply.handle, payload);
+        Py_DECREF(payload);
+        return NULL;
+    }
     return Py_BuildValue("(iKN)", reply.status, (unsigned long long)reply.handle, payload);
 }
 
@@ -256,6 +298,7 @@ static void Entry_dealloc(Entry *self)
 {
     Py_XDECREF(self->releases);
     Py_XDECREF(self->exports);
+    Py_XDECREF(self->lent_tokens);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -368,6 +411,10 @@ static void report_fatal_signal(int signal_number, siginfo_t *info, void *contex
 static PyObject *report_crashes(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
+    static int installed;
+    if (installed) /* twice would make the handler its own "previous": a crash would loop */
+        Py_RETURN_NONE;
+    installed = 1;
     struct sigaction action = {0};
     action.sa_sigaction = report_fatal_signal;
     action.sa_flags = SA_SIGINFO | SA_ONSTACK;

@@ -8,6 +8,7 @@ when it closes (or is dropped), and the next manager reuses them.
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import sys
 import threading
@@ -24,11 +25,24 @@ FINALIZE_SECONDS = 30.0
 
 _lock = threading.Lock()
 _runtimes: list[Runtime] = []
-_lent: set[Runtime] = set()    # runtimes a manager holds
+_lent: set[Runtime] = set()    # runtimes a manager holds (or a reset in progress)
 _stale: set[Runtime] = set()   # given back but still holding a manager's objects
+#: Runtimes given back, not yet taken in: give_back runs in finalisers, which may run
+#: while _lock is held on the same thread, so it only appends here.
+_returned: collections.deque = collections.deque()
+_prepared = False
+
+
+def _take_returned() -> None:
+    """Takes in what was given back; with _lock held."""
+    while _returned:
+        runtime = _returned.popleft()
+        _lent.discard(runtime)
+        _stale.add(runtime)
 
 
 def _free() -> list[Runtime]:
+    _take_returned()
     return [r for r in _runtimes
             if r not in _lent and not r.closed_because and not r.abandoned]
 
@@ -68,9 +82,11 @@ def acquire(count: int) -> list[Runtime]:
         more = _glibc.namespaces_that_fit(len(_runtimes))
         if count > len(free) + more:
             raise _limit_error(count, len(free), more)
-        if not _runtimes:
+        global _prepared
+        if not _prepared:
             prepare_process()
             atexit.register(_shutdown)
+            _prepared = True
         new: list[Runtime] = []
         try:
             for _ in range(count - len(free)):
@@ -83,8 +99,14 @@ def acquire(count: int) -> list[Runtime]:
                     raise InterpreterStartError(str(error)) from None
                 _runtimes.append(new[-1])
         finally:
-            for runtime in new:
-                runtime.wait_ready()
+            failures = []
+            for runtime in new:  # every one, even after a failure: none is left starting
+                try:
+                    runtime.wait_ready()
+                except InterpreterStartError as error:
+                    failures.append(error)
+            if failures:
+                raise failures[0]
         taken = free[:count]
         for runtime in taken:
             if runtime in _stale and runtime.reset():
@@ -95,22 +117,27 @@ def acquire(count: int) -> list[Runtime]:
 
 
 def give_back(runtimes: list[Runtime]) -> None:
-    """Takes runtimes back from a manager.  Each forgets that manager's objects now if
-    no abandoned call runs in it, else before it is lent again.  Never blocks on an
-    interpreter; safe in a finaliser (it enters no interpreter then)."""
+    """Takes runtimes back from a manager; they forget its objects before they are lent
+    again (or at once, with reset_now).  Takes no lock and enters no interpreter: safe
+    in a finaliser, wherever it runs."""
+    _returned.extend(runtimes)
+
+
+def reset_now(runtime: Runtime) -> None:
+    """Makes a runtime given back forget its manager's objects now, unless an abandoned
+    call runs in it or it was lent again meanwhile."""
     with _lock:
-        for runtime in runtimes:
-            _lent.discard(runtime)
-            _stale.add(runtime)
-
-
-def reset_now(runtimes: list[Runtime]) -> None:
-    """Forgets the objects of the manager that gave runtimes back, where no abandoned
-    call runs (the others are reset before they are lent again)."""
-    for runtime in runtimes:
+        _take_returned()
+        if runtime not in _stale or runtime in _lent:
+            return
+        _lent.add(runtime)  # reserved while the reset runs
+    try:
         if runtime.reset():
             with _lock:
                 _stale.discard(runtime)
+    finally:
+        with _lock:
+            _lent.discard(runtime)
 
 
 def _shutdown() -> None:
@@ -127,9 +154,12 @@ def _shutdown() -> None:
     deadline = time.monotonic() + EXIT_GRACE_SECONDS
     while time.monotonic() < deadline and not all(r.idle() for r in running):
         time.sleep(0.005)
+    idle = [r for r in running if r.idle()]
+    for runtime in idle:  # all at once: they finalise in parallel, each on its own thread
+        runtime.finalise_start()
     deadline = time.monotonic() + FINALIZE_SECONDS
     stuck = [r for r in running
-             if not (r.idle() and r.finalise(deadline - time.monotonic()))]
+             if not (r in idle and r.join(deadline - time.monotonic()))]
     if stuck:
         names = ", ".join(f"#{r.ordinal}" for r in stuck)
         print(f"multipy: interpreter(s) {names} still running at exit; leaving without "
@@ -140,6 +170,8 @@ def _shutdown() -> None:
 def _after_fork_in_child() -> None:
     """A forked child has the interpreters' memory but none of their threads: it must
     not enter them, nor wait for them at exit, nor run their libraries' destructors."""
+    global _lock
+    _lock = threading.Lock()  # another thread may have held it at the fork
     for runtime in _runtimes:
         runtime.close("it belongs to the parent of this forked process")
     if _runtimes:

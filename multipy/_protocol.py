@@ -25,6 +25,7 @@ OK = 0       #: payload: the pickled value, or empty when handle names a new obj
 ERROR = 1    #: payload: a pickled RemoteError
 CLOSED = 2   #: the interpreter is stopped; nothing ran
 BROKEN = 3   #: multipy's own code inside raised; payload: "Type: message", UTF-8
+CANCELLED = 4  #: cancelled before it started: nothing ran
 
 # -- what a cancel raises in the call --
 CANCEL_TIMEOUT = 0    #: the interpreter's _multipy_bootstrap.CallCancelled

@@ -29,7 +29,7 @@ import sys
 sys.path[:] = {path!r}
 sys.argv[:] = {argv!r}
 from multipy._inside import main
-handler = main({status_fd})
+handler, objects, lent, names, released = main({status_fd})
 del main
 """
 
@@ -99,14 +99,14 @@ class Runtime:
         self.releases: list[int] = []
         self.entry = _host.Entry(ordinal, self._address, symbol("multipy_enter"),
                                  symbol("multipy_leave"), symbol("multipy_cancel"),
-                                 symbol("multipy_forget"), self.releases, exports.objects)
+                                 symbol("multipy_forget"), self.releases, exports.objects,
+                                 _sharing.lent_tokens)
         self.call = self.entry.call
         #: Why the interpreter cannot be entered (stopped, or a forked child's), or None.
         self.closed_because: str | None = None
-        #: Calls whose callers gave up on them and that still run (or wait to).
-        self.abandoned = 0
+        #: Timed calls whose callers gave up on them and that still run (or wait to).
+        self.abandoned_calls: set[_Job] = set()
         self.finished = False
-        self._lock = threading.Lock()
 
     def wait_ready(self) -> None:
         """Waits until the interpreter can be entered; InterpreterStartError if it cannot."""
@@ -138,15 +138,15 @@ class Runtime:
     def reset(self) -> bool:
         """Forgets the objects and sources of the manager that used this interpreter; runs
         behind nothing, so only when no abandoned call runs.  True if it ran."""
-        with self._lock:
-            if self.abandoned:
-                return False
+        if self.abandoned:
+            return False
         status, _, _ = self.call(pickle.dumps((RESET, 0, ())))
         return status == OK
 
-    def _abandon(self, delta: int) -> None:
-        with self._lock:
-            self.abandoned += delta
+    @property
+    def abandoned(self) -> int:
+        """How many calls whose callers gave up on them still run (or wait to) here."""
+        return len(self.abandoned_calls)
 
     # -- exit --
 
@@ -158,11 +158,13 @@ class Runtime:
     def idle(self) -> bool:
         return self._active(self._address) == 0
 
-    def finalise(self, timeout: float) -> bool:
-        """After stop(), with no call in progress: finalises the interpreter on its own
-        thread and waits up to timeout seconds for that; True if it ended."""
+    def finalise_start(self) -> None:
+        """After stop(), with no call in progress: its own thread finalises it (join)."""
+        os.write(self._stop_write, b"x")
+
+    def join(self, timeout: float) -> bool:
+        """Waits up to timeout seconds for the interpreter's thread to end; True if it did."""
         if not self.finished:
-            os.write(self._stop_write, b"x")
             self.finished = self._join(self._address, max(timeout, 0.0)) == 0
         return self.finished
 
@@ -188,7 +190,7 @@ class _Job:
     def run(self) -> None:
         with self._lock:
             if self._abandoned:  # given up before it started: never run it
-                self._runtime._abandon(-1)
+                self._runtime.abandoned_calls.discard(self)
                 self._unsent()
                 return
             self._thread = threading.get_ident()
@@ -198,9 +200,8 @@ class _Job:
         except BaseException as error:
             outcome = (None, error)
         with self._lock:
-            if self._abandoned:
-                runtime._abandon(-1)
-            else:
+            runtime.abandoned_calls.discard(self)
+            if not self._abandoned:
                 self._outcome = outcome
             self._done.set()
         del outcome  # an abandoned result goes now: its handles and aliases are released
@@ -227,7 +228,7 @@ class _Job:
             if self._done.is_set():
                 return False
             self._abandoned = True
-            self._runtime._abandon(+1)
+            self._runtime.abandoned_calls.add(self)
             thread = self._thread
         if thread is not None:  # cancelling waits for the interpreter's GIL: not here
             entry, serial = self._runtime.entry, self._serial
@@ -292,9 +293,11 @@ _workers = _Workers()
 
 
 def _after_fork_in_child() -> None:
-    """The workers are threads, which a forked child does not have."""
+    """The workers are threads, which a forked child does not have; a lock may have
+    been held by another thread at the fork."""
     global _workers
     _workers = _Workers()
+    exports.after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

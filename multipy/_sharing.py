@@ -53,6 +53,10 @@ class Exports:
     def __len__(self) -> int:
         return len(self.objects)
 
+    def after_fork(self) -> None:
+        """In a forked child: the lock may have been held by a thread that is gone."""
+        self._lock = threading.Lock()
+
     def keep_forever(self) -> None:
         """Never free what was lent: for an interpreter that is finalising while the host
         may still hold aliases of its memory."""
@@ -69,7 +73,7 @@ def describe(obj: Any, exports: Exports) -> tuple | None:
     if type(obj) in _PLAIN:
         return None
     torch = sys.modules.get("torch")
-    if torch is not None and isinstance(obj, torch.Tensor):
+    if torch is not None and type(obj) is torch.Tensor:  # subclasses (Parameter) are copied
         if (obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized
                 or obj.is_nested or obj.is_conj() or obj.is_neg()):
             return None
@@ -256,14 +260,15 @@ class _Release:
     """Rides on the buffer under an alias: when the last view of the alias is gone, the
     buffer dies and this gives the token back to the owner."""
 
-    __slots__ = ("token", "callback")
+    __slots__ = ("due",)
 
     def __init__(self, token: int, callback: Callable[[int], None]) -> None:
-        self.token = token
-        self.callback = callback
+        self.due = (callback, token)  # one store: an interrupted __init__ leaves nothing due
 
     def __del__(self) -> None:
-        self.callback(self.token)
+        due = getattr(self, "due", None)
+        if due is not None:
+            due[0](due[1])
 
 
 def alias(record: tuple, on_release: Callable[[int], None],
@@ -273,9 +278,12 @@ def alias(record: tuple, on_release: Callable[[int], None],
     kind, token, address, nbytes, dtype, shape, strides, offset = record
     buffer = None
     if nbytes:
+        # In this order, an exception at any point (a cancel raises one anywhere) leaves
+        # the token either not yet noted (the owner takes it back) or due to be released.
+        release = _Release(token, on_release)
         on_alias(token)
         buffer = (ctypes.c_char * nbytes).from_address(address)
-        buffer.release = _Release(token, on_release)
+        buffer.release = release
     if kind == TORCH:
         import torch
 

@@ -35,10 +35,11 @@ class InterpreterManager:
         self._lock = threading.Lock()
         self._thread = threading.local()  # each thread's load-balancing cursor
         self._closed = False
-        runtimes = _pool.acquire(n_interpreters)
-        self._interpreters = [Interpreter(i, self, runtime) for i, runtime in enumerate(runtimes)]
+        self._runtimes = _pool.acquire(n_interpreters)
+        self._interpreters = [Interpreter(i, self, runtime)
+                              for i, runtime in enumerate(self._runtimes)]
         # Dropped without close(): the runtimes go back (reset before they are lent again).
-        self._finalizer = weakref.finalize(self, _pool.give_back, runtimes)
+        self._finalizer = weakref.finalize(self, _pool.give_back, self._runtimes)
         self._limit = n_interpreters
         self._configured: list[Interpreter] = []
         try:
@@ -157,7 +158,6 @@ class InterpreterManager:
         if self._closed:
             return
         self._closed = True
-        self._finalizer.detach()
         errors = []
         try:
             for interpreter in self._configured:
@@ -168,7 +168,9 @@ class InterpreterManager:
                     pass  # the process is exiting
                 except Exception as error:
                     errors.append(error)
-        finally:  # even if interrupted: every interpreter goes back to the process
+        finally:  # even if interrupted: every interpreter goes back to the process, first
+            _pool.give_back(self._runtimes)
+            self._finalizer.detach()
             for interpreter in self._interpreters:
                 interpreter.close()
         if errors:

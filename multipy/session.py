@@ -228,9 +228,11 @@ class Interpreter:
             if record.aliased is not None and pickler is not None:
                 pickler.take_back(record.aliased)  # reading the request failed midway
             raise _remote_error(record)
-        if status == _protocol.CLOSED:
+        if status == _protocol.CLOSED or status == _protocol.CANCELLED:
             if pickler is not None:
                 pickler.take_back()  # nothing ran: nothing lent was aliased
+            if status == _protocol.CANCELLED:  # by Ctrl-C (a timed call's caller is gone)
+                raise KeyboardInterrupt
             raise InterpreterClosedError(f"{self}: {self._runtime.closed_because or 'stopped'}")
         text = payload.decode(errors="replace")  # BROKEN: multipy's own code inside raised
         if text.startswith("KeyboardInterrupt"):
@@ -256,7 +258,7 @@ class Interpreter:
                 return
             self._closed = True  # first: nothing new can be made that the reset would miss
         _pool.give_back([self._runtime])
-        _pool.reset_now([self._runtime])
+        _pool.reset_now(self._runtime)
 
     def __repr__(self) -> str:
         return f"<multipy.Interpreter {self.index} (#{self._runtime.ordinal} of this process)>"

@@ -19,7 +19,6 @@ import os
 import pickle
 import sys
 import traceback
-from array import array
 
 import _multipy_bootstrap
 
@@ -27,7 +26,6 @@ from .. import _protocol, _sharing
 from .._protocol import CALL, ERROR, GETATTR, GLOBAL, OK
 
 _NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
-_GONE = object()
 _OP_TEXTS = tuple(name.encode() for name in _protocol.OP_NAMES)  #: for crash reports
 
 
@@ -153,11 +151,10 @@ class _Interpreter:
 
     # -- plumbing --
 
-    def handle(self, request: memoryview, releases: memoryview | None) -> tuple:
-        """Runs one request: (status, new object handle or 0, payload, released tokens)."""
-        if releases is not None:
-            for number in releases.cast("Q"):
-                self.release(number)
+    def handle(self, request: memoryview) -> tuple:
+        """Runs one request: (status, new object handle or 0, payload).  The C entry
+        applies the host's releases to the tables before, and collects ``released``
+        after: an exception a cancel raises here cannot lose either."""
         reading = None
         try:
             if request[1] == _sharing.PLAIN_PROTOCOL:
@@ -186,12 +183,7 @@ class _Interpreter:
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
             status, number, payload = ERROR, 0, _error_record(
                 exc, None if reading is None else tuple(reading.aliased))
-        released = b""
-        if self.released:
-            count = len(self.released)  # an alias may die on another thread meanwhile
-            released = array("Q", self.released[:count]).tobytes()
-            del self.released[:count]
-        return status, number, payload, released
+        return status, number, payload
 
     def _name(self, op: int, handle: int, args: tuple) -> bytes:
         """The name of what a request acts on, for the fatal-signal report; made once
@@ -202,13 +194,6 @@ class _Interpreter:
             text = "an object"
         name = self._names[handle if op != GLOBAL else args] = text.encode(errors="replace")[:200]
         return name
-
-    def release(self, number: int) -> None:
-        """Drops a handle, or a tensor lent to the host (they share one numbering)."""
-        if self.objects.pop(number, _GONE) is _GONE:
-            self.exports.release(number)
-        else:
-            self._names.pop(number, None)
 
     def register_source(self, name: str, source: str) -> None:
         """Makes source importable as module name; unimports only that module."""
@@ -276,14 +261,17 @@ def forget_paths(paths: list[str]) -> None:
     importlib.invalidate_caches()
 
 
-def main(status_fd: int):
-    """Sets this interpreter up; returns the handler the C entry calls.  On failure the
+def main(status_fd: int) -> tuple:
+    """Sets this interpreter up; returns the handler the C entry calls and the tables
+    where the C entry applies releases (handles, lent tokens, names) and the list of
+    host tokens it sends back.  On failure the
     traceback goes to status_fd, where the host reads why the interpreter did not start."""
     try:
         _strip_rtld_global()
         global _current
         _current = _Interpreter()
-        return _current.handle
+        return (_current.handle, _current.objects, _current.exports.objects, _current._names,
+                _current.released)
     except BaseException:
         os.write(status_fd, traceback.format_exc().encode())
         raise

@@ -18,8 +18,11 @@ RTLD_DI_LMID = 1
 
 #: glibc's compile-time DL_NNS is 16, and the main namespace takes one of them.
 MAX_NAMESPACES = 15
-#: Static TLS reserve that lets all 15 namespaces import torch (measured: docs/design.md, "Static TLS").
-LAUNCH_STATIC_TLS = 1 << 20
+#: Extra static TLS for libraries with initial-exec TLS beyond what nns=16 reserves.
+#: 15 interpreters with torch and numpy fit with glibc's default 512 bytes once nns is
+#: 16 (measured: docs/design.md, "Static TLS"); 16 KiB leaves room for other libraries
+#: and costs every thread's stack only that.
+LAUNCH_STATIC_TLS = 16 << 10
 LAUNCH_TUNABLES = f"glibc.rtld.nns=16:glibc.rtld.optional_static_tls={LAUNCH_STATIC_TLS}"
 
 _libc = ctypes.CDLL(None, use_errno=True)

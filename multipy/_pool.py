@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import gc
 import os
 import sys
 import threading
@@ -77,6 +78,10 @@ def acquire(count: int) -> list[Runtime]:
     InterpreterLimitError, before any is started, if the process cannot hold them;
     InterpreterStartError if one fails to start.
     """
+    with _lock:
+        short = count > len(_free()) + _glibc.namespaces_that_fit(len(_runtimes))
+    if short:  # managers dropped without close() give theirs back when collected
+        gc.collect()
     with _lock:
         free = _free()
         more = _glibc.namespaces_that_fit(len(_runtimes))

@@ -9,22 +9,26 @@ import sys
 from pathlib import Path
 
 from . import _glibc
+from ._launch import SAVED
 
 
 def launch_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
     """A copy of environ whose GLIBC_TUNABLES lets a process hold 15 interpreters
-    (other tunables already set are kept)."""
+    (other tunables already set are kept), with the user's own value saved for
+    multipy._launch to put back once the program has started."""
     env = dict(os.environ if environ is None else environ)
+    original = env.get("GLIBC_TUNABLES")
     wanted = dict(item.split("=", 1) for item in _glibc.LAUNCH_TUNABLES.split(":"))
-    kept = [item for item in env.get("GLIBC_TUNABLES", "").split(":")
+    kept = [item for item in (original or "").split(":")
             if item and item.split("=", 1)[0] not in wanted]
     env["GLIBC_TUNABLES"] = ":".join(kept + [f"{k}={v}" for k, v in wanted.items()])
+    env[SAVED] = "" if original is None else f"={original}"
     return env
 
 
 def _run(module: str | None, script: str | None, args: list[str]) -> None:
     target = ["-m", module] if module else [script]
-    argv = [sys.executable, *target, *args]
+    argv = [sys.executable, "-m", "multipy._launch", *target, *args]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, launch_environment())

@@ -215,10 +215,12 @@ class Interpreter:
             reader = _sharing.AliasingUnpickler(payload, self._runtime.releases.append)
             try:
                 return reader.load()
-            except Exception as error:  # give back what the reply lent and was not aliased
+            except BaseException as error:  # give back what the reply lent and was not aliased
                 aliased = set(reader.aliased)
                 self._runtime.releases.extend(
                     token for token in _sharing.lent_tokens(payload) if token not in aliased)
+                if not isinstance(error, Exception):  # Ctrl-C while reading, say
+                    raise
                 raise InterpreterError(
                     f"{type(error).__module__}.{type(error).__qualname__}",
                     f"the call's result could not be read in the host: {error}",

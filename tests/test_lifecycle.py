@@ -1,6 +1,7 @@
 """Limits and exit behaviour, each in a fresh process (with a timeout)."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -248,18 +249,40 @@ def test_info_command():
     result = subprocess.run([sys.executable, "-m", "multipy", "run", "-m", "multipy", "info"],
                             capture_output=True, text=True, timeout=HANG)
     assert result.returncode == 0, result.stderr
-    assert "glibc.rtld.optional_static_tls=1048576" in result.stdout
+    assert "glibc.rtld.optional_static_tls=16384" in result.stdout
     assert "15 fit" in result.stdout
     assert "libpython" in result.stdout
 
 
-def test_run_passes_arguments(tmp_path):
+@pytest.mark.parametrize("users", [None, "glibc.malloc.tcache_count=5"])
+def test_run_passes_arguments_and_gives_the_environment_back(tmp_path, users):
     script = tmp_path / "args.py"
-    script.write_text("import sys, os\nprint(sys.argv[1:], os.environ['GLIBC_TUNABLES'])\n")
+    script.write_text(
+        "import os, sys\n"
+        "from multipy._glibc import tunables_at_start\n"
+        "print(sys.argv[1:], __name__, sys.path[0] == os.path.dirname(__file__))\n"
+        "print(repr(os.environ.get('GLIBC_TUNABLES')))\n"
+        "print(sorted(tunables_at_start()))\n")
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    if users:
+        env["GLIBC_TUNABLES"] = users
     result = subprocess.run([sys.executable, "-m", "multipy", "run", str(script), "-x", "--flag", "1"],
-                            capture_output=True, text=True, timeout=HANG)
+                            capture_output=True, text=True, timeout=HANG, env=env)
     assert result.returncode == 0, result.stderr
-    assert "['-x', '--flag', '1'] glibc.rtld.nns=16" in result.stdout
+    argv, environ, at_start = result.stdout.splitlines()
+    assert argv == "['-x', '--flag', '1'] __main__ True"
+    assert environ == repr(users)  # children of the program get what the user gave
+    assert "glibc.rtld.nns" in at_start and "glibc.rtld.optional_static_tls" in at_start
+    if users:
+        assert "glibc.malloc.tcache_count" in at_start
+
+
+def test_run_a_module(tmp_path):
+    (tmp_path / "runme.py").write_text("import sys\nprint(__name__, sys.argv[1:])\n")
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", "-m", "runme", "a"],
+                            capture_output=True, text=True, timeout=HANG, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "__main__ ['a']"
 
 
 def test_run_needs_a_program():
@@ -267,3 +290,19 @@ def test_run_needs_a_program():
                             text=True, timeout=HANG)
     assert result.returncode == 2
     assert "a script or -m module is required" in result.stderr
+
+
+def test_small_stack_threads_work_under_the_launcher(python):
+    # The launcher's static TLS reserve comes out of every thread's stack: it is small.
+    result = python("""
+        import threading, multipy
+        m = multipy.InterpreterManager(4)
+        threading.stack_size(256 * 1024)
+        out = []
+        thread = threading.Thread(target=lambda: out.append(m[0].global_("math", "factorial")(5).deref()))
+        thread.start()
+        thread.join()
+        print(out)
+    """, launcher=True, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[120]"

@@ -28,7 +28,7 @@ def test_launch_environment_keeps_other_tunables():
     items = env["GLIBC_TUNABLES"].split(":")
     assert "glibc.malloc.arena_max=2" in items
     assert "glibc.rtld.nns=16" in items and "glibc.rtld.nns=4" not in items
-    assert "glibc.rtld.optional_static_tls=1048576" in items
+    assert "glibc.rtld.optional_static_tls=16384" in items
 
 
 def test_room_follows_the_tunables(monkeypatch):

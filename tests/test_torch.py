@@ -450,3 +450,26 @@ def test_a_result_the_host_cannot_read_gives_back_what_it_lent(torch_manager):
             s.global_("inside_only", "make").call_value(None)
         s.global_("gc", "collect")()  # this call carries the releases
         assert stats().deref()["lent"] == before
+
+
+@pytest.mark.timeout(300)
+def test_fifteen_interpreters_import_torch_under_the_launcher(python):
+    result = python("""
+        import threading, multipy
+        m = multipy.InterpreterManager(15)
+        keys = {}
+        def use(i):
+            with m[i].acquire_session() as s:
+                s.global_("torch", "ones")(2)
+                s.global_("numpy", "ones")(2)
+                keys[i] = s.global_("multipy._inside", "next_pthread_key")().deref()
+        threads = [threading.Thread(target=use, args=(i,)) for i in range(15)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        # with torch and numpy imported, each still hands out keys of its own block
+        print(len(keys), len({k // 32 for k in keys.values()}), all(k % 32 != 31 for k in keys.values()))
+    """, launcher=True, timeout=280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["15", "15", "True"]

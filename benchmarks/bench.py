@@ -254,28 +254,27 @@ def run(example: Example, strategy: str, n: int, duration: float, warm_up: float
     with SETUPS[strategy](example, n, manager) as call:
         check(call(), example.expected, f"{example.name}/{strategy}")
         latencies, elapsed = measure(call, n, duration, warm_up,
-                                     lambda: no_grad_inside(manager) if manager else None)
+                                     lambda: settings_inside(manager) if manager else None)
     return Report(example.name, strategy, n, len(latencies), len(latencies) / elapsed,
                   percentiles(latencies))
 
 
 # -- set-up and output ---------------------------------------------------------------------
 
-def no_grad_inside(manager: Manager) -> None:
-    """Grad off for the calling thread in every interpreter: torch's grad mode belongs to
-    a thread, and a host thread that enters an interpreter has its own state there."""
+def settings_inside(manager: Manager) -> None:
+    """One intra-op thread and grad off for the calling thread in every interpreter:
+    torch keeps both per thread, and a host thread that enters an interpreter has its
+    own state there."""
     for interpreter in manager.all_instances():
         with interpreter.acquire_session() as session:
+            session.global_("torch", "set_num_threads")(1)
             session.global_("torch", "set_grad_enabled")(False)
 
 
 def start_manager(count: int) -> Manager:
     """A manager of count interpreters, each with torch set up like the host."""
     manager = multipy.InterpreterManager(count)
-    for interpreter in manager.all_instances():
-        with interpreter.acquire_session() as session:
-            session.global_("torch", "set_num_threads")(1)
-            session.global_("torch", "set_grad_enabled")(False)
+    settings_inside(manager)
     return manager
 
 

@@ -260,7 +260,8 @@ def _interpreters_memory(n: int, path: str) -> None:
 _LOOP = """
 import time, torch
 def loop(model, inputs, seconds):
-    torch.set_grad_enabled(False)  # torch's grad mode is per thread
+    torch.set_num_threads(1)  # torch keeps both per thread
+    torch.set_grad_enabled(False)
     calls, end = 0, time.perf_counter() + seconds
     while time.perf_counter() < end:
         model(*inputs)
@@ -312,11 +313,12 @@ def ceiling(counts: list[int], seconds: float = 2.0) -> None:
             calls = [functools.partial(replicated.instance(manager[i]).call_value, None, inputs)
                      for i in range(n)]
 
-            def grad_off(i: int) -> None:  # torch's grad mode is per thread, in each interpreter
+            def settings(i: int) -> None:  # torch keeps these per thread, in each interpreter
                 with manager[i].acquire_session() as s:
+                    s.global_("torch", "set_num_threads")(1)
                     s.global_("torch", "set_grad_enabled")(False)
 
-            through = _calls_per_second(calls, seconds, grad_off)
+            through = _calls_per_second(calls, seconds, settings)
             print(f"  n={n}  looped inside {looped:8.1f}   one host thread {host:8.1f}   "
                   f"ratio {looped / host:.2f}x   through calls {through:8.1f} "
                   f"({through / looped:.2f}x looped inside)")

@@ -473,3 +473,52 @@ def test_fifteen_interpreters_import_torch_under_the_launcher(python):
     """, launcher=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["15", "15", "True"]
+
+
+def test_what_an_interpreter_kept_from_a_failed_request_stays_lent(torch_manager):
+    # The first argument stores its tensor inside while the request is read; the second
+    # cannot be read there.  The host must take back only what was not aliased: freeing
+    # the kept tensor's memory would leave the interpreter reading freed memory.
+    import sys
+    import types
+
+    torch_manager.register_module_source("kept_registry", (
+        "kept = []\n"
+        "def keep(tensor):\n    kept.append(tensor)\n    return tensor\n"
+        "def total():\n    return float(sum(float(t.sum()) for t in kept))\n"))
+    registry = types.ModuleType("kept_registry")  # the same names in the host, to pickle by
+    nowhere = types.ModuleType("nowhere_inside")
+
+    def keep(tensor):
+        return tensor
+
+    keep.__module__, keep.__qualname__ = registry.__name__, "keep"
+    registry.keep = keep
+
+    class KeepInside:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+        def __reduce__(self):
+            return keep, (self.tensor,)
+
+    class Missing:
+        pass
+
+    Missing.__qualname__ = "Missing"
+    Missing.__module__ = nowhere.__name__
+    nowhere.Missing = Missing
+    sys.modules.update({"kept_registry": registry, "nowhere_inside": nowhere})
+    try:
+        with torch_manager[2].acquire_session() as s:
+            echo = s.global_("tensor_tools", "echo")
+            with pytest.raises(ModuleNotFoundError):
+                echo(KeepInside(torch.full((256,), 7.0)), Missing())
+            import gc
+
+            gc.collect()
+            scratch = [torch.zeros(256) for _ in range(64)]  # reuse freed memory, if any
+            assert s.global_("kept_registry", "total")().deref() == 7.0 * 256
+            del scratch
+    finally:
+        del sys.modules["kept_registry"], sys.modules["nowhere_inside"]

@@ -171,3 +171,28 @@ def test_a_timeout_cancels_python_code(raisers):
             assert time.monotonic() < deadline, "the cancelled call still runs"
             time.sleep(0.01)
         assert s.global_("raisers", "echo")(1).deref() == ((1,), {})
+
+
+def test_running_out_of_memory_while_reading_a_request_fails_only_that_call(python):
+    # Under an address-space limit, the host can build a large request that the
+    # interpreter then cannot read: that call fails with MemoryError, and the
+    # interpreter goes on serving.
+    result = python("""
+        import resource, multipy
+        m = multipy.InterpreterManager(1)
+        length = m[0].global_("builtins", "len")
+        assert length(b"warm").deref() == 4
+        size = 256 << 20
+        with open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (used + int(2.6 * size), resource.RLIM_INFINITY))
+        data = bytes(size)
+        try:
+            length(data)
+        except MemoryError as error:  # raised inside, where the request is read
+            print("MemoryError", type(error.__cause__).__name__)
+        del data
+        print(length(b"after").deref())
+    """, timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["MemoryError", "RemoteTraceback", "5"]

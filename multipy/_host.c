@@ -275,6 +275,18 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     return Py_BuildValue("(iKN)", reply.status, (unsigned long long)reply.handle, payload);
 }
 
+/* Cancels call serial of thread in entry's interpreter, without the host's GIL (it waits
+ * for the interpreter's); True if the call was running. */
+static PyObject *cancel_call(Entry *entry, unsigned long thread, uint64_t serial, int kind)
+{
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    prepare(entry->ordinal);
+    found = entry->cancel(entry->runtime, thread, serial, kind);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(found);
+}
+
 PyDoc_STRVAR(Entry_cancel_doc,
 "cancel(thread: int, serial: int, kind: int) -> bool\n\n"
 "Raises an exception (kind: 0 the interpreter's CallCancelled, 1 KeyboardInterrupt) in\n"
@@ -284,14 +296,10 @@ static PyObject *Entry_cancel(Entry *self, PyObject *args)
 {
     unsigned long thread;
     unsigned long long serial;
-    int kind, found;
+    int kind;
     if (!PyArg_ParseTuple(args, "kKi", &thread, &serial, &kind))
         return NULL;
-    Py_BEGIN_ALLOW_THREADS
-    prepare(self->ordinal);
-    found = self->cancel(self->runtime, thread, serial, kind);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(found);
+    return cancel_call(self, thread, serial, kind);
 }
 
 static void Entry_dealloc(Entry *self)
@@ -446,13 +454,7 @@ static PyObject *interrupt_main(PyObject *module, PyObject *unused)
     Entry *entry = main_call.entry;
     if (!entry)
         Py_RETURN_FALSE;
-    uint64_t serial = main_call.serial;
-    int found;
-    Py_BEGIN_ALLOW_THREADS
-    prepare(entry->ordinal);
-    found = entry->cancel(entry->runtime, main_thread, serial, MULTIPY_CANCEL_INTERRUPT);
-    Py_END_ALLOW_THREADS
-    return PyBool_FromLong(found);
+    return cancel_call(entry, main_thread, main_call.serial, MULTIPY_CANCEL_INTERRUPT);
 }
 
 static PyMethodDef module_methods[] = {

@@ -162,6 +162,17 @@ def test_exit_while_an_interpreter_never_returns(python):
     assert "still running at exit" in result.stderr
 
 
+def _interrupt(process) -> str:
+    """Sends SIGINT once the script printed "waiting"; its stderr once it has ended."""
+    try:
+        assert process.stdout.readline().strip() == "waiting"
+        time.sleep(0.3)
+        process.send_signal(signal.SIGINT)
+        return process.communicate(timeout=HANG)[1]
+    finally:
+        process.kill()
+
+
 def test_ctrl_c_interrupts_a_call(python):
     process = python("""
         import multipy
@@ -171,13 +182,7 @@ def test_ctrl_c_interrupts_a_call(python):
         print("waiting", flush=True)
         forever()
     """, popen=True)
-    try:
-        assert process.stdout.readline().strip() == "waiting"
-        time.sleep(0.3)
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=HANG)
-    finally:
-        process.kill()
+    stderr = _interrupt(process)
     assert "KeyboardInterrupt" in stderr
     assert "BlockingIOError" not in stderr and "InterpreterError" not in stderr
     assert process.returncode in (-signal.SIGINT, 128 + signal.SIGINT, 1)
@@ -192,13 +197,7 @@ def test_ctrl_c_while_a_timed_call_blocks_in_c(python):
         with multipy.timeout(600):
             sleep(300)
     """, popen=True)
-    try:
-        assert process.stdout.readline().strip() == "waiting"
-        time.sleep(0.3)
-        process.send_signal(signal.SIGINT)
-        _, stderr = process.communicate(timeout=HANG)
-    finally:
-        process.kill()
+    stderr = _interrupt(process)
     assert "KeyboardInterrupt" in stderr
     assert process.returncode in (-signal.SIGINT, 128 + signal.SIGINT, 1)
 

@@ -422,8 +422,10 @@ int multipy_enter(void *runtime, const char *request, size_t size, const uint64_
 {
     struct runtime *rt = runtime;
     memset(reply, 0, sizeof *reply);
-    if (!admit(rt))
-        return reply->status = MULTIPY_CLOSED;
+    if (!admit(rt)) {
+        reply->status = MULTIPY_CLOSED;
+        return -1;
+    }
     take_gil(rt);
     record = line;
     struct call call = {rt->calls, (unsigned long)pthread_self(), serial, 0};
@@ -469,7 +471,7 @@ int multipy_enter(void *runtime, const char *request, size_t size, const uint64_
     PyErr_Clear();
     record = NULL;
     PyEval_SaveThread();
-    return reply->status;
+    return 0;
 }
 
 int multipy_cancel(void *runtime, unsigned long thread, uint64_t serial, int kind)

@@ -49,8 +49,8 @@ struct multipy_record {
     const char *volatile target;
 };
 
-/* Runs one request on the calling thread; multipy_leave must follow once the reply
- * is copied (unless the status is MULTIPY_CLOSED). */
+/* Runs one request on the calling thread: 0, and multipy_leave must follow once the
+ * reply is copied; or -1 (status MULTIPY_CLOSED), the interpreter is stopped. */
 typedef int multipy_enter_fn(void *runtime, const char *request, size_t size,
                              const uint64_t *releases, size_t n_releases, uint64_t serial,
                              struct multipy_record *record, struct multipy_reply *reply);

@@ -10,14 +10,16 @@ import os
 import platform
 import sysconfig
 
+from . import _host
 from .errors import UnsupportedPythonError
 
 LM_ID_NEWLM = -1
 RTLD_NOW = 0x2
 RTLD_DI_LMID = 1
 
-#: glibc's compile-time DL_NNS is 16, and the main namespace takes one of them.
-MAX_NAMESPACES = 15
+#: glibc's compile-time DL_NNS is 16, and the main namespace takes one of them (the
+#: number lives in _entry.h, which sizes the C's tables).
+MAX_NAMESPACES = _host.MAX_INTERPRETERS
 #: Extra static TLS for libraries with initial-exec TLS beyond what nns=16 reserves.
 #: 15 interpreters with torch and numpy fit with glibc's default 512 bytes once nns is
 #: 16 (measured: docs/design.md, "Static TLS"); 16 KiB leaves room for other libraries

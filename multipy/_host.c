@@ -236,13 +236,15 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         record->interpreter = self->ordinal;
     }
     struct multipy_reply reply;
+    int entered;
     if (on_main) {
         main_call.entry = self;
         main_call.serial = serial;
     }
     Py_BEGIN_ALLOW_THREADS
-    self->enter(self->runtime, PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]),
-                numbers, (size_t)n, serial, record, &reply);
+    entered = self->enter(self->runtime, PyBytes_AS_STRING(args[0]),
+                          (size_t)PyBytes_GET_SIZE(args[0]), numbers, (size_t)n, serial,
+                          record, &reply);
     Py_END_ALLOW_THREADS
     if (on_main)
         main_call.entry = NULL;
@@ -250,8 +252,8 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         record->interpreter = -1;
     if (numbers != few)
         PyMem_RawFree(numbers);
-    if (reply.status == MULTIPY_CLOSED)
-        return Py_BuildValue("(iKy)", reply.status, 0ULL, "");
+    if (entered < 0)
+        return Py_BuildValue("(iKy)", MULTIPY_CLOSED, 0ULL, "");
     /* Copy what the reply holds, then let the interpreter reuse its buffer: dropping
      * host objects may run Python code that enters the interpreter again. */
     PyObject *payload = PyBytes_FromStringAndSize(reply.data, (Py_ssize_t)reply.size);

@@ -1,8 +1,10 @@
 """What the host and the code inside interpreters agree on: operations, statuses, and
 the record of an error raised inside.  Standard library only: both sides import it.
 
-A request is ``pickle((op, target, args))``: ``target`` is the handle of the object the
-operation acts on (0 for none).  The reply is (status, handle, payload); the C that
+A request is ``pickle((op, target, args, epoch))``: ``target`` is the handle of the
+object the operation acts on (0 for none); ``epoch`` counts the resets of the
+interpreter, and a request of an earlier epoch (from a manager that closed) is refused
+with CLOSED.  The reply is (status, handle, payload); the C that
 carries both is in ``_entry.h``, whose numbers these mirror.
 """
 from __future__ import annotations
@@ -16,7 +18,8 @@ CALL_VALUE = 2  #: args (method or None, args, kwargs): call target or its metho
 GETATTR = 3     #: args (name,): the attribute, a new object
 HASATTR = 4     #: args (name,): bool
 DEREF = 5       #: args (): the target itself, as a value
-RESET = 6       #: args (): forget every object and registered source (a manager closed)
+RESET = 6       #: args (): forget every object and registered source (a manager closed);
+                #: its epoch is the interpreter's new one
 
 OP_NAMES = ("import", "call", "call", "getattr", "hasattr", "deref", "reset")
 

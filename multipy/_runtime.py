@@ -106,6 +106,8 @@ class Runtime:
         self.closed_because: str | None = None
         #: Timed calls whose callers gave up on them and that still run (or wait to).
         self.abandoned_calls: set[_Job] = set()
+        #: How many times it was reset: requests carry the epoch they were made in.
+        self.epoch = 0
         self.finished = False
 
     def wait_ready(self) -> None:
@@ -140,7 +142,8 @@ class Runtime:
         behind nothing, so only when no abandoned call runs.  True if it ran."""
         if self.abandoned:
             return False
-        status, _, _ = self.call(pickle.dumps((RESET, 0, ())))
+        self.epoch += 1  # requests of the managers before are refused from now on
+        status, _, _ = self.call(pickle.dumps((RESET, 0, (), self.epoch)))
         return status == OK
 
     @property

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 import weakref
@@ -102,8 +103,13 @@ class InterpreterManager:
         """Makes ``source`` importable as module ``name`` in every interpreter of this
         manager.  Only that module is touched: registering it again replaces it (it is
         re-imported on next use); other registered modules keep their state.  A syntax
-        error raises SyntaxError here, before any interpreter is changed."""
+        error raises SyntaxError here, before any interpreter is changed; a name of the
+        standard library raises ValueError."""
         self._check_open()
+        top = name.partition(".")[0]
+        if top in sys.stdlib_module_names:
+            raise ValueError(f"module name {name!r} would shadow the standard library's "
+                             f"{top!r} inside the interpreters: choose another name")
         compile(source, f"<multipy:{name}>", "exec")
         self._sources[name] = source
         for interpreter in self._interpreters:

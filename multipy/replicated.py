@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from .errors import WrongInterpreterError
+
 if TYPE_CHECKING:
     from .package import Package
     from .session import Interpreter, InterpreterSession, Obj
@@ -63,7 +65,12 @@ class ReplicatedObj:
         self._instances = PerInterpreter(load)
 
     def instance(self, interpreter: Interpreter) -> Obj:
-        """The object in interpreter, materialised there if it is not yet."""
+        """The object in interpreter, materialised there if it is not yet;
+        WrongInterpreterError if interpreter belongs to another manager."""
+        if interpreter.manager is not self._manager:
+            raise WrongInterpreterError(
+                f"{interpreter} belongs to another manager than {self!r}: a replicated "
+                f"object runs on the interpreters of the manager that made it")
         return self._instances.get(interpreter)
 
     def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
@@ -84,7 +91,8 @@ class ReplicatedObj:
 
     def acquire_session(self, interpreter: Interpreter | None = None) -> InterpreterSession:
         """A session on interpreter (or one the load balancer picks) whose ``self`` is
-        this object in that interpreter."""
+        this object in that interpreter; WrongInterpreterError for an interpreter of
+        another manager."""
         session = self._manager.acquire_one() if interpreter is None else interpreter.acquire_session()
         return session.about(self.instance, self._package)
 

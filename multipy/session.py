@@ -27,7 +27,9 @@ def timeout(seconds: float | None) -> Iterator[None]:
     back after at most ``seconds``, raising TimeoutError.  The call is cancelled (an
     exception raised in it at its next bytecode) and runs on until it stops, and the load
     balancer hands its interpreter to no one else until then.  Timed calls run on a
-    worker thread, which costs some microseconds each."""
+    worker thread, which costs some microseconds each.  ValueError if seconds < 0."""
+    if seconds is not None and not seconds >= 0:  # NaN too
+        raise ValueError(f"timeout must be None or at least 0 seconds, not {seconds!r}")
     previous = _thread.timeout
     _thread.timeout = seconds
     try:
@@ -114,10 +116,15 @@ def _nothing() -> None:
     pass
 
 
+#: The errors a library that could not be loaded raises (dlopen's message in them).
+_LOAD_ERRORS = frozenset({"builtins.ImportError", "builtins.ModuleNotFoundError",
+                          "builtins.OSError"})
+
+
 def _remote_error(record: _protocol.RemoteError) -> BaseException:
     """The host exception for an error reply, with the remote traceback as its cause."""
     error = None
-    if "in static TLS block" in record.message:
+    if record.type_name in _LOAD_ERRORS and "in static TLS block" in record.message:
         error = InterpreterLimitError(f"{record.message}: {_glibc.static_tls_advice()}")
     elif record.pickled is not None:
         try:
@@ -141,6 +148,7 @@ class Interpreter:
         self.index = index
         self.manager = manager
         self._runtime = runtime
+        self._epoch = runtime.epoch  # this manager's requests carry it
         self._closed = False
         self._sessions = 0  # open sessions: the load balancer's measure of load
         self._lock = threading.RLock()  # a session's finaliser may close it while held
@@ -190,11 +198,11 @@ class Interpreter:
         for arg in args:
             if not _sharing.is_plain(arg):
                 pickler = _Pickler(self)
-                request = pickler.dumps((op, handle, args))
+                request = pickler.dumps((op, handle, args, self._epoch))
                 break
         else:  # nothing to lend, no handle: the fast path
             pickler = None
-            request = pickle.dumps((op, handle, args), _sharing.PLAIN_PROTOCOL)
+            request = pickle.dumps((op, handle, args, self._epoch), _sharing.PLAIN_PROTOCOL)
         seconds = _thread.timeout
         if seconds is None:
             reply = self._runtime.call(request)
@@ -235,6 +243,8 @@ class Interpreter:
                 pickler.take_back()  # nothing ran: nothing lent was aliased
             if status == _protocol.CANCELLED:  # by Ctrl-C (a timed call's caller is gone)
                 raise KeyboardInterrupt
+            if self._closed:  # refused: the interpreter went to another manager
+                raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
             raise InterpreterClosedError(f"{self}: {self._runtime.closed_because or 'stopped'}")
         text = payload.decode(errors="replace")  # BROKEN: multipy's own code inside raised
         if text.startswith("KeyboardInterrupt"):
@@ -287,12 +297,20 @@ class InterpreterSession:
         return self._interpreter
 
     def global_(self, module: str, name: str) -> Obj:
-        """The object ``name`` (dots allowed) of ``module``, imported in the interpreter."""
+        """The object ``name`` (dots allowed) of ``module``, imported in the interpreter;
+        InterpreterClosedError once the session is closed."""
+        self._check_open()
         return self._interpreter.global_(module, name)
 
     def from_movable(self, replicated) -> Obj:
-        """The replicated object (from ``create_movable``) in this session's interpreter."""
+        """The replicated object (from ``create_movable``) in this session's interpreter;
+        WrongInterpreterError if it belongs to another manager."""
+        self._check_open()
         return replicated.instance(self._interpreter)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InterpreterClosedError(f"{self} is closed: open another session")
 
     def is_owner(self, obj: Obj) -> bool:
         """Whether obj lives in this session's interpreter."""

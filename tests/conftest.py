@@ -33,16 +33,17 @@ def sessions(manager):
 
 @pytest.fixture
 def python(tmp_path):
-    """python(code, launcher=False, timeout=60, popen=False): runs code as a script in a
-    fresh process, through `multipy run` if launcher, with glibc's default tunables
-    otherwise.  Returns a CompletedProcess (text output), or the Popen if popen."""
+    """python(code, launcher=False, timeout=60, popen=False, env=None): runs code as a
+    script in a fresh process, through `multipy run` if launcher, with glibc's default
+    tunables otherwise (or env's: it adds to the environment).  Returns a CompletedProcess (text output), or the Popen if popen."""
 
-    def run(code: str, *, launcher: bool = False, timeout: float = 60, popen: bool = False):
+    def run(code: str, *, launcher: bool = False, timeout: float = 60, popen: bool = False,
+            env: dict[str, str] | None = None):
         script = tmp_path / f"script_{len(list(tmp_path.iterdir()))}.py"
         script.write_text(textwrap.dedent(code))
         command = [sys.executable, *(["-m", "multipy", "run"] if launcher else []), str(script)]
-        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-        env["PYTHONUNBUFFERED"] = "1"
+        env = {**{k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
+               "PYTHONUNBUFFERED": "1", **(env or {})}
         if popen:
             return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, env=env)

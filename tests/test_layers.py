@@ -8,7 +8,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "multipy"
 
 #: Bottom-up: each module may import only modules before it.
-LAYERS = ["errors", "_launch", "_glibc", "_protocol", "_sharing", "_host", "_bootstrap", "_runtime",
+LAYERS = ["errors", "_launch", "_host", "_bootstrap", "_glibc", "_protocol", "_sharing", "_runtime",
           "_pool", "session", "environment", "replicated", "package", "manager", "cli",
           "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy.

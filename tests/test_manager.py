@@ -16,8 +16,9 @@ def test_len_index_and_instances(manager):
 
 
 def test_registered_module_in_every_interpreter(manager):
+    before = manager.count_registered_module_sources()
     manager.register_module_source("greeting", "def hello(name):\n    return f'hello {name}'\n")
-    assert manager.count_registered_module_sources() >= 1
+    assert manager.count_registered_module_sources() == before + 1
     for interpreter in manager.all_instances():
         with interpreter.acquire_session() as s:
             assert s.global_("greeting", "hello")("multipy").deref() == "hello multipy"
@@ -100,7 +101,7 @@ def test_path_environment_and_reuse(tmp_path, manager):
             with m.acquire_one() as s:
                 assert s.global_("from_environment", "WHERE").deref() == "environment"
                 assert str(tmp_path) in s.global_("sys", "path").deref()
-            leftover = s.global_("builtins", "object")()
+                leftover = s.global_("builtins", "object")()
         with pytest.raises(multipy.InterpreterClosedError, match="closed"):
             leftover.attr("__class__")
         with pytest.raises(multipy.InterpreterClosedError):
@@ -189,3 +190,42 @@ def test_a_dropped_manager_gives_its_interpreters_back(python):
     """, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["FREE", "2", "RESET", "STARTED", "2"]
+
+
+def test_a_request_that_raced_close_does_not_run_in_the_next_manager():
+    m = multipy.InterpreterManager(1)
+    stale = m[0]
+    make_list = stale.global_("builtins", "list")
+    m.close()
+    with multipy.InterpreterManager(1) as again:  # the same interpreter, reset
+        with again[0].acquire_session() as s:
+            stats = s.global_("multipy._inside", "stats")
+            before = stats().deref()["objects"]
+            stale._closed = False  # as if the request had passed the check just before close()
+            with pytest.raises(multipy.InterpreterClosedError):
+                make_list([1, 2])
+            assert stats().deref()["objects"] == before
+    assert stale._runtime.idle(), "the refused request left its entry counted"
+
+
+def test_validation(manager):
+    session = manager[0].acquire_session()
+    session.close()
+    with pytest.raises(multipy.InterpreterClosedError):
+        session.global_("math", "pi")
+    with pytest.raises(ValueError):
+        with multipy.timeout(-1):
+            pass
+    with pytest.raises(ValueError, match="standard library"):
+        manager.register_module_source("json", "X = 1\n")
+    manager.register_module_source("fake_tls", (
+        "def fail():\n    raise ValueError('cannot allocate memory in static TLS block')\n"))
+    with manager.acquire_one() as s:
+        with pytest.raises(ValueError):  # not a library load: it stays what it is
+            s.global_("fake_tls", "fail")()
+    with multipy.InterpreterManager(1) as other:
+        replicated = multipy.ReplicatedObj(manager, lambda i: i.global_("math", "pi"))
+        with pytest.raises(multipy.WrongInterpreterError):
+            replicated.acquire_session(other[0])
+        with other[0].acquire_session() as s, pytest.raises(multipy.WrongInterpreterError):
+            s.from_movable(replicated)

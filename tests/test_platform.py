@@ -31,12 +31,3 @@ def test_launch_environment_keeps_other_tunables():
     assert "glibc.rtld.optional_static_tls=16384" in items
 
 
-def test_room_follows_the_tunables(monkeypatch):
-    def fits(tunables):
-        monkeypatch.setattr(_glibc, "tunables_at_start", lambda: tunables)
-        return _glibc.namespaces_that_fit(0)
-
-    assert fits({}) == 11  # glibc's defaults: 1664 bytes of reserve, 144 per namespace
-    assert fits({"glibc.rtld.nns": "16", "glibc.rtld.optional_static_tls": "0x100000"}) == 15
-    monkeypatch.setattr(_glibc, "tunables_at_start", lambda: {})
-    assert _glibc.namespaces_that_fit(11) == 0

@@ -23,7 +23,7 @@ import traceback
 import _multipy_bootstrap
 
 from .. import _protocol, _sharing
-from .._protocol import CALL, ERROR, GETATTR, GLOBAL, OK
+from .._protocol import CALL, CLOSED, ERROR, GETATTR, GLOBAL, OK, RESET
 
 _NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
 _OP_TEXTS = tuple(name.encode() for name in _protocol.OP_NAMES)  #: for crash reports
@@ -107,6 +107,7 @@ class _Interpreter:
 
     def __init__(self) -> None:
         self.objects: dict[int, object] = {}
+        self.epoch = 0  # resets so far (see multipy._protocol)
         self._names: dict = {}  # handle, or (module, name) -> its name in crash reports
         # Handles and lent tensors share one numbering, never reused, so that a release
         # names one thing and a late release is harmless.
@@ -158,11 +159,15 @@ class _Interpreter:
         reading = None
         try:
             if request[1] == _sharing.PLAIN_PROTOCOL:
-                op, handle, args = pickle.loads(request)
+                op, handle, args, epoch = pickle.loads(request)
             else:
                 reading = _Unpickler(request, self.objects, self.released.append)
-                op, handle, args = reading.load()
+                op, handle, args, epoch = reading.load()
                 reading = None
+            if epoch != self.epoch:
+                if op != RESET:  # a request of a manager that closed: refused
+                    return CLOSED, 0, b""
+                self.epoch = epoch
             target = None
             if handle:
                 try:

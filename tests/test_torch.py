@@ -7,6 +7,7 @@ import pickle
 import os
 import sys
 import threading
+import zipfile
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -262,7 +263,6 @@ def test_damaged_packages_give_clear_errors(torch_manager, examples, tmp_path):
     with pytest.raises(ValueError, match="truncated.pt"):
         torch_manager.load_package(truncated)
     # a corrupted pickle inside an intact archive: the error comes from unpickling
-    import zipfile
 
     corrupted = tmp_path / "corrupted.pt"
     with zipfile.ZipFile(examples["simple"]) as source, \
@@ -304,15 +304,33 @@ def test_extern_module_comes_from_the_environment(examples, tmp_path):
 def test_random_damage_to_a_package(torch_manager, examples, tmp_path_factory, data):
     with open(examples["simple"], "rb") as f:
         original = f.read()
-    if data.draw(st.booleans(), label="truncate"):
-        damaged = original[: data.draw(st.integers(0, len(original) - 1), label="length")]
-    else:
-        damaged = data.draw(st.binary(max_size=2048), label="random bytes")
+    how = data.draw(st.sampled_from(["truncate", "random bytes", "a member"]), label="how")
     path = tmp_path_factory.mktemp("damaged") / "damaged.pt"
-    path.write_bytes(damaged)
-    with pytest.raises((ValueError, FileNotFoundError)) as info:
-        torch_manager.load_package(path).load_pickle("model", "model.pkl")
-    assert str(info.value)
+    if how == "truncate":
+        path.write_bytes(original[: data.draw(st.integers(0, len(original) - 1), label="length")])
+    elif how == "random bytes":
+        path.write_bytes(data.draw(st.binary(max_size=2048), label="random bytes"))
+    else:  # an intact zip archive with one member's bytes damaged
+        with zipfile.ZipFile(examples["simple"]) as source, \
+                zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as target:
+            members = source.infolist()
+            victim = data.draw(st.sampled_from([m.filename for m in members]), label="member")
+            for info in members:
+                content = source.read(info)
+                if info.filename == victim and content:
+                    at = data.draw(st.integers(0, len(content) - 1), label="at")
+                    content = content[:at] + data.draw(st.binary(min_size=1, max_size=16)) + content[at + 1:]
+                target.writestr(info, content)
+    try:
+        model = torch_manager.load_package(path).load_pickle("model", "model.pkl")
+        model(torch.randn(3, 10))
+    except Exception as error:  # any failure must be a clear one, and break nothing else
+        assert str(error) or isinstance(error.__cause__, multipy.RemoteTraceback), repr(error)
+        assert how == "a member" or isinstance(error, (ValueError, FileNotFoundError))
+    else:
+        assert how == "a member", "a damaged archive was read as a good one"
+    with torch_manager.acquire_one() as s:
+        assert s.global_("builtins", "abs")(-3).deref() == 3
 
 
 dtypes = st.sampled_from([torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16,
@@ -523,3 +541,11 @@ def test_what_an_interpreter_kept_from_a_failed_request_stays_lent(torch_manager
             del scratch
     finally:
         del sys.modules["kept_registry"], sys.modules["nowhere_inside"]
+
+
+def test_tensor_subclasses_cross_as_copies_of_their_class(torch_manager):
+    with torch_manager.acquire_one() as s:
+        made = s.global_("torch.nn", "Parameter")(s.global_("torch", "ones")(2)).deref()
+        assert type(made) is torch.nn.Parameter and made.tolist() == [1.0, 1.0]
+        kind = s.global_("builtins", "type")(torch.nn.Parameter(torch.zeros(2)))
+        assert kind.attr("__name__").deref() == "Parameter"

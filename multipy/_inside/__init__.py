@@ -175,7 +175,7 @@ class _Interpreter:
                 except KeyError:
                     target = _object(self.objects, handle)  # raises what to say
             name = self._names.get(handle if op != GLOBAL else args)
-            _multipy_bootstrap.note(_OP_TEXTS[op], name or self._name(op, handle, args))
+            _multipy_bootstrap.note(_OP_TEXTS[op], name or self._crash_name(op, handle, args))
             result = self._ops[op](target, *args)
             if op in _NEW_OBJECT:
                 number = next(self._ids)
@@ -190,7 +190,7 @@ class _Interpreter:
                 exc, None if reading is None else tuple(reading.aliased))
         return status, number, payload
 
-    def _name(self, op: int, handle: int, args: tuple) -> bytes:
+    def _crash_name(self, op: int, handle: int, args: tuple) -> bytes:
         """The name of what a request acts on, for the fatal-signal report; made once
         per object (or import) and kept: the C report points at it."""
         try:

@@ -47,7 +47,9 @@ struct runtime {
     PyObject *handler; /* handler(request) -> (status, handle, payload) */
     /* The handler's tables, where releases are applied in C, before any Python runs:
      * handle -> object, token -> object lent to the host, handle -> crash-report name;
-     * and the list of host tokens that aliases here gave back, collected in C after. */
+     * and the list of host tokens that aliases here gave back, collected in C after.
+     * Never released: what was lent to the host stays alive through finalisation,
+     * since the host may still read it as it exits. */
     PyObject *objects, *lent, *names, *released;
     atomic_int state;
     atomic_int active; /* entries in progress: stopping waits for none */

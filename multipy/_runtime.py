@@ -143,7 +143,7 @@ class Runtime:
         if self.abandoned:
             return False
         self.epoch += 1  # requests of the managers before are refused from now on
-        status, _, _ = self.call(pickle.dumps((RESET, 0, (), self.epoch)))
+        status, _, _ = self.call(pickle.dumps((RESET, 0, (), self.epoch), _sharing.PLAIN_PROTOCOL))
         return status == OK
 
     @property

@@ -57,11 +57,6 @@ class Exports:
         """In a forked child: the lock may have been held by a thread that is gone."""
         self._lock = threading.Lock()
 
-    def keep_forever(self) -> None:
-        """Never free what was lent: for an interpreter that is finalising while the host
-        may still hold aliases of its memory."""
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.objects))
-
 
 def describe(obj: Any, exports: Exports) -> tuple | None:
     """The record that lends obj's memory to the other side, or None if obj is pickled

@@ -7,6 +7,7 @@ behaviour, limits, tunables) in a subprocess with a timeout.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,13 @@ import textwrap
 import pytest
 
 import multipy
+
+
+# Started in the background (`nohup make test &`), the suite inherits SIGINT ignored, and
+# so would every process it starts: Python would install no KeyboardInterrupt handler in
+# them.  A handler of our own is reset to the default at exec, so the children get it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")

@@ -187,6 +187,7 @@ def test_ctrl_c_interrupts_a_call(python):
     """, popen=True)
     stderr = _interrupt(process)
     assert "KeyboardInterrupt" in stderr
+    assert stderr.count("Traceback (most recent call last)") == 1, stderr  # nothing chained
     assert "BlockingIOError" not in stderr and "InterpreterError" not in stderr
     assert process.returncode == -signal.SIGINT  # Python re-raises an unhandled Ctrl-C
 
@@ -202,6 +203,7 @@ def test_ctrl_c_while_a_timed_call_blocks_in_c(python):
     """, popen=True)
     stderr = _interrupt(process)
     assert "KeyboardInterrupt" in stderr
+    assert stderr.count("Traceback (most recent call last)") == 1, stderr  # nothing chained
     assert process.returncode == -signal.SIGINT  # Python re-raises an unhandled Ctrl-C
 
 

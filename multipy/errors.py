@@ -28,14 +28,23 @@ class WrongInterpreterError(MultipyError):
 
 class RemoteTraceback(Exception):
     """The traceback of an exception raised inside an interpreter; set as the __cause__
-    of the exception the host raises, so that it is printed with it."""
+    of the exception the host raises, so that it is printed with it (as
+    concurrent.futures does for a worker process's exceptions).
+
+    ``traceback_text`` holds only the user's frames: multipy's own code inside, and the
+    import machinery that leads to a module, are left out.
+    """
 
     def __init__(self, traceback_text: str):
         super().__init__(traceback_text)
         self.traceback_text = traceback_text
 
     def __str__(self) -> str:
-        return "\n\n" + self.traceback_text.rstrip() + "\n\n(raised inside an interpreter)"
+        text = self.traceback_text.strip("\n")
+        if not text:
+            return ("the exception below was raised inside an interpreter (its traceback "
+                    "there could not be described)")
+        return "the exception below was raised inside an interpreter:\n\n" + text
 
 
 class InterpreterError(MultipyError):

@@ -24,8 +24,6 @@ class Package:
     """
 
     def __init__(self, manager: Any, path_or_file: str | os.PathLike | IO[bytes]) -> None:
-        import torch
-
         self._manager = manager
         self._spool = None
         if isinstance(path_or_file, (str, os.PathLike)):
@@ -39,18 +37,24 @@ class Package:
             self.path = self._spool.name
             self.name = f"the package read from {path_or_file!r}"
         if not zipfile.is_zipfile(self.path):
-            raise ValueError(f"{self.name} is not a torch.package archive: not a zip file")
+            raise ValueError(f"{self.name} is not a torch.package archive: "
+                             f"{_not_a_zip(self.path)}")
         try:
             with zipfile.ZipFile(self.path) as archive:
                 # records are stored under one top-level folder named after the archive
                 self._sizes = {info.filename.split("/", 1)[-1]: info.file_size
                                for info in archive.infolist()}
-            self._reader = torch._C.PyTorchFileReader(self.path)
         except (zipfile.BadZipFile, RuntimeError, OSError) as error:
             raise ValueError(f"{self.name} is not a readable torch.package archive: {error}") from error
         if ".data/version" not in self._sizes:
-            raise ValueError(f"{self.name} is a zip file but not a torch.package archive "
-                             f"(it has no .data/version)")
+            raise ValueError(f"{self.name} is not a torch.package archive: "
+                             f"{_other_zip(self._sizes)}")
+        import torch
+
+        try:
+            self._reader = torch._C.PyTorchFileReader(self.path)
+        except (RuntimeError, OSError) as error:
+            raise ValueError(f"{self.name} is not a readable torch.package archive: {error}") from error
         self._lock = threading.Lock()
         self._storages: dict[str, object] | None = None
         self._importers = PerInterpreter(self._make_importer)
@@ -58,8 +62,8 @@ class Package:
     def _record(self, package: str, resource: str) -> str:
         name = f"{package.replace('.', '/')}/{resource}"
         if name not in self._sizes:
-            raise FileNotFoundError(f"{self.name} has no resource {resource!r} in "
-                                    f"{package!r}")
+            raise FileNotFoundError(f"{self.name} has no resource {resource!r} in package "
+                                    f"{package!r}: {_resources_like(self._sizes, package, resource)}")
         return name
 
     def _shared_storages(self) -> dict[str, object]:
@@ -108,3 +112,64 @@ class Package:
 
     def __repr__(self) -> str:
         return f"<multipy.Package {self.name}>"
+
+
+#: The first bytes of a file that torch.save wrote in its legacy (not zip) format: a
+#: pickled magic number (torch.serialization.MAGIC_NUMBER).
+_LEGACY_TORCH_SAVE = b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19"
+_USE_EXPORTER = ("to run a model in interpreters, save it as a torch.package archive "
+                 "with torch.package.PackageExporter (its save_pickle) and load that")
+
+
+def _not_a_zip(path: str) -> str:
+    """What the file at path, which is not a zip file, seems to be, and what to do."""
+    with open(path, "rb") as file:
+        start = file.read(len(_LEGACY_TORCH_SAVE))
+    if start == _LEGACY_TORCH_SAVE:
+        return (f"it is a file that torch.save wrote in its legacy format: load it with "
+                f"torch.load; {_USE_EXPORTER}")
+    if not start:
+        return "the file is empty"
+    if len(start) > 1 and start[0] == 0x80 and 2 <= start[1] <= 5:  # PROTO 2-5
+        return (f"it looks like a pickle file: load it with pickle.load or torch.load; "
+                f"{_USE_EXPORTER}")
+    return f"it is not a zip file (it starts with {start[:8]!r}); {_USE_EXPORTER}"
+
+
+def _other_zip(records: dict[str, int]) -> str:
+    """What a zip file without .data/version (records: names less the top folder) is."""
+    if "constants.pkl" in records or any(name.startswith("code/") for name in records):
+        return (f"it is a TorchScript archive (saved with torch.jit.save or "
+                f"ScriptModule.save): load it with torch.jit.load; "
+                f"{_USE_EXPORTER}")
+    if "data.pkl" in records:
+        return (f"it is a file that torch.save wrote: load it with torch.load; "
+                f"{_USE_EXPORTER}")
+    return f"it is a zip file without the .data/version record of one; {_USE_EXPORTER}"
+
+
+def _resources_like(records: dict[str, int], package: str, resource: str, most: int = 8) -> str:
+    """The resources that package holds (the closest few to resource if there are many),
+    or, if it holds none, the closest (package, resource) pairs of the archive."""
+    import difflib
+
+    folder = package.replace(".", "/") + "/"
+    own = sorted(name[len(folder):] for name in records
+                 if name.startswith(folder) and not name.endswith("/"))
+    if own:
+        if len(own) <= most:
+            return f"it has {', '.join(map(repr, own))}"
+        closest = difflib.get_close_matches(resource, own, most, 0) or own[:most]
+        return f"the closest of its {len(own)} resources are {', '.join(map(repr, closest))}"
+    pairs = {name: f"({name.rpartition('/')[0].replace('/', '.')!r}, "
+                   f"{name.rpartition('/')[2]!r})"
+             for name in sorted(records)
+             if "/" in name and not name.startswith(".data/") and not name.endswith("/")}
+    if not pairs:
+        return "the archive holds no resources"
+    if len(pairs) <= most:
+        return f"no resource is in that package; the archive's are {', '.join(pairs.values())}"
+    closest = difflib.get_close_matches(folder + resource, list(pairs), most, 0)
+    listed = [pairs[name] for name in closest]
+    return (f"no resource is in that package; the closest of the archive's {len(pairs)} "
+            f"(package, resource) pairs are {', '.join(listed)}")

@@ -257,10 +257,17 @@ class Interpreter:
         if owner._closed:
             raise InterpreterClosedError(f"{obj!r} belongs to a manager that was closed")
         if owner is not self:
+            if owner.manager is not self.manager:
+                raise WrongInterpreterError(
+                    f"{obj!r} lives in {owner}, of another manager, and cannot be used in "
+                    f"{self}: an object belongs to the interpreter that made it. Copy it with "
+                    f"obj.deref() and pass the copy instead")
             raise WrongInterpreterError(
                 f"{obj!r} lives in {owner} and cannot be used in {self}: an object belongs "
-                f"to the interpreter that made it. Bring it to the host with deref(), or "
-                f"make it usable everywhere with manager.create_movable(obj, session)")
+                f"to the interpreter that made it. Copy it with obj.deref() and pass the "
+                f"copy instead, or make it movable: r = manager.create_movable(obj, session) "
+                f"with a session on {owner} (the one obj came from), then "
+                f"session.from_movable(r) in a session on {self} gives it there")
 
     def close(self) -> None:
         """Used by the manager as it closes: no new calls; the interpreter forgets the

@@ -15,6 +15,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import itertools
+import linecache
 import os
 import pickle
 import sys
@@ -63,6 +64,9 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def __init__(self) -> None:
         self.sources: dict[str, str] = {}
+        #: file name -> the lines of the source compiled under it, for tracebacks: kept
+        #: here too, as linecache.clearcache() empties linecache
+        self.lines: dict[str, list[str]] = {}
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in self.sources:
@@ -76,7 +80,18 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         name = module.__spec__.name
-        exec(compile(self.sources[name], f"<multipy:{name}>", "exec"), module.__dict__)
+        source, filename = self.sources[name], f"<multipy:{name}>"
+        self.lines[filename] = source.splitlines(True)
+        self.show_lines()
+        exec(compile(source, filename, "exec"), module.__dict__)
+
+    def show_lines(self) -> None:
+        """Puts the registered modules' sources in linecache, where tracebacks read lines
+        (a name in <> is never read from disk, and an mtime of None is never checked)."""
+        for filename, lines in self.lines.items():
+            entry = linecache.cache.get(filename)
+            if entry is None or entry[2] is not lines:
+                linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
 
 
 class _Unpickler(_sharing.AliasingUnpickler):
@@ -211,7 +226,10 @@ def _error_record(exc: BaseException, aliased: tuple[int, ...] | None) -> bytes:
     """An ERROR reply's payload: the pickled RemoteError for exc (see its ``aliased``)."""
     try:
         kind = type(exc)
-        text = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
+        try:
+            text = _user_traceback(exc)
+        except Exception:  # the plain traceback, rather than none
+            text = "".join(traceback.format_exception(kind, exc, exc.__traceback__))
         pickled = None
         if isinstance(exc, Exception):  # BaseExceptions such as SystemExit must not act in the host
             try:
@@ -226,6 +244,33 @@ def _error_record(exc: BaseException, aliased: tuple[int, ...] | None) -> bytes:
                                        "raised inside the interpreter, and describing it "
                                        "failed too", "", aliased)
     return pickle.dumps(tuple(record), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+#: multipy's own files (the handler, _inside, _sharing): no frame of theirs is shown
+_OWN_FILES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")
+#: the import machinery, whose frames lead to a module that global_ imports
+_IMPORT_FILES = (importlib.__file__, "<frozen importlib._bootstrap")
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """exc's traceback as Python prints it, less multipy's own frames and the import
+    machinery's frames that come before the user's first frame, with the source lines of
+    registered modules (and torch.package modules: linecache reads those lazily)."""
+    if _current is not None:
+        _current.sources.show_lines()
+    described = traceback.TracebackException(type(exc), exc, exc.__traceback__)
+    pending, seen = [described], set()
+    while pending:
+        each = pending.pop()
+        if each is None or id(each) in seen:
+            continue
+        seen.add(id(each))
+        frames = [frame for frame in each.stack if not frame.filename.startswith(_OWN_FILES)]
+        while frames and frames[0].filename.startswith(_IMPORT_FILES):
+            frames.pop(0)
+        each.stack = traceback.StackSummary.from_list(frames)
+        pending += [each.__cause__, each.__context__, *(getattr(each, "exceptions", None) or ())]
+    return "".join(described.format())
 
 
 _current: _Interpreter | None = None

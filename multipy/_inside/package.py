@@ -46,9 +46,58 @@ def importer(path: str, storages: dict[str, torch.Tensor]) -> PackageImporter:
 
 
 def load_pickle(package_importer: PackageImporter, package: str, resource: str) -> Any:
-    with warnings.catch_warnings():  # torch.package itself still uses TypedStorage
-        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        return package_importer.load_pickle(package, resource)
+    """The object pickled at (package, resource); FileNotFoundError, naming the resources
+    that the archive has, if it has none there."""
+    try:
+        with warnings.catch_warnings():  # torch.package itself still uses TypedStorage
+            warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+            return package_importer.load_pickle(package, resource)
+    except Exception:
+        missing = _missing_resource(package_importer, package, resource)
+        if missing is None:
+            raise
+    raise FileNotFoundError(missing)
+
+
+def _missing_resource(package_importer: PackageImporter, package: str,
+                      resource: str) -> str | None:
+    """None if the archive holds (package, resource), else what it holds instead: the
+    package's resources, or the archive's if the package has none (the closest few)."""
+    try:
+        records = package_importer.zip_reader.get_all_records()
+    except Exception:  # a reader without a listing: say nothing more than torch did
+        return None
+    folder = package.replace(".", "/") + "/"
+    if folder + resource in records:
+        return None
+    own = sorted(name[len(folder):] for name in records if name.startswith(folder))
+    if own:
+        closest = _closest(resource, own)
+        where = (f"it has {', '.join(map(repr, closest))}" if len(closest) == len(own) else
+                 f"the closest of its {len(own)} resources are {', '.join(map(repr, closest))}")
+    else:
+        pairs = {name: f"({name.rpartition('/')[0].replace('/', '.')!r}, "
+                       f"{name.rpartition('/')[2]!r})"
+                 for name in sorted(records) if "/" in name and not name.startswith(".data/")}
+        closest = [pairs[name] for name in _closest(folder + resource, list(pairs))]
+        if not pairs:
+            where = "the archive holds no resources"
+        elif len(closest) == len(pairs):
+            where = f"no resource is in that package; the archive's are {', '.join(closest)}"
+        else:
+            where = (f"no resource is in that package; the closest of the archive's "
+                     f"{len(pairs)} (package, resource) pairs are {', '.join(closest)}")
+    return (f"the package archive {package_importer.filename!r} has no resource "
+            f"{resource!r} in package {package!r}: {where}")
+
+
+def _closest(wanted: str, names: list[str], most: int = 8) -> list[str]:
+    """names if there are few, else the few closest to wanted."""
+    if len(names) <= most:
+        return names
+    import difflib
+
+    return difflib.get_close_matches(wanted, names, most, 0)
 
 
 def _importers(package_importer: PackageImporter | None) -> OrderedImporter:

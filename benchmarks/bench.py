@@ -205,18 +205,16 @@ def check(actual: Any, expected: Any, what: str) -> None:
         raise AssertionError(f"{what}: output differs from expected.pkl")
 
 
-def measure(call: Call, n: int, duration: float, warm_up: float,
-            thread_setup: Callable[[], None]) -> tuple[list[float], float]:
-    """Runs call on n threads: thread_setup(), warm-up calls for warm_up seconds (at
-    least one) each, then calls until duration has passed (at least one each).  Returns
-    every timed call's latency and the elapsed seconds."""
+def measure(call: Call, n: int, duration: float, warm_up: float) -> tuple[list[float], float]:
+    """Runs call on n threads: warm-up calls for warm_up seconds (at least one) each,
+    then calls until duration has passed (at least one each).  Returns every timed
+    call's latency and the elapsed seconds."""
     start: list[float] = []
     barrier = threading.Barrier(n, action=lambda: start.append(time.perf_counter()))
 
     def loop() -> list[float]:
         torch.set_grad_enabled(False)
         try:
-            thread_setup()
             warm_until = time.perf_counter() + warm_up
             call()
             while time.perf_counter() < warm_until:
@@ -253,29 +251,17 @@ def run(example: Example, strategy: str, n: int, duration: float, warm_up: float
     """One benchmark run: set the strategy up, check its output, time it, tear it down."""
     with SETUPS[strategy](example, n, manager) as call:
         check(call(), example.expected, f"{example.name}/{strategy}")
-        latencies, elapsed = measure(call, n, duration, warm_up,
-                                     lambda: settings_inside(manager) if manager else None)
+        latencies, elapsed = measure(call, n, duration, warm_up)
     return Report(example.name, strategy, n, len(latencies), len(latencies) / elapsed,
                   percentiles(latencies))
 
 
 # -- set-up and output ---------------------------------------------------------------------
 
-def settings_inside(manager: Manager) -> None:
-    """One intra-op thread and grad off for the calling thread in every interpreter:
-    torch keeps both per thread, and a host thread that enters an interpreter has its
-    own state there."""
-    for interpreter in manager.all_instances():
-        with interpreter.acquire_session() as session:
-            session.global_("torch", "set_num_threads")(1)
-            session.global_("torch", "set_grad_enabled")(False)
-
-
 def start_manager(count: int) -> Manager:
-    """A manager of count interpreters, each with torch set up like the host."""
-    manager = multipy.InterpreterManager(count)
-    settings_inside(manager)
-    return manager
+    """A manager of count interpreters running torch with one intra-op thread and grad
+    off, as the host does (the manager gives every thread that calls in these settings)."""
+    return multipy.InterpreterManager(count, torch_threads=1, grad_enabled=False)
 
 
 def load_example(name: str, package: str, manager: Manager | None) -> Example:

@@ -13,8 +13,12 @@
 - ceiling:   the python_heavy model looped inside n interpreters at once, no calls
   crossing, against a loop in one host thread: the most any call path could reach;
   and the same model called from n host threads through calls, against that ceiling.
+- defaults:  ResNet-18 (64x64) from n host threads on n interpreters with the manager's
+  torch defaults, against the same with torch.set_num_threads(1) set by hand in every
+  calling thread, torch's own thread count (cores per interpreter), and n plain host
+  threads (grad off everywhere).
 
-    multipy run benchmarks/micro.py [roundtrip transfer threads startup memory ceiling]
+    multipy run benchmarks/micro.py [roundtrip transfer threads startup memory ceiling defaults]
 """
 from __future__ import annotations
 
@@ -324,6 +328,57 @@ def ceiling(counts: list[int], seconds: float = 2.0) -> None:
                   f"({through / looped:.2f}x looped inside)")
 
 
+def defaults(counts: list[int], seconds: float = 2.0, rounds: int = 3) -> None:
+    import contextlib
+
+    import torch
+
+    sys.path.insert(0, EXAMPLES)
+    from generate_examples import generate
+
+    cores = len(os.sched_getaffinity(0))
+    print(f"\nResNet-18 (64x64) from n host threads on n interpreters: calls/s, the median "
+          f"of {rounds} rounds of {seconds} s, the set-ups taking turns ({cores} cores; grad "
+          f"off everywhere)")
+    with tempfile.TemporaryDirectory() as directory:
+        path = generate(directory, ["resnet"])["resnet"]
+        importer = torch.package.PackageImporter(path)
+        host_model = importer.load_pickle("model", "model.pkl")
+        inputs = (torch.randn(1, 3, 64, 64),)
+        for n in counts:
+            runs = {}
+            with contextlib.ExitStack() as stack:
+                for name, threads in (("defaults", None), ("by hand", cores), ("own", cores)):
+                    manager = stack.enter_context(multipy.InterpreterManager(
+                        n, torch_threads=threads, grad_enabled=False))
+                    model = manager.load_package(path).load_pickle("model", "model.pkl")
+                    model.warm_up(*inputs)
+                    calls = [functools.partial(model.instance(manager[i]).call_value, None, inputs)
+                             for i in range(n)]
+
+                    def by_hand(i: int, manager=manager) -> None:  # torch keeps it per thread
+                        with manager[i].acquire_session() as s:
+                            s.global_("torch", "set_num_threads")(1)
+
+                    runs[name] = (calls, by_hand if name == "by hand" else None)
+
+                def plain(i: int) -> None:
+                    torch.set_grad_enabled(False)
+
+                runs["plain"] = ([functools.partial(host_model, *inputs)] * n, plain)
+                figures = {name: [] for name in runs}
+                for _ in range(rounds):
+                    for name, (calls, prepare) in runs.items():
+                        figures[name].append(_calls_per_second(calls, seconds, prepare))
+            f = {name: statistics.median(values) for name, values in figures.items()}
+            print(f"  n={n}  defaults ({max(1, cores // n)} thread(s) each) {f['defaults']:7.1f}"
+                  f"   set_num_threads(1) by hand {f['by hand']:7.1f}   torch's own ({cores} "
+                  f"each) {f['own']:7.1f}   plain host threads {f['plain']:7.1f}")
+            print(f"        defaults / by hand {f['defaults'] / f['by hand']:.2f}x   defaults / "
+                  f"plain threads {f['defaults'] / f['plain']:.2f}x   torch's own / by hand "
+                  f"{f['own'] / f['by hand']:.2f}x")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a measurement in a fresh process
         {"_start_interpreters": lambda: _start_interpreters(int(sys.argv[2])),
@@ -334,7 +389,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmarks", nargs="*",
                         default=["roundtrip", "transfer", "threads", "startup", "memory",
-                                 "ceiling"])
+                                 "ceiling", "defaults"])
     parser.add_argument("--calls", type=int, default=20_000, help="round trips to time (20000)")
     parser.add_argument("--counts", default="1,2,4",
                         help="n for threads, startup, memory and ceiling (1,2,4)")
@@ -344,7 +399,7 @@ def main() -> None:
         {"roundtrip": lambda: roundtrip(args.calls), "transfer": lambda: transfer(50),
          "threads": lambda: threads(counts),
          "startup": lambda: startup(counts), "memory": lambda: memory(counts),
-         "ceiling": lambda: ceiling(counts)}[name]()
+         "ceiling": lambda: ceiling(counts), "defaults": lambda: defaults(counts)}[name]()
 
 
 if __name__ == "__main__":

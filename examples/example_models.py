@@ -159,3 +159,15 @@ class PythonHeavy(nn.Module):
                 state = 0.5 * state + 0.5 * state.roll(1, dims=-1)
             outputs.append(state)
         return torch.stack(outputs, 1).mean(1)
+
+
+if __name__ == "__main__":  # a module, not a program: this only lists the models
+    import argparse
+
+    argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Run examples/generate_examples.py to write them as torch.package archives."
+    ).parse_args()
+    print(" ".join(name for name, value in list(globals().items())
+                   if isinstance(value, type) and issubclass(value, nn.Module)
+                   and value.__module__ == __name__))

@@ -6,13 +6,16 @@ Each package holds the model at ("model", "model.pkl"), its example input tuple 
 "expected.pkl").  The simple example also holds extra files ("extra", "hello.txt") and
 ("extra", "hello.bin").  Used by the tests and the benchmarks.
 
-    python examples/generate_examples.py [OUTPUT_DIR]     (default: examples/generated)
+    python examples/generate_examples.py [--models simple,resnet] [DIR]
+                                                          (default DIR: examples/generated)
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import warnings
+import zipfile
 from typing import Callable
 
 import torch
@@ -20,6 +23,8 @@ from torch.package import PackageExporter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import example_models as models  # noqa: E402
+
+DEFAULT_DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generated")
 
 
 def _examples() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple, bool]]:
@@ -34,6 +39,11 @@ def _examples() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple, bool]]:
         "autograd": (models.WithAutograd, (torch.randn(2, 4),), False),
         "python_heavy": (models.PythonHeavy, (torch.randn(2, 48, 16),), True),
     }
+
+
+def example_names() -> list[str]:
+    """The names of the examples, in the order they are written."""
+    return list(_examples())
 
 
 def generate(directory: str, names: list[str] | None = None) -> dict[str, str]:
@@ -67,7 +77,49 @@ def generate(directory: str, names: list[str] | None = None) -> dict[str, str]:
     return paths
 
 
+def _resources(path: str) -> list[tuple[str, str]]:
+    """(package, resource) of each file a user loads from the archive at path: its
+    pickles and extra files, not its code or storages."""
+    with zipfile.ZipFile(path) as archive:
+        names = [info.filename.split("/", 1)[1] for info in archive.infolist()]
+    return [tuple(name.rsplit("/", 1)) for name in names
+            if "/" in name and not name.startswith(".") and not name.endswith(".py")]
+
+
+_MEANING = {"model.pkl": "the model", "example.pkl": "a tuple of example inputs",
+            "expected.pkl": "the model's output for them"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    names = example_names()
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Load one with manager.load_package(DIR/NAME.pt).load_pickle(package, "
+               "resource); the resources written are printed at the end.")
+    parser.add_argument("directory", metavar="DIR", nargs="?", default=DEFAULT_DIRECTORY,
+                        help="where to write the packages (default: %(default)s)")
+    parser.add_argument("--models", metavar="NAMES", default=",".join(names),
+                        help=f"comma-separated examples to write, from {', '.join(names)} "
+                             f"(default: all)")
+    args = parser.parse_args(argv)
+    chosen = [name for name in args.models.split(",") if name]
+    unknown = sorted(set(chosen) - set(names))
+    if unknown or not chosen:
+        parser.error(f"unknown models: {', '.join(unknown) or '(none given)'} "
+                     f"(known: {', '.join(names)})")
+    written = generate(args.directory, chosen)
+    print(f"wrote {len(written)} package(s) to {os.path.abspath(args.directory)}; load one with "
+          f"package = manager.load_package(path), then:")
+    for name, path in written.items():
+        jit = path[:-len(".pt")] + "_jit.pt"
+        print(f"{name}: {os.path.abspath(path)}"
+              + (f"  (TorchScript copy: {os.path.abspath(jit)})" if os.path.exists(jit) else ""))
+        for package, resource in _resources(path):
+            load = ("load_pickle" if resource.endswith(".pkl") else
+                    "load_text" if resource.endswith(".txt") else "load_binary")
+            call = f'package.{load}("{package}", "{resource}")'
+            print(f"    {call:45s} {_MEANING.get(resource, '')}".rstrip())
+
+
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "generated")
-    for example, written in generate(out).items():
-        print(f"{example:13s} {written}")
+    main()

@@ -23,6 +23,7 @@ _WHERE = {
     "InterpreterManager": "manager",
     "Package": "package",
     "PythonMethodWrapper": "replicated", "ReplicatedObj": "replicated",
+    "make_room": "_launch",
 }
 __all__ = sorted(_WHERE)
 __version__ = "0.1.0"

@@ -11,6 +11,7 @@ import platform
 import sysconfig
 
 from . import _host
+from ._launch import LAUNCH_STATIC_TLS, LAUNCH_TUNABLES, tunables_at_start
 from .errors import UnsupportedPythonError
 
 LM_ID_NEWLM = -1
@@ -20,12 +21,6 @@ RTLD_DI_LMID = 1
 #: glibc's compile-time DL_NNS is 16, and the main namespace takes one of them (the
 #: number lives in _entry.h, which sizes the C's tables).
 MAX_NAMESPACES = _host.MAX_INTERPRETERS
-#: Extra static TLS for libraries with initial-exec TLS beyond what nns=16 reserves.
-#: 15 interpreters with torch and numpy fit with glibc's default 512 bytes once nns is
-#: 16 (measured: docs/design.md, "Static TLS"); 16 KiB leaves room for other libraries
-#: and costs every thread's stack only that.
-LAUNCH_STATIC_TLS = 16 << 10
-LAUNCH_TUNABLES = f"glibc.rtld.nns=16:glibc.rtld.optional_static_tls={LAUNCH_STATIC_TLS}"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _dlmopen = _libc.dlmopen
@@ -99,34 +94,17 @@ def glibc_version() -> str:
     return platform.libc_ver()[1] or "unknown"
 
 
-def tunables_at_start() -> dict[str, str]:
-    """glibc tunables this process was started with (glibc reads them only at exec time).
-
-    Read from /proc/self/environ, the environment as exec'd: glibc parses
-    GLIBC_TUNABLES in place there, leaving a NUL where each ':' was.
-    """
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            entries = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        entries = [f"{k}={v}" for k, v in os.environ.items()]
-    items: list[str] = []
-    for entry in entries:
-        if entry.startswith("GLIBC_TUNABLES="):
-            items = entry[len("GLIBC_TUNABLES="):].split(":")
-        elif items and entry.startswith("glibc."):
-            items += entry.split(":")
-        elif items:
-            break
-    return dict(item.partition("=")[::2] for item in items if item)
-
-
 #: glibc 2.3x on x86-64 reserves static TLS for (nns - 1) libc copies at this size ...
 _LIBC_IE_TLS = 192
 #: ... and for nns other libraries at this size, plus optional_static_tls.
 _OTHER_IE_TLS = 144
 #: What one bare interpreter's namespace takes from that reserve: its libc's TLS block.
 _NAMESPACE_STATIC_TLS = 144
+#: What importing torch adds: libgomp's initial-exec TLS (120 bytes), aligned.  An
+#: estimate: glibc also places other libraries' TLS in the reserve while it lasts.
+#: Measured with glibc's defaults: 6 interpreters that import torch fit (this says 6),
+#: and with nns=8, 10 (this says 11; docs/design.md, "Static TLS").
+_TORCH_STATIC_TLS = 128
 
 
 def _tunable(tunables: dict[str, str], name: str, default: int) -> int:
@@ -136,6 +114,14 @@ def _tunable(tunables: dict[str, str], name: str, default: int) -> int:
         return default
 
 
+def _reserve() -> int:
+    """The static TLS glibc reserved at exec time for namespaces' libraries, in bytes."""
+    tunables = tunables_at_start()
+    nns = min(_tunable(tunables, "glibc.rtld.nns", 4), MAX_NAMESPACES + 1)
+    optional = _tunable(tunables, "glibc.rtld.optional_static_tls", 512)
+    return (nns - 1) * _LIBC_IE_TLS + nns * _OTHER_IE_TLS + optional
+
+
 def namespaces_that_fit(started: int) -> int:
     """How many more interpreters this process can start, having started ``started``.
 
@@ -143,21 +129,25 @@ def namespaces_that_fit(started: int) -> int:
     (11 with glibc's defaults); libraries with initial-exec TLS, such as torch's libgomp,
     take more of it, which the interpreter reports when it imports them.
     """
-    tunables = tunables_at_start()
-    nns = min(_tunable(tunables, "glibc.rtld.nns", 4), MAX_NAMESPACES + 1)
-    optional = _tunable(tunables, "glibc.rtld.optional_static_tls", 512)
-    reserve = (nns - 1) * _LIBC_IE_TLS + nns * _OTHER_IE_TLS + optional
-    return max(0, min(MAX_NAMESPACES, reserve // _NAMESPACE_STATIC_TLS) - started)
+    return max(0, min(MAX_NAMESPACES, _reserve() // _NAMESPACE_STATIC_TLS) - started)
+
+
+def torch_interpreters_that_fit() -> int:
+    """About how many interpreters that import torch a fresh process with these tunables
+    holds (an estimate: see _TORCH_STATIC_TLS)."""
+    return min(MAX_NAMESPACES, _reserve() // (_NAMESPACE_STATIC_TLS + _TORCH_STATIC_TLS))
 
 
 def static_tls_advice() -> str:
     """How to get more room for interpreters, given the tunables in force."""
     optional = _tunable(tunables_at_start(), "glibc.rtld.optional_static_tls", 512)
     if optional < LAUNCH_STATIC_TLS:
-        return (f"this process has no static TLS left for another interpreter and the "
-                f"libraries it loads. Start the program with `multipy run SCRIPT` (or "
-                f"GLIBC_TUNABLES={LAUNCH_TUNABLES} in its environment) to make room for "
-                f"{MAX_NAMESPACES} interpreters.")
+        return (f"glibc sized this process's room for interpreters and the libraries they "
+                f"load when it started (about {torch_interpreters_that_fit()} that import "
+                f"torch fit). For room for {MAX_NAMESPACES}: call multipy.make_room() first "
+                f"thing in the program, or start it with `multipy run SCRIPT`, or put "
+                f"GLIBC_TUNABLES={LAUNCH_TUNABLES} in its environment (a systemd unit: "
+                f"Environment=GLIBC_TUNABLES=...; a Dockerfile: ENV GLIBC_TUNABLES=...)")
     return (f"this process has no static TLS left even with "
             f"glibc.rtld.optional_static_tls={optional}; start it with a larger value in "
-            f"GLIBC_TUNABLES (for example {optional * 4}).")
+            f"GLIBC_TUNABLES (for example {optional * 4})")

@@ -43,9 +43,11 @@ def _take_returned() -> None:
 
 
 def _free() -> list[Runtime]:
+    """Runtimes no manager holds, those that had room for every library first."""
     _take_returned()
-    return [r for r in _runtimes
-            if r not in _lent and not r.closed_because and not r.abandoned]
+    return sorted((r for r in _runtimes
+                   if r not in _lent and not r.closed_because and not r.abandoned),
+                  key=lambda r: r.out_of_room is not None)
 
 
 def capacity() -> dict[str, int]:
@@ -58,17 +60,18 @@ def capacity() -> dict[str, int]:
 
 def _limit_error(wanted: int, free: int, more: int) -> InterpreterLimitError:
     started = len(_runtimes)
-    message = (f"{wanted} interpreters were asked for, but this process can give "
-               f"{free + more}: {free} started and free, {more} more that fit "
-               f"({started} started so far).")
-    if started + more < _glibc.MAX_NAMESPACES:
-        message += (f" glibc sizes the room for interpreters when a process starts; up to "
-                    f"{_glibc.MAX_NAMESPACES} fit when the program is started with "
-                    f"`multipy run SCRIPT` (or `python -m multipy run SCRIPT`), or with "
-                    f"GLIBC_TUNABLES={_glibc.LAUNCH_TUNABLES} in its environment.")
+    message = f"{wanted} interpreters were asked for, but this process can give only {free + more}"
+    if started:
+        message += (f" ({started} started, {free} of them not held by another manager; "
+                    f"{more} more can start).")
     else:
-        message += (f" A process holds at most {_glibc.MAX_NAMESPACES} and never gets one "
-                    f"back: close a manager to return its interpreters to the pool.")
+        message += "."
+    if started + more < _glibc.MAX_NAMESPACES:
+        message += f" {_glibc.static_tls_advice()}."
+    else:
+        message += (f" A process starts at most {_glibc.MAX_NAMESPACES} interpreters in its "
+                    f"lifetime (glibc never frees one): close a manager to make its "
+                    f"interpreters available to the next one.")
     return InterpreterLimitError(message)
 
 
@@ -100,7 +103,7 @@ def acquire(count: int) -> list[Runtime]:
                 except _glibc.NamespaceError as error:
                     if "static TLS" in str(error) or "no more namespaces" in str(error):
                         raise InterpreterLimitError(
-                            f"{error}: {_glibc.static_tls_advice()}") from None
+                            f"{error}: {_glibc.static_tls_advice()}.") from None
                     raise InterpreterStartError(str(error)) from None
                 _runtimes.append(new[-1])
         finally:

@@ -104,6 +104,9 @@ class Runtime:
         self.call = self.entry.call
         #: Why the interpreter cannot be entered (stopped, or a forked child's), or None.
         self.closed_because: str | None = None
+        #: Why it could not load a library for lack of static TLS, or None: load
+        #: balancers pass it by (docs/design.md, "Static TLS").
+        self.out_of_room: str | None = None
         #: Timed calls whose callers gave up on them and that still run (or wait to).
         self.abandoned_calls: set[_Job] = set()
         #: How many times it was reset: requests carry the epoch they were made in.
@@ -133,9 +136,16 @@ class Runtime:
         counts in ``abandoned`` until it ends; its result is finished and dropped.  A call
         that had not started never runs, and unsent() takes back what it lent.
         """
+        return self.start(request, finish, unsent).wait(seconds)
+
+    def start(self, request: bytes, finish: Callable[[tuple], Any],
+              unsent: Callable[[], None]) -> _Job:
+        """Runs request on a worker thread and returns at once: the job, whose end its
+        ``wait``, ``add_done_callback`` and ``result`` tell, and whose ``cancel`` gives
+        up on it as call_within does at its deadline."""
         job = _Job(self, request, finish, unsent)
         _workers.submit(job.run)
-        return job.wait(seconds)
+        return job
 
     def reset(self) -> bool:
         """Forgets the objects and sources of the manager that used this interpreter; runs
@@ -176,7 +186,8 @@ class Runtime:
 
 
 class _Job:
-    """One call of call_within: run by a worker, waited for by its caller."""
+    """One call of call_within or start: run by a worker, waited for by its caller
+    (``wait``) or reported to it (``add_done_callback``)."""
 
     def __init__(self, runtime: Runtime, request: bytes, finish: Callable, unsent: Callable) -> None:
         self._runtime = runtime
@@ -188,6 +199,7 @@ class _Job:
         self._done = threading.Event()
         self._outcome: tuple[Any, BaseException | None] = (None, None)
         self._abandoned = False
+        self._callbacks: list[Callable[[_Job], None]] = []
         self._lock = threading.Lock()
 
     def run(self) -> None:
@@ -207,7 +219,10 @@ class _Job:
             if not self._abandoned:
                 self._outcome = outcome
             self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
         del outcome  # an abandoned result goes now: its handles and aliases are released
+        for callback in callbacks:
+            callback(self)
 
     def wait(self, seconds: float) -> Any:
         try:
@@ -220,10 +235,31 @@ class _Job:
                 f"interpreter #{self._runtime.ordinal} did not answer within {seconds} s; the "
                 f"call was cancelled and runs (or waits) on there until it stops, and the "
                 f"interpreter is handed to no one else until then")
+        return self.result()
+
+    def add_done_callback(self, callback: Callable[[_Job], None]) -> None:
+        """callback(job) once the call has ended, on the worker thread that ran it (at
+        once, here, if it has ended); never for a call that was given up before it
+        started.  It must not raise."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def result(self) -> Any:
+        """The call's value, or the exception it raised, once it has ended; None for a
+        call that was given up on (its result was dropped)."""
         value, error = self._outcome
         if error is not None:
             raise error
         return value
+
+    def cancel(self) -> bool:
+        """Gives up on the call as a deadline does (see Runtime.call_within): it is
+        cancelled if it runs and never runs if it has not started.  False if it had
+        already ended."""
+        return self._give_up(CANCEL_TIMEOUT)
 
     def _give_up(self, kind: int) -> bool:
         """Abandons the call unless it has ended; False if it had."""

@@ -9,21 +9,7 @@ import sys
 from pathlib import Path
 
 from . import _glibc
-from ._launch import SAVED
-
-
-def launch_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """A copy of environ whose GLIBC_TUNABLES lets a process hold 15 interpreters
-    (other tunables already set are kept), with the user's own value saved for
-    multipy._launch to put back once the program has started."""
-    env = dict(os.environ if environ is None else environ)
-    original = env.get("GLIBC_TUNABLES")
-    wanted = dict(item.split("=", 1) for item in _glibc.LAUNCH_TUNABLES.split(":"))
-    kept = [item for item in (original or "").split(":")
-            if item and item.split("=", 1)[0] not in wanted]
-    env["GLIBC_TUNABLES"] = ":".join(kept + [f"{k}={v}" for k, v in wanted.items()])
-    env[SAVED] = "" if original is None else f"={original}"
-    return env
+from ._launch import launch_environment
 
 
 def _run(module: str | None, script: str | None, args: list[str]) -> None:
@@ -45,6 +31,7 @@ def _bench_script() -> str:
 
 def _info() -> None:
     from ._pool import capacity
+    from .manager import default_torch_threads
 
     tunables = _glibc.tunables_at_start()
     try:
@@ -57,11 +44,15 @@ def _info() -> None:
     print(f"libpython:    {libpython}")
     print(f"glibc:        {_glibc.glibc_version()}")
     print("tunables:     " + (":".join(f"{k}={v}" for k, v in tunables.items()) or "glibc's defaults"))
-    print(f"interpreters: {fits['more']} fit in this process (at most {_glibc.MAX_NAMESPACES}; "
-          f"libraries with static TLS such as torch take more room)")
+    print(f"interpreters: {fits['more']} fit in this process (at most {_glibc.MAX_NAMESPACES}), "
+          f"about {_glibc.torch_interpreters_that_fit()} that import torch")
     if fits["more"] < _glibc.MAX_NAMESPACES:
-        print(f"              `multipy run SCRIPT` starts a program with room for "
-              f"{_glibc.MAX_NAMESPACES}")
+        print(f"              `multipy run SCRIPT`, or multipy.make_room() first thing in the "
+              f"program, gives room for {_glibc.MAX_NAMESPACES}")
+    cores = len(os.sched_getaffinity(0))
+    print(f"torch:        each interpreter of a manager of n runs torch with max(1, {cores} cores "
+          f"// n) intra-op threads ({default_torch_threads(2)} for n=2) and grad mode on, "
+          f"unless InterpreterManager(torch_threads=, grad_enabled=) says otherwise")
 
 
 def main(argv: list[str] | None = None) -> None:

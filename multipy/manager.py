@@ -10,7 +10,7 @@ from typing import IO, Any
 
 from . import _pool
 from .environment import Environment, NoopEnvironment
-from .errors import InterpreterClosedError, WrongInterpreterError
+from .errors import InterpreterClosedError, InterpreterLimitError, WrongInterpreterError
 from .package import Package
 from .replicated import ReplicatedObj
 from .session import Interpreter, InterpreterSession, Obj, current_timeout
@@ -18,8 +18,20 @@ from .session import Interpreter, InterpreterSession, Obj, current_timeout
 _INSIDE = "multipy._inside"
 
 
+def default_torch_threads(n_interpreters: int) -> int:
+    """The intra-op threads each of n interpreters runs torch with by default: the cores
+    this process may use, divided among them (at least 1), so that together they do not
+    oversubscribe the cores (each interpreter has its own copy of torch's thread pool)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, n_interpreters))
+
+
 class InterpreterManager:
     """n interpreters of this process, configured by ``environment``.
+
+    torch, in each interpreter, runs with ``torch_threads`` intra-op threads (default:
+    ``default_torch_threads(n)``) and grad mode ``grad_enabled`` (default: on, as in
+    torch), on every thread that calls in, from its first call after torch is imported
+    (torch keeps both per thread, and the host's settings do not carry over).
 
     A context manager; ``close()`` returns the interpreters to the process, which keeps
     them for the next manager (a process can start at most 15 and never frees one); a
@@ -28,9 +40,14 @@ class InterpreterManager:
     cannot hold n more, InterpreterStartError if one fails to start.
     """
 
-    def __init__(self, n_interpreters: int = 2, environment: Environment | None = None) -> None:
+    def __init__(self, n_interpreters: int = 2, environment: Environment | None = None, *,
+                 torch_threads: int | None = None, grad_enabled: bool = True) -> None:
         if n_interpreters < 1:
             raise ValueError(f"n_interpreters must be at least 1, not {n_interpreters}")
+        if torch_threads is not None and torch_threads < 1:
+            raise ValueError(f"torch_threads must be at least 1, not {torch_threads}")
+        self.torch_threads = torch_threads or default_torch_threads(n_interpreters)
+        self.grad_enabled = bool(grad_enabled)
         self.environment = environment if environment is not None else NoopEnvironment()
         self._sources: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -46,6 +63,8 @@ class InterpreterManager:
         try:
             for interpreter in self._interpreters:
                 with interpreter.acquire_session() as session:
+                    session.global_(_INSIDE, "set_torch_settings")(self.torch_threads,
+                                                                   self.grad_enabled)
                     self.environment.configure(session)
                 self._configured.append(interpreter)
         except BaseException:
@@ -69,7 +88,9 @@ class InterpreterManager:
         session; if all are busy, the one with the fewest.  An interpreter still running
         a call that its caller gave up on (timeout, Ctrl-C) is not picked until that call
         ends; if every one is, this waits (at most the thread's ``multipy.timeout``, then
-        TimeoutError).  InterpreterClosedError once the manager is closed.
+        TimeoutError).  An interpreter that had no room to load a library is never
+        picked; InterpreterLimitError if none is left.  InterpreterClosedError once the
+        manager is closed.
         """
         seconds = current_timeout()
         deadline = None if seconds is None else time.monotonic() + seconds
@@ -86,8 +107,13 @@ class InterpreterManager:
 
     def _pick(self) -> Interpreter | None:
         limited = self._interpreters[:self._limit]
+        roomy = [i for i in limited if not i.out_of_room]
+        if not roomy:
+            raise InterpreterLimitError(f"no interpreter of this manager had room to load "
+                                        f"what it was asked to: {limited[0].out_of_room}")
         start = getattr(self._thread, "cursor", 0) % len(limited)
-        order = [i for i in limited[start:] + limited[:start] if not i.running_abandoned_call]
+        order = [i for i in limited[start:] + limited[:start]
+                 if not i.running_abandoned_call and not i.out_of_room]
         if not order:
             return None
         return (next((i for i in order if i.open_sessions == 0), None)

@@ -5,6 +5,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import WrongInterpreterError
+from .session import current_timeout, timeout
 
 if TYPE_CHECKING:
     from .package import Package
@@ -70,7 +71,11 @@ class ReplicatedObj:
         if interpreter.manager is not self._manager:
             raise WrongInterpreterError(
                 f"{interpreter} belongs to another manager than {self!r}: a replicated "
-                f"object runs on the interpreters of the manager that made it")
+                f"object runs only on the interpreters of the manager that made it. Call "
+                f"it directly (r(...) picks one of them), or use a session of that manager "
+                f"(r.acquire_session(), session.from_movable(r)); to have it in this "
+                f"interpreter's manager, make it there again (that manager's "
+                f"load_package(...).load_pickle(...), or its create_movable(obj, session))")
         return self._instances.get(interpreter)
 
     def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
@@ -84,6 +89,37 @@ class ReplicatedObj:
     def call_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Calls the object's method ``name`` on a free interpreter; returns host values."""
         return self._call(name, args, kwargs)
+
+    async def acall(self, *args: Any, **kwargs: Any) -> Any:
+        """``r(*args, **kwargs)`` for asyncio: the same host values (or exception), and
+        the event loop is never blocked (the call runs on a worker thread).
+
+        If the awaiting task is cancelled (``task.cancel()``, ``asyncio.wait_for``), the
+        call is cancelled as at a ``multipy.timeout`` deadline: CallCancelled is raised in
+        it at its next bytecode, or it never runs if it had not started, and the load
+        balancer hands its interpreter to no one until it has stopped.  A first use that
+        materialises the object on an interpreter runs on a thread too, and is not
+        cancelled.  Bound it with ``asyncio.wait_for`` (``multipy.timeout`` is for
+        threads).
+        """
+        return await self._acall(None, args, kwargs)
+
+    async def acall_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``r.call_method(name, ...)`` for asyncio; see ``acall``."""
+        return await self._acall(name, args, kwargs)
+
+    async def _acall(self, method: str | None, args: tuple, kwargs: dict) -> Any:
+        import asyncio
+
+        from . import _aio
+
+        with await _aio.acquire_one(self._manager) as session:
+            interpreter = session.interpreter
+            if interpreter in self._instances:
+                instance = self.instance(interpreter)
+            else:  # materialising makes calls that block: not on the loop's thread
+                instance = await asyncio.to_thread(self.instance, interpreter)
+            return await _aio.result(instance.start_call_value(method, args, kwargs))
 
     def hasattr(self, name: str) -> bool:
         with self._manager.acquire_one() as session:
@@ -99,6 +135,42 @@ class ReplicatedObj:
     def unload(self, interpreter: Interpreter | None = None) -> None:
         """Drops the copy in interpreter, or in all; a later use materialises it again."""
         self._instances.drop(interpreter)
+
+    def warm_up(self, *args: Any, **kwargs: Any) -> None:
+        """Materialises the object on every interpreter of its manager now, all at once
+        (one host thread per interpreter), so that no caller pays for it later; with
+        args or kwargs, also calls it once with them on each interpreter, whose first
+        calls are slow (imports, caches).  Returns None.
+
+        Each interpreter counts as busy for the load balancer while it warms up.  The
+        calling thread's ``multipy.timeout`` bounds each call the warm-up makes.  If it
+        fails on any interpreter, the error of the first such interpreter is raised here,
+        once every thread has ended.
+        """
+        call = bool(args or kwargs)
+        seconds = current_timeout()
+        interpreters = self._manager.all_instances()
+        errors: list[BaseException | None] = [None] * len(interpreters)
+
+        def warm(position: int, interpreter: Interpreter) -> None:
+            try:
+                with timeout(seconds), interpreter.acquire_session():
+                    instance = self.instance(interpreter)
+                    if call:
+                        instance.call_value(None, args, kwargs)
+            except BaseException as error:  # raised in the caller's thread below
+                errors[position] = error
+
+        threads = [threading.Thread(target=warm, args=(position, interpreter), daemon=True,
+                                    name=f"multipy-warm-up-{interpreter.index}")
+                   for position, interpreter in enumerate(interpreters)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for error in errors:
+            if error is not None:
+                raise error
 
     def __repr__(self) -> str:
         return f"<multipy.ReplicatedObj loaded in {len(self._instances)} interpreter(s)>"

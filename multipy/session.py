@@ -1,18 +1,23 @@
 """Interpreters as a manager hands them out, sessions on them, and Obj, a handle to an
-object inside one; every call into an interpreter goes through ``Interpreter.request``.
+object inside one; every call into an interpreter goes through ``Interpreter.request``
+(or ``Interpreter.start``, which runs it on a worker thread for an asynchronous caller).
 """
 from __future__ import annotations
 
 import contextlib
 import pickle
 import threading
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from . import _glibc, _pool, _protocol, _sharing
 from ._protocol import CALL, CALL_VALUE, DEREF, GETATTR, GLOBAL, HASATTR
 from ._runtime import Runtime, exports
 from .errors import (InterpreterClosedError, InterpreterError, InterpreterLimitError,
                      RemoteTraceback, WrongInterpreterError)
+
+if TYPE_CHECKING:
+    from ._runtime import _Job
+
 
 class _ThreadSettings(threading.local):
     timeout: float | None = None  # a class default: no AttributeError on every call
@@ -71,6 +76,12 @@ class Obj:
         """Calls the object (or its method) and returns the result as a host value."""
         return self._interpreter.request(CALL_VALUE, self, method, args, kwargs or {})
 
+    def start_call_value(self, method: str | None, args: tuple = (),
+                         kwargs: dict | None = None) -> _Job:
+        """call_value on a worker thread: returns the running call at once (see
+        ``Interpreter.start``); its ``result()`` is what call_value returns."""
+        return self._interpreter.start(CALL_VALUE, self, method, args, kwargs or {})
+
     def attr(self, name: str) -> Obj:
         """The object's attribute ``name``."""
         return self._interpreter.request(GETATTR, self, name)
@@ -125,7 +136,11 @@ def _remote_error(record: _protocol.RemoteError) -> BaseException:
     """The host exception for an error reply, with the remote traceback as its cause."""
     error = None
     if record.type_name in _LOAD_ERRORS and "in static TLS block" in record.message:
-        error = InterpreterLimitError(f"{record.message}: {_glibc.static_tls_advice()}")
+        library = record.message.partition(": cannot allocate")[0].rpartition("/")[2]
+        error = InterpreterLimitError(
+            f"this interpreter has no room left to load {library} (no static TLS left in "
+            f"the process), and load balancers no longer pick it. "
+            f"{_glibc.static_tls_advice()}.")
     elif record.pickled is not None:
         try:
             error = pickle.loads(record.pickled)
@@ -164,6 +179,12 @@ class Interpreter:
         return self._runtime.abandoned > 0
 
     @property
+    def out_of_room(self) -> str | None:
+        """Why this interpreter could not load a library for lack of room (then load
+        balancers pass it by), or None."""
+        return self._runtime.out_of_room
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -188,6 +209,28 @@ class Interpreter:
         """Runs one operation of multipy._protocol in the interpreter, on this thread (on
         a worker under ``multipy.timeout``); the one path of every call.  Raises what
         the operation raised inside, InterpreterClosedError, or TimeoutError."""
+        request, pickler = self._encode(op, target, args)
+        seconds = _thread.timeout
+        if seconds is None:
+            reply = self._runtime.call(request)
+            if reply[1]:  # a new object: the common case, first
+                return Obj(self, reply[1])
+            return self._finish(reply, pickler)
+        return self._runtime.call_within(request, seconds, lambda reply: self._finish(reply, pickler),
+                                         pickler.take_back if pickler else _nothing)
+
+    def start(self, op: int, target: Obj | None, *args: Any) -> _Job:
+        """Starts one operation as ``request`` does, but on a worker thread, and returns
+        at once: the running call, whose ``add_done_callback``, ``result`` (what request
+        would return or raise) and ``cancel`` (as at a ``multipy.timeout`` deadline) an
+        asynchronous caller uses.  Raises InterpreterClosedError at once."""
+        request, pickler = self._encode(op, target, args)
+        return self._runtime.start(request, lambda reply: self._finish(reply, pickler),
+                                   pickler.take_back if pickler else _nothing)
+
+    def _encode(self, op: int, target: Obj | None, args: tuple) -> tuple[bytes, _Pickler | None]:
+        """The request for an operation, and the pickler that lent what it holds (None
+        when nothing is lent: the fast path)."""
         if self._closed:
             raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
         handle = 0
@@ -198,19 +241,9 @@ class Interpreter:
         for arg in args:
             if not _sharing.is_plain(arg):
                 pickler = _Pickler(self)
-                request = pickler.dumps((op, handle, args, self._epoch))
-                break
-        else:  # nothing to lend, no handle: the fast path
-            pickler = None
-            request = pickle.dumps((op, handle, args, self._epoch), _sharing.PLAIN_PROTOCOL)
-        seconds = _thread.timeout
-        if seconds is None:
-            reply = self._runtime.call(request)
-            if reply[1]:  # a new object: the common case, first
-                return Obj(self, reply[1])
-            return self._finish(reply, pickler)
-        return self._runtime.call_within(request, seconds, lambda reply: self._finish(reply, pickler),
-                                         pickler.take_back if pickler else _nothing)
+                return pickler.dumps((op, handle, args, self._epoch)), pickler
+        # nothing to lend, no handle: the fast path
+        return pickle.dumps((op, handle, args, self._epoch), _sharing.PLAIN_PROTOCOL), None
 
     def _finish(self, reply: tuple[int, int, bytes], pickler: _Pickler | None) -> Any:
         """The result of a reply, or the exception it carries."""
@@ -237,7 +270,10 @@ class Interpreter:
             record = _protocol.RemoteError(*pickle.loads(payload))
             if record.aliased is not None and pickler is not None:
                 pickler.take_back(record.aliased)  # reading the request failed midway
-            raise _remote_error(record)
+            error = _remote_error(record)
+            if isinstance(error, InterpreterLimitError):
+                self._runtime.out_of_room = str(error)
+            raise error
         if status == _protocol.CLOSED or status == _protocol.CANCELLED:
             if pickler is not None:
                 pickler.take_back()  # nothing ran: nothing lent was aliased

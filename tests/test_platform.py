@@ -7,7 +7,7 @@ import pytest
 
 import multipy
 from multipy import _glibc
-from multipy.cli import launch_environment
+from multipy._launch import launch_environment
 
 
 def test_libpython_of_this_python_is_found():

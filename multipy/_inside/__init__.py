@@ -19,6 +19,7 @@ import linecache
 import os
 import pickle
 import sys
+import threading
 import traceback
 
 import _multipy_bootstrap
@@ -131,6 +132,10 @@ class _Interpreter:
         self.released: list[int] = []  # host tokens no alias here uses any more
         self.sources = _SourceFinder()
         sys.meta_path.insert(0, self.sources)
+        #: (intra-op threads, grad enabled) for torch, set by the manager; torch keeps
+        #: both per thread, so each thread gets them on its first call once torch is in
+        self.torch_settings: tuple[int, bool] | None = None
+        self._thread = threading.local()
         self._ops = (self._global, self._call, self._call_value, self._getattr,
                      self._hasattr, self._deref, self._reset)
 
@@ -164,6 +169,22 @@ class _Interpreter:
         for name in self.sources.sources:
             sys.modules.pop(name, None)
         self.sources.sources = {}
+        self.torch_settings = None
+
+    def apply_torch_settings(self) -> None:
+        """Gives the calling thread the manager's torch settings, once torch is imported
+        and until they change.  A few attribute reads when there is nothing to do."""
+        settings = self.torch_settings
+        if settings is None or getattr(self._thread, "torch", None) is settings:
+            return
+        torch = sys.modules.get("torch")
+        if torch is None or not hasattr(torch, "set_grad_enabled"):  # not (yet) imported
+            return
+        threads, grad = settings
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+        self._thread.torch = settings
 
     # -- plumbing --
 
@@ -191,7 +212,9 @@ class _Interpreter:
                     target = _object(self.objects, handle)  # raises what to say
             name = self._names.get(handle if op != GLOBAL else args)
             _multipy_bootstrap.note(_OP_TEXTS[op], name or self._crash_name(op, handle, args))
+            self.apply_torch_settings()
             result = self._ops[op](target, *args)
+            self.apply_torch_settings()  # this call may have imported torch
             if op in _NEW_OBJECT:
                 number = next(self._ids)
                 self.objects[number] = result
@@ -281,6 +304,20 @@ def stats() -> dict[str, int]:
     arrays lent to the host, and host tokens it released but has not yet reported."""
     return {"objects": len(_current.objects), "lent": len(_current.exports),
             "unreported": len(_current.released)}
+
+
+def set_torch_settings(threads: int, grad_enabled: bool) -> None:
+    """The intra-op threads and grad mode every thread runs torch with here, from its
+    next call on (see _Interpreter.apply_torch_settings)."""
+    _current.torch_settings = (threads, grad_enabled)
+
+
+def torch_settings() -> dict | None:
+    """What the calling thread runs torch with here (None before torch is imported)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    return {"threads": torch.get_num_threads(), "grad_enabled": torch.is_grad_enabled()}
 
 
 def register_source(name: str, source: str) -> None:

@@ -5,7 +5,8 @@
 - transfer:  a new tensor through a call and back, 1 KB to 256 MB, against a process
   pool (sent both ways as its users do: torch moves each new tensor into shared
   memory).  multipy aliases the tensors, copying nothing.
-- startup:   n interpreters with torch imported, against n processes importing torch.
+- startup:   n interpreters with torch imported, against n processes importing torch;
+  and the exit of each (the process's end after the program's last line).
 - memory:    ResNet-18 held by n interpreters (weights shared) against n processes each
   holding it: PSS of everything involved, and the weights' size W.
 - threads:   tiny calls from n host threads, each on its own interpreter: calls/s in
@@ -160,25 +161,31 @@ def _import_torch(index: int, manager) -> None:
 
 
 def startup(counts: list[int]) -> None:
-    print("\nstart n interpreters / processes with torch imported (all at once)")
+    print("\nstart n interpreters / processes with torch imported (all at once), and exit "
+          "(from the end of the program's last line to the end of the process)")
     base = {}
     for n in counts:
         started = time.perf_counter()
-        processes = [subprocess.Popen([sys.executable, "-c", "import torch"]) for _ in range(n)]
-        for process in processes:
-            process.wait()
+        processes = [subprocess.Popen([sys.executable, "-c", "import time, torch; "
+                                       "print(time.time(), flush=True)"],
+                                      stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        stamps = [float(process.communicate()[0]) for process in processes]
         process_time = time.perf_counter() - started
+        process_exit = time.time() - max(stamps)
         done = subprocess.run([sys.executable, __file__, "_start_interpreters", str(n)],
                               capture_output=True, text=True, check=True)
-        ours = float(done.stdout.strip())
+        ended = time.time()
+        ours, last_line = (float(x) for x in done.stdout.split())
         base.setdefault("ours", ours)
         base.setdefault("processes", process_time)
         print(f"  n={n:2d}  multipy {ours:6.2f} s ({ours / base['ours']:.2f}x n=1)   "
-              f"processes {process_time:6.2f} s ({process_time / base['processes']:.2f}x n=1)")
+              f"processes {process_time:6.2f} s ({process_time / base['processes']:.2f}x n=1)"
+              f"   exit: multipy {ended - last_line:5.2f} s, processes {process_exit:5.2f} s")
 
 
 def _start_interpreters(n: int) -> None:
-    """In a fresh process: the time to start n interpreters and import torch in each."""
+    """In a fresh process: the time to start n interpreters and import torch in each;
+    then the wall-clock time of the program's end, when exit begins."""
     started = time.perf_counter()
     with multipy.InterpreterManager(n) as manager:
         threads = [threading.Thread(target=_import_torch, args=(i, manager)) for i in range(n)]
@@ -187,6 +194,7 @@ def _start_interpreters(n: int) -> None:
         for thread in threads:
             thread.join()
         print(time.perf_counter() - started)
+    print(time.time(), flush=True)
 
 
 def _pss(pid: int | str = "self") -> int:

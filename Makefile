@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 
-.PHONY: demo test bench clean
+.PHONY: serve demo test bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py multipy/_bootstrap.c
 	$(PYTHON) -m venv $(VENV)
@@ -10,7 +10,19 @@ $(VENV)/.installed: pyproject.toml setup.py multipy/_bootstrap.c
 	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
 	touch $@
 
-# The main job: the same CPU-bound function on N threads in one interpreter vs N interpreters.
+$(VENV)/.installed-serve: $(VENV)/.installed
+	$(VENV)/bin/python -m pip install --quiet -e ".[test,serve]"
+	touch $@
+
+examples/generated/python_heavy.pt: $(VENV)/.installed examples/generate_examples.py examples/example_models.py
+	$(VENV)/bin/python examples/generate_examples.py --models python_heavy examples/generated
+
+# The main command: the example Python-heavy model served with the Open Inference Protocol
+# on http://127.0.0.1:8000 until Ctrl-C (options: make serve SERVE_OPTIONS="--port 8001").
+serve: $(VENV)/.installed-serve examples/generated/python_heavy.pt
+	$(VENV)/bin/multipy serve examples/generated/python_heavy.pt $(SERVE_OPTIONS)
+
+# The same CPU-bound function on N threads in one interpreter vs N interpreters.
 demo: $(VENV)/.installed
 	$(VENV)/bin/multipy run benchmarks/core.py
 

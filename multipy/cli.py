@@ -1,8 +1,10 @@
 """The ``multipy`` command: ``run`` a program with room for 15 interpreters, ``info``,
-``bench``."""
+``bench``, ``serve`` (each of the last two runs its program through ``run``'s launcher,
+and imports nothing of it here)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import sys
@@ -18,6 +20,26 @@ def _run(module: str | None, script: str | None, args: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, argv, launch_environment())
+
+
+#: What a command needs beyond multipy: (the extra that installs it, its modules).
+_NEEDS = {"bench": ("bench", ("matplotlib", "rich")),
+          "serve": ("serve", ("uvicorn", "starlette", "prometheus_client", "rich", "numpy"))}
+
+
+def _require(command: str) -> None:
+    """Exits with what to install if the command's extra, or torch, is missing."""
+    extra, modules = _NEEDS[command]
+    missing = [module for module in modules if importlib.util.find_spec(module) is None]
+    problems = []
+    if missing:
+        problems.append(f"the {extra!r} extra, which installs {', '.join(missing)}: "
+                        f"pip install 'multipy[{extra}]' (from a checkout: "
+                        f"pip install -e '.[{extra}]')")
+    if importlib.util.find_spec("torch") is None:
+        problems.append("torch, which multipy does not install: pip install torch")
+    if problems:
+        sys.exit(f"multipy {command} needs " + "; and ".join(problems))
 
 
 def _bench_script() -> str:
@@ -69,6 +91,11 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("info", help="what this Python and glibc allow")
     commands.add_parser("bench", help="run benchmarks/bench.py of the source checkout with room "
                                       "for 15 interpreters (options: multipy bench --help)")
+    commands.add_parser("serve", help="serve torch.package models over HTTP with the Open "
+                                      "Inference Protocol (options: multipy serve --help)")
+    commands.add_parser("shell", help="a Python prompt (or -c CODE, or a script) inside an "
+                                      "interpreter, with a torch.package's importer and model "
+                                      "bound (options: multipy shell --help)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"] and len(argv) > 1 and argv[1] not in ("-h", "--help"):
         # Everything after the script or module belongs to the program, options too.
@@ -76,7 +103,13 @@ def main(argv: list[str] | None = None) -> None:
         rest = argv[3:] if module else argv[2:]
         _run(module, None if module else argv[1], rest)
     if argv[:1] == ["bench"]:  # every argument, --help too, belongs to the benchmark
+        _require("bench")
         _run(None, _bench_script(), argv[1:])
+    if argv[:1] == ["serve"]:  # every argument, --help too, belongs to the server
+        _require("serve")
+        _run("multipy.serve", None, argv[1:])
+    if argv[:1] == ["shell"]:  # every argument, --help too, belongs to the shell
+        _run("multipy.shell", None, argv[1:])
     args = parser.parse_args(argv)
     if args.command == "run":
         run.error("a script or -m module is required")

@@ -9,8 +9,13 @@ PACKAGE = Path(__file__).resolve().parent.parent / "multipy"
 
 #: Bottom-up: each module may import only modules before it.
 LAYERS = ["errors", "_launch", "_host", "_bootstrap", "_glibc", "_protocol", "_sharing", "_runtime",
-          "_pool", "session", "environment", "replicated", "package", "manager", "cli",
+          "_pool", "session", "_aio", "environment", "replicated", "package", "manager", "shell", "serve",
+          "cli",
           "__main__", "__init__"]
+#: multipy.serve, bottom-up: each of its modules may import only those before it, and of
+#: the rest of multipy only the layers below "serve".
+SERVE_LAYERS = ["protocol", "batching", "metrics", "archive", "models", "progress", "service",
+                "app", "main", "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy.
 INSIDE_MAY_IMPORT = {"_protocol", "_sharing", "_inside"}
 
@@ -18,6 +23,12 @@ INSIDE_MAY_IMPORT = {"_protocol", "_sharing", "_inside"}
 def _imports(path: Path) -> list[tuple[int, str]]:
     """(line, first component of the multipy module) of each import that runs (not the
     ones under ``if TYPE_CHECKING:``), relative or absolute."""
+    return [(line, parts[0] if parts else "") for line, parts in _import_paths(path)]
+
+
+def _import_paths(path: Path) -> list[tuple[int, list[str]]]:
+    """(line, the multipy module's path within multipy, as a list) of each import that
+    runs, as _imports reads them."""
     tree = ast.parse(path.read_text())
     skipped = {id(node) for block in ast.walk(tree)
                if isinstance(block, ast.If) and ast.unparse(block.test) == "TYPE_CHECKING"
@@ -32,18 +43,21 @@ def _imports(path: Path) -> list[tuple[int, str]]:
                 parts = (node.module or "").split(".") if node.module else []
                 if node.level - 1 > depth:
                     continue
-                base = ["_inside"] if depth == 1 and node.level == 1 else []
+                # the package the import is relative to: "_inside", "serve" or multipy
+                base = list(path.relative_to(PACKAGE).parts[:-1])[:depth - (node.level - 1)]
                 names = [base + parts] if parts else [base + [a.name] for a in node.names]
                 for name in names:
-                    found.append((node.lineno, name[0] if name else ""))
+                    found.append((node.lineno, name))
             elif node.module and node.module.split(".")[0] == "multipy":
-                rest = node.module.split(".")[1:] or [a.name for a in node.names]
-                found.append((node.lineno, rest[0]))
+                rest = node.module.split(".")[1:]
+                names = [rest] if rest else [[a.name] for a in node.names]
+                for name in names:
+                    found.append((node.lineno, name))
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == "multipy" and len(parts) > 1:
-                    found.append((node.lineno, parts[1]))
+                    found.append((node.lineno, parts[1:]))
     return found
 
 
@@ -61,6 +75,24 @@ def test_layers_import_only_downward():
     assert listed <= set(LAYERS), f"modules without a layer: {listed - set(LAYERS)}"
 
 
+def test_serve_imports_only_downward():
+    below = LAYERS[:LAYERS.index("serve")]
+    wrong = []
+    for name in SERVE_LAYERS:
+        path = PACKAGE / "serve" / f"{name}.py"
+        assert path.exists(), path
+        for line, target in _import_paths(path):
+            if target[:1] == ["serve"]:
+                fine = target[1:2] and target[1] in SERVE_LAYERS[:SERVE_LAYERS.index(name)]
+            else:
+                fine = target[:1] and target[0] in below
+            if not fine:
+                wrong.append(f"serve/{name}.py:{line} imports {'.'.join(target)}")
+    assert not wrong, wrong
+    listed = {p.stem for p in (PACKAGE / "serve").glob("*.py")}
+    assert listed == set(SERVE_LAYERS), f"modules without a layer: {listed - set(SERVE_LAYERS)}"
+
+
 def test_inside_code_imports_no_host_module():
     wrong = [f"{path.name}:{line} imports {target}"
              for path in (PACKAGE / "_inside").glob("*.py")
@@ -76,4 +108,5 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
     names = sorted(n for n in modules if n == "multipy" or n.startswith("multipy."))
     assert {"multipy", "multipy._inside", "multipy._protocol", "multipy._sharing"} <= set(names)
     assert set(names) <= {"multipy", "multipy._inside", "multipy._inside.package",
-                          "multipy._protocol", "multipy._sharing"}, names
+                          "multipy._inside.serving", "multipy._protocol",
+                          "multipy._sharing"}, names

@@ -1,0 +1,69 @@
+"""The peer of `multipy serve` in benchmarks/serve_load.py: a torch.package model behind
+KServe's own Python model server (kserve.ModelServer), N worker processes, each with its
+own copy of the model, as KServe, TorchServe and Triton's Python backend run.
+
+Runs in the peer's own virtual environment (serve_load.py makes it: KServe 0.21 pins
+protobuf and psutil versions that other packages of the project's environment clash with).
+
+    python kserve_model.py PACKAGE --name NAME --workers N --port PORT
+"""
+from __future__ import annotations
+
+import argparse
+
+import kserve
+import numpy as np
+import torch
+import torch.package
+from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
+
+
+class PackagedModel(kserve.Model):
+    """The object at ("model", "model.pkl") of a torch.package archive; inputs in request
+    order are its arguments, outputs are named output0, output1, ..."""
+
+    def __init__(self, name: str, path: str) -> None:
+        super().__init__(name)
+        self.path = path
+        self.model = None
+        self.load()
+
+    def __reduce__(self):  # KServe spawns its workers: each loads its own copy
+        return PackagedModel, (self.name, self.path)
+
+    def load(self) -> bool:
+        torch.set_num_threads(1)  # one intra-op thread per worker, as multipy's interpreters
+        self.model = torch.package.PackageImporter(self.path).load_pickle("model", "model.pkl")
+        self.ready = True
+        return self.ready
+
+    async def predict(self, payload: InferRequest, headers=None,
+                      response_headers=None) -> InferResponse:
+        arguments = [torch.from_numpy(np.ascontiguousarray(each.as_numpy()))
+                     for each in payload.inputs]
+        with torch.no_grad():
+            result = self.model(*arguments)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        outputs = []
+        for index, tensor in enumerate(results):
+            array = tensor.numpy()
+            output = InferOutput(f"output{index}", list(array.shape), "FP32")
+            output.set_data_from_numpy(array.astype(np.float32), binary_data=False)
+            outputs.append(output)
+        return InferResponse(payload.id or "", self.name, outputs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("package", help="torch.package archive")
+    parser.add_argument("--name", required=True, help="the model's name in the protocol")
+    parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    args = parser.parse_args()
+    model = PackagedModel(args.name, args.package)
+    kserve.ModelServer(http_port=args.port, workers=args.workers, enable_grpc=False,
+                       enable_latency_logging=False).start([model])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Load benchmark: N concurrent Open Inference Protocol clients (tritonclient.http, binary
+tensors, its default) against `multipy serve` with N interpreters, and against the same model behind KServe's
+own Python model server (kserve.ModelServer) with N worker processes, each holding its
+own copy of the model.  Prints requests/s, p50 and p99 latency, and the memory (PSS) of
+each server's whole process tree, measured in one run; every answer is checked against
+the model run eagerly here.
+
+KServe 0.21 pins protobuf<7 and psutil<6, so the peer gets a virtual environment of its
+own, made here on first use (--peer-venv): kserve==0.21.0, torch==2.13.0, numpy==2.4.6.
+The clients send binary tensors: KServe's server rejects tritonclient's JSON requests,
+which carry no Content-Type ("received byte inputs, but the
+'inference-header-content-length' header is missing").
+
+    multipy run benchmarks/serve_load.py [--counts 2,4] [--seconds 10] [--model python_heavy]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PEER_PACKAGES = ["kserve==0.21.0", "torch==2.13.0", "numpy==2.4.6"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_peer_venv(path: str) -> str:
+    """The python of a virtual environment at path that has KServe; made if missing."""
+    python = os.path.join(path, "bin", "python")
+    check = [python, "-c", "import kserve, torch"]
+    if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
+        return python
+    print(f"making KServe's environment in {path}: {' '.join(PEER_PACKAGES)} (minutes)",
+          flush=True)
+    subprocess.run([sys.executable, "-m", "venv", path], check=True)
+    subprocess.run([python, "-m", "pip", "install", "--quiet", *PEER_PACKAGES], check=True)
+    return python
+
+
+def _pss_tree(pid: int) -> int:
+    """PSS in bytes of process pid and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    total, pending = 0, [pid]
+    while pending:
+        each = pending.pop()
+        pending += children.get(each, [])
+        try:
+            with open(f"/proc/{each}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
+        except (OSError, StopIteration):
+            pass
+    return total
+
+
+def _wait_ready(port: int, process: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"the server on port {port} was not ready after {seconds} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """SIGTERM to the server's whole process group (KServe's workers too), then SIGKILL."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        pass
+    except ProcessLookupError:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)  # workers that outlived their parent
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def load(port: int, model: str, clients: int, seconds: float, warm_up: float, inputs, expected):
+    """N client threads sending inferences for warm_up + seconds; the timed part's
+    requests/s, latencies, and the count of wrong or failed answers."""
+    import numpy as np
+    import tritonclient.http as http
+
+    latencies: list[list[float]] = [[] for _ in range(clients)]
+    wrong = [0] * clients
+    start = threading.Barrier(clients + 1)
+    times: dict[str, float] = {}
+
+    def client(k: int) -> None:
+        connection = http.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=60,
+                                                network_timeout=60)
+        tensors = []
+        for index, array in enumerate(inputs):
+            tensor = http.InferInput(f"input{index}", list(array.shape), "FP32")
+            tensor.set_data_from_numpy(array, binary_data=True)
+            tensors.append(tensor)
+        outputs = [http.InferRequestedOutput("output0", binary_data=True)]
+
+        def one() -> float:
+            begin = time.perf_counter()
+            try:
+                answer = connection.infer(model, tensors, outputs=outputs).as_numpy("output0")
+                if not np.allclose(answer, expected, rtol=1e-4, atol=1e-5):
+                    wrong[k] += 1
+            except Exception:
+                wrong[k] += 1
+            return time.perf_counter() - begin
+
+        until = time.perf_counter() + warm_up
+        one()
+        while time.perf_counter() < until:
+            one()
+        start.wait()
+        while time.perf_counter() < times["end"]:
+            latencies[k].append(one())
+        connection.close()
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for thread in threads:
+        thread.start()
+    times["end"] = float("inf")
+    start.wait()
+    begun = time.perf_counter()
+    times["end"] = begun + seconds
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - begun
+    every = sorted(x for each in latencies for x in each)
+    return {"requests_per_second": len(every) / elapsed,
+            "p50_ms": statistics.median(every) * 1e3,
+            "p99_ms": every[min(len(every) - 1, int(len(every) * 0.99))] * 1e3,
+            "requests": len(every), "wrong": sum(wrong)}
+
+
+def run_server(command: list[str], port: int, model: str, clients: int, seconds: float,
+               warm_up: float, inputs, expected) -> dict:
+    with tempfile.TemporaryFile("w+") as log:  # a pipe nobody reads would stall the server
+        process = subprocess.Popen(command, stdout=log, stderr=log, text=True,
+                                   start_new_session=True)
+        try:
+            _wait_ready(port, process)
+            figures = load(port, model, clients, seconds, warm_up, inputs, expected)
+            figures["pss_mib"] = _pss_tree(process.pid) / (1 << 20)
+            return figures
+        except BaseException:
+            _stop(process)
+            log.seek(0)
+            print(log.read()[-3000:], file=sys.stderr)
+            raise
+        finally:
+            _stop(process)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--counts", default="2,4", help="N: interpreters, workers and clients (2,4)")
+    parser.add_argument("--seconds", type=float, default=10, help="timed seconds per run (10)")
+    parser.add_argument("--warm-up", type=float, default=3, help="untimed seconds first (3)")
+    parser.add_argument("--model", default="python_heavy", help="example package (python_heavy)")
+    parser.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv", "kserve-peer"),
+                        help="KServe's virtual environment, made if missing (.venv/kserve-peer)")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.counts.split(",")]
+
+    import torch
+    import torch.package
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from generate_examples import generate
+
+    peer = ensure_peer_venv(args.peer_venv)
+    rows = []
+    with tempfile.TemporaryDirectory() as directory:
+        path = generate(directory, [args.model])[args.model]
+        importer = torch.package.PackageImporter(path)
+        inputs = importer.load_pickle("model", "example.pkl")
+        with torch.no_grad():
+            expected = importer.load_pickle("model", "model.pkl")(*inputs).numpy()
+        arrays = [x.numpy() for x in inputs]
+        for n in counts:
+            port = _free_port()
+            ours = run_server([sys.executable, "-m", "multipy", "serve", path, "--interpreters",
+                               str(n), "--port", str(port)],
+                              port, args.model, n, args.seconds, args.warm_up, arrays, expected)
+            port = _free_port()
+            theirs = run_server([peer, os.path.join(HERE, "kserve_model.py"), path, "--name",
+                                 args.model, "--workers", str(n), "--port", str(port)],
+                                port, args.model, n, args.seconds, args.warm_up, arrays, expected)
+            rows.append({"n": n, "multipy": ours, "kserve": theirs})
+
+    print(f"\n{args.model}: N clients (tritonclient.http, binary) against each server, "
+          f"{args.seconds:g} s after {args.warm_up:g} s of warm-up")
+    print(f"{'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
+          f"{'PSS MiB':>8s} {'wrong':>6s}")
+    for row in rows:
+        for name, label in (("multipy", f"multipy serve, {row['n']} interp."),
+                            ("kserve", f"kserve.ModelServer, {row['n']} workers")):
+            f = row[name]
+            print(f"{label:28s} {row['n']:2d} {f['requests_per_second']:8.1f} {f['p50_ms']:8.2f} "
+                  f"{f['p99_ms']:8.2f} {f['pss_mib']:8.1f} {f['wrong']:6d}")
+        ours, theirs = row["multipy"], row["kserve"]
+        print(f"  N={row['n']}: multipy / KServe: requests/s "
+              f"{ours['requests_per_second'] / theirs['requests_per_second']:.2f}x, "
+              f"memory {ours['pss_mib'] / theirs['pss_mib']:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "seconds": args.seconds, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""A served model, inside one interpreter: what ``multipy serve`` runs here.
+
+The serving host never imports torch.  It sends numpy arrays, lent without copies
+(multipy._sharing); here they become tensors over the same memory (``torch.from_numpy``),
+the model runs under ``torch.no_grad()``, and its outputs go back as numpy arrays over
+the outputs' own memory, lent the same way.  BF16 has no numpy dtype: a BF16 tensor
+crosses, both ways, as a uint16 array of its bits (``tensor.view(torch.uint16)``).
+
+torch is imported on first use, not with this module.  Errors of types the host could
+only re-create by importing torch (or a packaged module) are raised as RuntimeError,
+their type named in the message and the original chained in the traceback.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+#: The Open Inference Protocol's datatypes of torch's dtypes (by name: torch is not
+#: imported here).  bfloat16 crosses as uint16 bits, under its own datatype.
+_DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
+              "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
+              "int64": "INT64", "float16": "FP16", "bfloat16": "BF16", "float32": "FP32",
+              "float64": "FP64"}
+#: ... and of numpy's dtypes (names), for outputs that are arrays or numbers.
+_NUMPY_DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
+                    "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
+                    "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64"}
+_INPUT_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                inspect.Parameter.KEYWORD_ONLY)
+
+
+def load(path: str, module: str, resource: str, storages: dict[str, Any]) -> Served:
+    """The model pickled at (module, resource) of the torch.package archive at path,
+    ready to serve.  storages: the archive's storage records (record name -> uint8 numpy
+    array lent by the host), which the model's tensors alias instead of reading the file
+    again.  The archive's
+    (module, "example.pkl"), if it has one, is a tuple of example inputs: it names the
+    inputs' datatypes and shapes in the metadata, and warms the model up."""
+    import torch
+
+    from .package import importer, load_pickle
+
+    shared = {name: torch.from_numpy(array) for name, array in storages.items()}
+    package_importer = importer(path, shared)
+    model = load_pickle(package_importer, module, resource)
+    example = None
+    folder = module.replace(".", "/")
+    if f"{folder}/example.pkl" in package_importer.zip_reader.get_all_records():
+        example = load_pickle(package_importer, module, "example.pkl")
+        if not isinstance(example, tuple):
+            example = (example,)
+    return Served(model, example)
+
+
+class Served:
+    """One model in this interpreter, called by the host with numpy arrays."""
+
+    def __init__(self, model: Any, example: tuple | None) -> None:
+        self.model = model
+        self.example = example
+        forward = getattr(model, "forward", model)
+        parameters = inspect.signature(forward).parameters.values()
+        #: The forward's parameters that an input can be given to (not *args, **kwargs).
+        self.parameters = [p.name for p in parameters if p.kind in _INPUT_KINDS]
+        if hasattr(model, "eval") and hasattr(model, "training"):
+            model.eval()
+
+    def infer(self, args: list[tuple[Any, str]], kwargs: dict[str, tuple[Any, str]]
+              ) -> list[tuple[str, str, Any]]:
+        """Runs the model on (array, datatype) inputs, positional and by name; returns
+        its outputs as (name, datatype, array), named as ``_outputs`` says."""
+        import torch
+
+        try:
+            with torch.no_grad():
+                result = self.model(*[_tensor(torch, *item) for item in args],
+                                    **{name: _tensor(torch, *item) for name, item in kwargs.items()})
+            return _outputs(torch, result)
+        except Exception as error:
+            _raise_plainly(error)
+
+    def metadata(self) -> dict[str, list[dict]]:
+        """The inputs (forward's parameters) and, when the archive has an example, the
+        outputs, each as {"name", "datatype", "shape"}: shapes are the example's with
+        -1 for the leading (batch) dimension; without an example, FP32 and [-1]."""
+        import torch
+
+        inputs = []
+        for position, name in enumerate(self.parameters):
+            value = self.example[position] if self.example and position < len(self.example) else None
+            inputs.append({"name": name, **_described(torch, value)})
+        outputs = []
+        if self.example is not None:
+            for name, datatype, array in self._run_example(torch):
+                shape = [-1, *array.shape[1:]] if array.ndim else []
+                outputs.append({"name": name, "datatype": datatype, "shape": shape})
+        return {"inputs": inputs, "outputs": outputs}
+
+    def warm_up(self) -> None:
+        """Runs the example once, if the archive has one: first calls are slow."""
+        if self.example is not None:
+            import torch
+
+            self._run_example(torch)
+
+    def _run_example(self, torch: Any) -> list[tuple[str, str, Any]]:
+        try:
+            with torch.no_grad():
+                return _outputs(torch, self.model(*self.example))
+        except Exception as error:
+            _raise_plainly(error)
+
+
+def _described(torch: Any, value: Any) -> dict:
+    if isinstance(value, torch.Tensor) and str(value.dtype).rpartition(".")[2] in _DATATYPES:
+        datatype = _DATATYPES[str(value.dtype).rpartition(".")[2]]
+        return {"datatype": datatype, "shape": [-1, *value.shape[1:]] if value.dim() else []}
+    return {"datatype": "FP32", "shape": [-1]}
+
+
+def _tensor(torch: Any, array: Any, datatype: str) -> Any:
+    """A tensor over array's memory (bits of BF16 arrive as uint16)."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if datatype == "BF16" else tensor
+
+
+def _outputs(torch: Any, result: Any) -> list[tuple[str, str, Any]]:
+    """(name, datatype, array) of each output: ``output0``, ``output1``, ... for a tensor,
+    tuple or list, the keys for a dict; nested tuples, lists and dicts are flattened,
+    their names joined with dots (``output1.0``, ``scores.top``)."""
+    if isinstance(result, dict):
+        items = [(str(key), value) for key, value in result.items()]
+    elif isinstance(result, (tuple, list)):
+        items = [(f"output{i}", value) for i, value in enumerate(result)]
+    else:
+        items = [("output0", result)]
+    flat: list[tuple[str, str, Any]] = []
+    while items:
+        name, value = items.pop(0)
+        if isinstance(value, dict):
+            items[:0] = [(f"{name}.{key}", each) for key, each in value.items()]
+        elif isinstance(value, (tuple, list)):
+            items[:0] = [(f"{name}.{i}", each) for i, each in enumerate(value)]
+        else:
+            flat.append((name, *_array(torch, name, value)))
+    return flat
+
+
+def _array(torch: Any, name: str, value: Any) -> tuple[str, Any]:
+    """(datatype, numpy array over the same memory) for an output value."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        tensor = tensor.resolve_conj().resolve_neg()
+        kind = str(tensor.dtype).rpartition(".")[2]
+        if kind not in _DATATYPES:
+            raise TypeError(f"output {name!r} is a tensor of {tensor.dtype}, which the Open "
+                            f"Inference Protocol has no datatype for")
+        if kind == "bfloat16":  # no numpy dtype: its bits, as uint16
+            return "BF16", tensor.view(torch.uint16).numpy()
+        return _DATATYPES[kind], tensor.numpy()
+    import numpy
+
+    array = numpy.asarray(value)
+    if array.dtype.name not in _NUMPY_DATATYPES:
+        raise TypeError(f"output {name!r} is a {type(value).__name__} ({array.dtype}), which "
+                        f"the Open Inference Protocol has no datatype for: return tensors")
+    return _NUMPY_DATATYPES[array.dtype.name], numpy.array(array)  # owned and writable: lent
+
+
+def _raise_plainly(error: Exception) -> None:
+    """Raises error as it is if the host can re-create its type without importing
+    anything (a builtin exception), else as a RuntimeError that names it."""
+    if type(error).__module__ == "builtins":
+        raise error
+    kind = type(error)
+    raise RuntimeError(f"{kind.__module__}.{kind.__qualname__}: {error}") from error

@@ -1,0 +1,6 @@
+"""``python -m multipy.serve``: what ``multipy serve`` runs (through its launcher)."""
+import sys
+
+from .main import main
+
+sys.exit(main())

@@ -1,0 +1,166 @@
+"""The HTTP face of a server: the Open Inference Protocol's REST endpoints and
+``/metrics``, as a Starlette application.
+
+Every error answer is the protocol's ``{"error": "..."}``: 400 for a request the
+protocol refuses, 404 for an unknown model, version or route, 503 while a model loads,
+500 when the model fails (it raised, its outputs could not be split back into a batch's
+requests, or it ran past --timeout).  Each request is answered on its own: a failed one
+changes nothing for the others.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..errors import RemoteTraceback
+from .batching import BatchError
+from .metrics import CONTENT_TYPE
+from .models import ModelError
+from .protocol import (HEADER_LENGTH, ProtocolError, compress, decode_request, encode_response,
+                       error_body)
+from .service import Service, ServiceTimeout
+
+logger = logging.getLogger("multipy.serve")
+
+#: The protocol's extensions this server speaks.
+EXTENSIONS = ["binary_tensor_data"]
+
+
+def create_app(service: Service, on_startup: Callable[[], Any] | None = None) -> Starlette:
+    """The application serving service; on_startup() runs when the server starts (the
+    caller starts loading the models there), and batches still waiting run at shutdown."""
+
+    async def live(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(request: Request) -> Response:
+        return Response(status_code=200 if service.ready else 400)
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse({"name": "multipy", "version": _version(),
+                             "extensions": EXTENSIONS})
+
+    async def model_metadata(request: Request) -> Response:
+        try:
+            model = _model(service, request)
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return JSONResponse(model.metadata())
+
+    async def model_ready(request: Request) -> Response:
+        try:
+            model = service.model(request.path_params["model"],
+                                  request.path_params.get("version"))
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return Response(status_code=200 if model is not None and model.ready else 400)
+
+    async def infer(request: Request) -> Response:
+        try:
+            model = _model(service, request)
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        metrics, name = service.metrics, model.name
+        metrics.requests.labels(model=name).inc()
+        started = time.perf_counter()
+        status = 500
+        try:
+            decoded = decode_request(await request.body(), request.headers.get(HEADER_LENGTH),
+                                     request.headers.get("content-encoding"))
+            outputs = await service.infer(model, decoded)
+            binary = dict(decoded.outputs or ())
+            body, headers = encode_response(
+                name, "1", decoded.id,
+                [(t, binary.get(t.name, decoded.binary_outputs)) for t in outputs])
+            body = compress(body, headers, request.headers.get("accept-encoding"))
+            status = 200
+            return Response(body, headers=headers)
+        except ProtocolError as error:
+            status = error.status
+            return _error(status, str(error))
+        except ServiceTimeout as error:
+            logger.error("%s", error)
+            return _error(500, str(error))
+        except (ModelError, BatchError) as error:  # logged with the model's traceback
+            logger.error("%s%s", error, _inside_traceback(error))
+            return _error(500, str(error))
+        except Exception as error:  # multipy's own failure: logged whole
+            logger.exception("inference on model %r failed", name)
+            return _error(500, f"internal error: {type(error).__name__}: {error}")
+        finally:
+            metrics.latency.labels(model=name).observe(time.perf_counter() - started)
+            if status != 200:
+                metrics.failures.labels(model=name, status=str(status)).inc()
+
+    async def metrics(request: Request) -> Response:
+        return Response(service.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def http_error(request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        if error.status_code == 404:
+            return _error(404, f"no such endpoint: {request.method} {request.url.path}")
+        return _error(error.status_code, f"{error.detail}: {request.method} {request.url.path}")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if on_startup is not None:
+            on_startup()
+        yield
+        await service.drain()
+
+    model_path = "/v2/models/{model}"
+    version_path = "/v2/models/{model}/versions/{version}"
+    routes = [
+        Route("/v2/health/live", live, methods=["GET"]),
+        Route("/v2/health/ready", ready, methods=["GET"]),
+        Route("/v2", server_metadata, methods=["GET"]),
+        Route(model_path, model_metadata, methods=["GET"]),
+        Route(version_path, model_metadata, methods=["GET"]),
+        Route(f"{model_path}/ready", model_ready, methods=["GET"]),
+        Route(f"{version_path}/ready", model_ready, methods=["GET"]),
+        Route(f"{model_path}/infer", infer, methods=["POST"]),
+        Route(f"{version_path}/infer", infer, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                     lifespan=lifespan)
+
+
+def _model(service: Service, request: Request) -> Any:
+    """The ready model a request names; ProtocolError (404 unknown, 503 loading)."""
+    name = request.path_params["model"]
+    model = service.model(name, request.path_params.get("version"))
+    if model is None:
+        raise ProtocolError(f"model {name!r} is not ready: it is still loading "
+                            f"(GET /v2/models/{name}/ready says when it is)", 503)
+    return model
+
+
+def _inside_traceback(error: BaseException) -> str:
+    """The traceback that error's causes bring from inside an interpreter (the model's
+    frames), as a paragraph to log, or ""."""
+    while error is not None:
+        if isinstance(error, RemoteTraceback):
+            return "\n" + error.traceback_text.rstrip("\n")
+        error = error.__cause__
+    return ""
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("multipy")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        return "unknown"
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(error_body(message), status_code=status, media_type="application/json")

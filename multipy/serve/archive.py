@@ -1,0 +1,78 @@
+"""A torch.package archive, read in the host without torch: checked, and its tensor
+storages mapped once for every interpreter to alias.
+
+The storages are numpy arrays over one private (copy-on-write) mapping of the file:
+their pages are the page cache's, shared by every interpreter that aliases them (and by
+every process that maps the file), and no one writes to them.  torch's archive writer
+stores records uncompressed and aligned to 64 bytes, so each array is a slice of the
+mapping; a compressed record, which torch does not write, is read into memory instead.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import zipfile
+
+import numpy as np
+
+#: A zip local file header: its fixed size and where the name and extra lengths are.
+_LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
+_LOCAL_MAGIC = b"PK\x03\x04"
+
+
+class ArchiveError(ValueError):
+    """The file is not a torch.package archive holding the model asked for."""
+
+
+def check(path: str, module: str, resource: str) -> None:
+    """ArchiveError unless path is a torch.package archive with (module, resource)."""
+    if not os.path.isfile(path):
+        raise ArchiveError(f"{path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise ArchiveError(f"{path} is not a torch.package archive (not a zip file): save "
+                           f"the model with torch.package.PackageExporter")
+    with zipfile.ZipFile(path) as archive:
+        records = {info.filename.split("/", 1)[-1] for info in archive.infolist()}
+    if ".data/version" not in records:
+        raise ArchiveError(f"{path} is a zip file but not a torch.package archive: save "
+                           f"the model with torch.package.PackageExporter")
+    wanted = f"{module.replace('.', '/')}/{resource}"
+    if wanted not in records:
+        pickles = sorted(name for name in records
+                         if name.endswith(".pkl") and not name.startswith("."))
+        raise ArchiveError(f"{path} has no resource {resource!r} in package {module!r} "
+                           f"(--module, --resource); its pickles are "
+                           f"{', '.join(pickles) or 'none'}")
+
+
+def storages(path: str) -> dict[str, np.ndarray]:
+    """Every storage record of the archive at path: record name (".data/N.storage") ->
+    uint8 array over its bytes."""
+    found: dict[str, np.ndarray] = {}
+    with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
+        infos = [info for info in archive.infolist()
+                 if info.filename.split("/", 1)[-1].startswith(".data/")
+                 and info.filename.endswith(".storage")]
+        if not infos:
+            return found
+        mapping = np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY), np.uint8)
+        for info in infos:
+            name = info.filename.split("/", 1)[-1]
+            start = _data_offset(file, info)
+            if info.compress_type == zipfile.ZIP_STORED and start is not None:
+                found[name] = mapping[start:start + info.file_size]
+            else:
+                found[name] = np.frombuffer(bytearray(archive.read(info)), np.uint8)
+    return found
+
+
+def _data_offset(file, info: zipfile.ZipInfo) -> int | None:
+    """Where a record's bytes start in the file (past its local header), or None."""
+    file.seek(info.header_offset)
+    header = file.read(_LOCAL_HEADER.size)
+    if len(header) != _LOCAL_HEADER.size or header[:4] != _LOCAL_MAGIC:
+        return None
+    fields = _LOCAL_HEADER.unpack(header)
+    name_length, extra_length = fields[-2], fields[-1]
+    return info.header_offset + _LOCAL_HEADER.size + name_length + extra_length

@@ -1,0 +1,328 @@
+"""The Open Inference Protocol (KServe's v2 protocol, which Triton speaks too) over
+HTTP/REST: inference requests and responses as JSON tensors, with the binary tensor data
+extension.  numpy only; nothing here knows about models or interpreters.
+
+A tensor's data is a numpy array of its shape.  BF16 has no numpy dtype: its arrays hold
+the bits, as uint16 (what the interpreters turn into bfloat16 tensors), and JSON carries
+BF16 values as numbers, rounded to nearest even on the way in.
+
+Binary data (Triton's "binary_tensor_data" extension): when a request has the header
+``Inference-Header-Content-Length: N``, the first N bytes of its body are the JSON and the
+rest are the raw bytes of the inputs that say ``"parameters": {"binary_data_size": K}``,
+in order, little-endian, row-major (one byte per BOOL).  Without that header the whole
+body is JSON, whatever its Content-Type.  Outputs asked for with
+``"parameters": {"binary_data": true}`` (or all of them, by the request's
+``"parameters": {"binary_data_output": true}``) come back the same way.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+#: The header that says where the JSON of a body with binary data ends.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+#: Each numeric datatype's numpy dtype (little-endian; BF16: its bits).
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype("?"), "UINT8": np.dtype("u1"), "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"), "UINT64": np.dtype("<u8"), "INT8": np.dtype("i1"),
+    "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+
+
+class ProtocolError(Exception):
+    """A request that the protocol refuses: answered with {"error": message} and status
+    (400, the client's fault, unless said otherwise)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Tensor:
+    """A named tensor of the protocol: its datatype and its data as an array of its shape."""
+
+    name: str
+    datatype: str
+    array: np.ndarray
+
+
+@dataclass
+class InferRequest:
+    """A decoded inference request."""
+
+    inputs: list[Tensor]
+    #: The outputs asked for, in order, each with whether it goes back as binary data;
+    #: None: every output the model gives.
+    outputs: list[tuple[str, bool]] | None
+    #: Whether outputs not asked for by name go back as binary data.
+    binary_outputs: bool = False
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def decode_request(body: bytes, header_length: str | None = None,
+                   content_encoding: str | None = None) -> InferRequest:
+    """The request in an HTTP body; header_length is the Inference-Header-Content-Length
+    header's value (None when absent: then the whole body is JSON), content_encoding the
+    Content-Encoding header's (gzip and deflate are read).  ProtocolError if it is not a
+    well-formed inference request."""
+    body = _decompressed(body, content_encoding)
+    if header_length is None:
+        json_part, binary = body, memoryview(b"")
+    else:
+        try:
+            length = int(header_length)
+        except ValueError:
+            raise ProtocolError(f"{HEADER_LENGTH} must be a number of bytes, not "
+                                f"{header_length!r}") from None
+        if not 0 <= length <= len(body):
+            raise ProtocolError(f"{HEADER_LENGTH} is {length}, but the body has "
+                                f"{len(body)} bytes")
+        json_part, binary = body[:length], memoryview(body)[length:]
+    try:
+        request = json.loads(json_part)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProtocolError(f"malformed JSON in the request: {error}") from None
+    if not isinstance(request, dict):
+        raise ProtocolError("the request must be a JSON object")
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ProtocolError('the request must have "inputs": a non-empty list of tensors')
+    parameters = _object(request.get("parameters"), "the request's parameters")
+    offset = 0
+    tensors = []
+    for position, spec in enumerate(inputs):
+        tensor, offset = _input(spec, position, binary, offset)
+        tensors.append(tensor)
+    if offset != len(binary):
+        raise ProtocolError(f"the request has {len(binary) - offset} bytes of binary data "
+                            f"that no input claims (binary_data_size)")
+    names = [tensor.name for tensor in tensors]
+    if len(set(names)) != len(names):
+        raise ProtocolError(f"input names must be unique: {names}")
+    outputs = None
+    if request.get("outputs") is not None:
+        if not isinstance(request["outputs"], list):
+            raise ProtocolError('"outputs" must be a list of {"name": ...} objects')
+        outputs = [_requested(spec, parameters) for spec in request["outputs"]]
+    request_id = request.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise ProtocolError('"id" must be a string')
+    return InferRequest(tensors, outputs, _flag(parameters, "binary_data_output"),
+                        request_id, parameters)
+
+
+def _decompressed(body: bytes, encoding: str | None) -> bytes:
+    kind = (encoding or "identity").strip().lower()
+    try:
+        if kind == "gzip":
+            return gzip.decompress(body)
+        if kind == "deflate":
+            return zlib.decompress(body)
+    except (OSError, EOFError, zlib.error) as error:
+        raise ProtocolError(f"the body is not valid {kind} data: {error}") from None
+    if kind != "identity":
+        raise ProtocolError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
+    return body
+
+
+def _object(value: Any, what: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{what} must be a JSON object")
+    return value
+
+
+def _flag(parameters: dict, name: str) -> bool:
+    value = parameters.get(name, False)
+    if not isinstance(value, bool):
+        raise ProtocolError(f'parameter "{name}" must be true or false')
+    return value
+
+
+def _requested(spec: Any, request_parameters: dict) -> tuple[str, bool]:
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise ProtocolError('each requested output must be an object with a "name"')
+    parameters = _object(spec.get("parameters"), f"output {spec['name']!r}'s parameters")
+    if "classification" in parameters:
+        raise ProtocolError("the classification extension is not supported")
+    binary = _flag(parameters, "binary_data") if "binary_data" in parameters else \
+        _flag(request_parameters, "binary_data_output")
+    return spec["name"], binary
+
+
+def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[Tensor, int]:
+    """The tensor of one input, and the offset in binary past its data."""
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"input {position} must be a JSON object")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f'input {position} must have a "name"')
+    datatype = spec.get("datatype")
+    if datatype not in DTYPES:
+        supported = ", ".join(DTYPES)
+        if datatype == "BYTES":
+            raise ProtocolError(f"input {name!r}: datatype BYTES is not supported; "
+                                f"numeric datatypes are: {supported}")
+        raise ProtocolError(f"input {name!r}: unknown datatype {datatype!r}; "
+                            f"the datatypes are {supported}")
+    shape = spec.get("shape")
+    if (not isinstance(shape, list)
+            or not all(type(size) is int and size >= 0 for size in shape)):
+        raise ProtocolError(f"input {name!r}: shape must be a list of sizes (integers >= 0), "
+                            f"not {shape!r}")
+    count = math.prod(shape)
+    parameters = _object(spec.get("parameters"), f"input {name!r}'s parameters")
+    if "shared_memory_region" in parameters:
+        raise ProtocolError(f"input {name!r}: the shared-memory extension is not supported")
+    size = parameters.get("binary_data_size")
+    if size is not None:
+        if type(size) is not int or size < 0:
+            raise ProtocolError(f"input {name!r}: binary_data_size must be a number of bytes")
+        if "data" in spec:
+            raise ProtocolError(f'input {name!r} has both "data" and binary_data_size')
+        expected = count * DTYPES[datatype].itemsize
+        if size != expected:
+            raise ProtocolError(f"input {name!r}: shape {shape} of {datatype} needs "
+                                f"{expected} bytes, but binary_data_size is {size}")
+        if offset + size > len(binary):
+            raise ProtocolError(f"input {name!r}: binary_data_size is {size}, but only "
+                                f"{len(binary) - offset} bytes of binary data are left")
+        array = np.frombuffer(binary, DTYPES[datatype], count, offset).reshape(shape).copy()
+        return Tensor(name, datatype, array), offset + size
+    if "data" not in spec:
+        raise ProtocolError(f'input {name!r} has no "data" (nor binary_data_size)')
+    return Tensor(name, datatype, from_json(name, datatype, shape, spec["data"])), offset
+
+
+def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarray:
+    """The array of JSON tensor data (flat or nested, row-major) of a datatype and shape;
+    ProtocolError if the values do not fit the datatype or their count the shape."""
+    count = math.prod(shape)
+    try:
+        values = np.array(data if isinstance(data, list) else [data])
+    except (ValueError, TypeError, OverflowError):
+        raise ProtocolError(f"input {name!r}: data must be a (nested) list of "
+                            f"numbers of one shape") from None
+    if values.size != count:
+        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
+                            f"the data has {values.size}")
+    dtype = DTYPES[datatype]
+    kind = values.dtype.kind
+    if count == 0:
+        kind = dtype.kind  # an empty list has no values to check
+    if datatype == "BOOL":
+        allowed = "b"
+    elif dtype.kind in "iu" and datatype != "BF16":
+        allowed = "iu"
+    else:
+        allowed = "iuf"
+    if allowed == "iu" and kind in "fO":  # big integers that numpy could not type alike
+        return _exact_integers(name, datatype, data).reshape(shape)
+    if kind not in allowed:
+        wanted = {"b": "true or false", "iu": "integers", "iuf": "numbers"}[allowed]
+        raise ProtocolError(f"input {name!r}: {datatype} data must be {wanted}; "
+                            f"got {_sample(values)}")
+    if datatype == "BF16":
+        return to_bf16_bits(values.astype(np.float32)).reshape(shape)
+    if allowed == "iu" and count:
+        info = np.iinfo(dtype)
+        if values.min() < info.min or values.max() > info.max:
+            raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range "
+                                f"[{info.min}, {info.max}]")
+    return values.astype(dtype).reshape(shape)
+
+
+def _exact_integers(name: str, datatype: str, data: Any) -> np.ndarray:
+    """The values of an integer datatype that numpy read as floats or objects (0 and
+    2**64 - 1 together read as float64, say), checked one by one as Python ints."""
+    try:
+        flat = np.array(data if isinstance(data, list) else [data], dtype=object).reshape(-1)
+    except ValueError:
+        flat = np.array([None], dtype=object)
+    wrong = next((v for v in flat if type(v) is not int), None)
+    if wrong is not None:
+        raise ProtocolError(f"input {name!r}: {datatype} data must be integers; got {wrong!r}")
+    info = np.iinfo(DTYPES[datatype])
+    if flat.size and (min(flat) < info.min or max(flat) > info.max):
+        raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range "
+                            f"[{info.min}, {info.max}]")
+    return np.array(flat.tolist(), dtype=DTYPES[datatype])
+
+
+def _sample(values: np.ndarray) -> str:
+    flat = values.reshape(-1)
+    return repr(flat[0].item() if flat.dtype != object else flat[0]) if flat.size else "nothing"
+
+
+def to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """BF16 bits (uint16) of float32 values, rounded to nearest even (NaN stays NaN)."""
+    bits = values.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+
+
+def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
+    """The float32 values of BF16 bits (uint16): exact."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def encode_response(model_name: str, model_version: str | None, request_id: str | None,
+                    outputs: list[tuple[Tensor, bool]]) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of the answer to an inference request: outputs, each with
+    whether it goes as binary data (then the body is the JSON, then their bytes, and the
+    headers say where the JSON ends)."""
+    described, chunks = [], []
+    for tensor, binary in outputs:
+        array = tensor.array
+        entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
+                                 "shape": list(array.shape)}
+        if binary:
+            raw = np.ascontiguousarray(array, DTYPES[tensor.datatype]).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        else:
+            if tensor.datatype == "BF16":
+                array = bf16_bits_to_float32(array)
+            entry["data"] = array.reshape(-1).tolist()
+        described.append(entry)
+    answer: dict[str, Any] = {"model_name": model_name}
+    if model_version is not None:
+        answer["model_version"] = model_version
+    if request_id is not None:
+        answer["id"] = request_id
+    answer["outputs"] = described
+    header = json.dumps(answer, separators=(",", ":")).encode()
+    if not chunks:
+        return header, {"Content-Type": "application/json"}
+    return header + b"".join(chunks), {"Content-Type": "application/octet-stream",
+                                       HEADER_LENGTH: str(len(header))}
+
+
+def compress(body: bytes, headers: dict[str, str], accept_encoding: str | None) -> bytes:
+    """body compressed as the client accepts (gzip or deflate, as tritonclient asks for
+    with response_compression_algorithm); headers gets Content-Encoding then."""
+    accepted = {part.split(";")[0].strip().lower() for part in (accept_encoding or "").split(",")}
+    if "gzip" in accepted:
+        headers["Content-Encoding"] = "gzip"
+        return gzip.compress(body, compresslevel=1)
+    if "deflate" in accepted:
+        headers["Content-Encoding"] = "deflate"
+        return zlib.compress(body, 1)
+    return body
+
+
+def error_body(message: str) -> bytes:
+    """The protocol's error answer: {"error": message}."""
+    return json.dumps({"error": message}).encode()

@@ -1,0 +1,153 @@
+"""What a ``multipy serve`` process serves: its models over one manager, how they start,
+whether they are ready, and inference bounded by the per-request timeout.
+
+Start-up (``start``, on a thread of its own while the HTTP server already answers):
+the interpreters start, then every interpreter materialises every model (importing torch
+and loading the archive there, then running its example once), the interpreters in
+parallel.  The server is ready when all of that is done.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from typing import Any
+
+from .. import _glibc
+from .._pool import capacity
+from ..manager import InterpreterManager
+from . import archive
+from .metrics import Metrics
+from .models import ModelSpec, ServedModel
+from .progress import Progress
+from .protocol import InferRequest, ProtocolError, Tensor
+
+logger = logging.getLogger("multipy.serve")
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def default_interpreters() -> int:
+    """The machine's cores, at most as many interpreters (that import torch) as fit in
+    this process."""
+    room = capacity()
+    fit = min(room["free"] + room["more"], _glibc.torch_interpreters_that_fit())
+    return max(1, min(cores(), fit))
+
+
+class ServiceTimeout(Exception):
+    """A request ran past --timeout; its call was cancelled."""
+
+
+class Service:
+    """The models of one server (see the module's docstring).  ArchiveError, at once, if
+    a spec's path is not a torch.package archive with its (module, resource)."""
+
+    def __init__(self, specs: list[ModelSpec], interpreters: int, max_batch_size: int = 1,
+                 batch_delay: float = 0.0, timeout: float | None = None) -> None:
+        for spec in specs:
+            archive.check(spec.path, spec.module, spec.resource)
+        self.specs = {spec.name: spec for spec in specs}
+        self.interpreters = interpreters
+        self.timeout = timeout
+        self.metrics = Metrics(list(self.specs), interpreters)
+        self._batching = (max_batch_size, batch_delay)
+        self.manager: InterpreterManager | None = None
+        self.models: dict[str, ServedModel] = {}
+        self.ready = False
+        self.failure: BaseException | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    # -- start-up: on its own thread --
+
+    def start(self) -> None:
+        """Starts the interpreters and materialises every model on each, with a
+        progress bar and a log line per stage; raises what failed."""
+        n, m = self.interpreters, len(self.specs)
+        progress = Progress(n + n * m, logger)
+        try:
+            progress.stage(f"starting {n} interpreter(s)")
+            # grad off: nothing served needs it, and it saves the autograd graph's memory
+            self.manager = InterpreterManager(n, grad_enabled=False)
+            progress.advance(n, "interpreters started")
+            max_batch_size, delay = self._batching
+            models = [ServedModel(spec, self.manager, self.metrics, max_batch_size, delay)
+                      for spec in self.specs.values()]
+            progress.stage(f"materialising {m} model(s) on {n} interpreter(s): torch is "
+                           f"imported and each archive loaded in every interpreter "
+                           f"({self.manager.torch_threads} torch thread(s) each)")
+            self._materialise(models, progress)
+            for model in models:
+                inputs = ", ".join(f"{i['name']} {i['datatype']}{i['shape']}"
+                                   for i in model.metadata()["inputs"])
+                progress.stage(f"model {model.name!r} from {model.spec.path}: inputs {inputs}")
+            self.models = {model.name: model for model in models}
+            self.ready = True
+        finally:
+            progress.close()
+
+    def _materialise(self, models: list[ServedModel], progress: Progress) -> None:
+        errors: list[BaseException] = []
+
+        def on(interpreter: Any) -> None:
+            try:
+                for model in models:
+                    model.materialise(interpreter)
+                    progress.advance(1, f"{model.name} on interpreter {interpreter.index}")
+            except BaseException as error:  # raised on the start-up thread below
+                errors.append(error)
+
+        threads = [threading.Thread(target=on, args=(interpreter,), daemon=True,
+                                    name=f"multipy-serve-load-{interpreter.index}")
+                   for interpreter in self.manager.all_instances()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    # -- serving: on the event loop --
+
+    def model(self, name: str, version: str | None = None) -> ServedModel | None:
+        """The model called name (and version, if given), or None while it loads;
+        ProtocolError (404) if the server has no such model or version."""
+        if name not in self.specs:
+            raise ProtocolError(f"unknown model {name!r}; this server serves "
+                                f"{', '.join(map(repr, self.specs))}", 404)
+        if version not in (None, "", "1"):
+            raise ProtocolError(f"model {name!r} has no version {version!r}; its only "
+                                f"version is '1'", 404)
+        return self.models.get(name)
+
+    async def infer(self, model: ServedModel, request: InferRequest) -> list[Tensor]:
+        """model's outputs for request; ServiceTimeout past the per-request timeout (the
+        call is cancelled inside)."""
+        if self._slots is None:  # made on the loop's thread, by its first request
+            self._slots = asyncio.Semaphore(self.interpreters)
+            for each in self.models.values():
+                each.use_slots(self._slots)
+        if self.timeout is None:
+            return await model.infer(request)
+        try:
+            return await asyncio.wait_for(model.infer(request), self.timeout)
+        except asyncio.TimeoutError:
+            raise ServiceTimeout(
+                f"model {model.name!r} did not answer within {self.timeout} s (--timeout); "
+                f"the call was cancelled") from None
+
+    async def drain(self) -> None:
+        """Runs every batch still waiting and waits for it."""
+        for model in self.models.values():
+            await model.drain()
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()

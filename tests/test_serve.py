@@ -1,0 +1,673 @@
+"""`multipy serve`: the Open Inference Protocol over HTTP, checked with tritonclient.http
+against servers running in subprocesses on free ports of 127.0.0.1.
+
+Two servers serve the whole module: ``served`` (2 interpreters, --timeout 5, no
+batching) and ``batching`` (1 interpreter, --max-batch-size 8).  The last test stops
+``served`` with SIGTERM while requests run.
+"""
+from __future__ import annotations
+
+import gzip
+import http.client
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+for _module in ("uvicorn", "starlette", "prometheus_client"):
+    pytest.importorskip(_module)
+httpclient = pytest.importorskip("tritonclient.http")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+import multipy  # noqa: E402
+
+ml_dtypes = pytest.importorskip("ml_dtypes")  # tritonclient's BF16 arrays
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+MODELS = '''
+import time
+
+import torch
+from torch import nn
+
+
+class Cast(nn.Module):
+    """The input as it arrived, and its values as float64 (so BF16 is read as BF16)."""
+
+    def forward(self, x):
+        return {"same": x, "as_fp64": x.to(torch.float64)}
+
+
+class Pair(nn.Module):
+    def forward(self, a, b):
+        return a - b
+
+
+class Fails(nn.Module):
+    def forward(self, x):
+        if bool((x < 0).any()):
+            raise ValueError("negative input")
+        return x
+
+
+RUNNING = 0  # calls of Slow running in this interpreter
+
+
+class Slow(nn.Module):
+    """Takes seconds[0] seconds, in Python (so that a cancel stops it at once); says how
+    many calls of it ran in this interpreter at once, at most, while it ran."""
+
+    def forward(self, seconds):
+        global RUNNING
+        RUNNING += 1
+        try:
+            peak = RUNNING
+            deadline = time.monotonic() + float(seconds.reshape(-1)[0])
+            while time.monotonic() < deadline:
+                time.sleep(0.005)
+                peak = max(peak, RUNNING)
+        finally:
+            RUNNING -= 1
+        return {"doubled": seconds * 2, "together": torch.tensor([peak])}
+
+
+class Rows(nn.Module):
+    """Row i of the output depends on row i of the input only: batches split back."""
+
+    def forward(self, x):
+        return x * 2 + x.sum(dim=1, keepdim=True)
+
+
+class Total(nn.Module):
+    """One number for the whole input: a batch of it cannot be split back."""
+
+    def forward(self, x):
+        return x.sum()
+'''
+
+#: The wrapper a server runs as: `multipy serve`'s own entry (the launcher runs the
+#: module the same way), and, at exit, what the host process had imported.
+WRAPPER = '''
+import atexit, json, os, runpy, sys
+
+def report():
+    with open(os.environ["SERVE_TEST_REPORT"], "w") as f:
+        json.dump({"torch": "torch" in sys.modules, "numpy": "numpy" in sys.modules}, f)
+
+atexit.register(report)
+sys.argv[0] = "multipy serve"
+runpy.run_module("multipy.serve", run_name="__main__")
+'''
+
+DATATYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+             "FP16", "BF16", "FP32", "FP64"]
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory):
+    """name -> path of each test model's torch.package archive, and python_heavy."""
+    folder = tmp_path_factory.mktemp("serve_models")
+    (folder / "serve_test_models.py").write_text(MODELS)
+    spec = importlib.util.spec_from_file_location("serve_test_models",
+                                                  folder / "serve_test_models.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_test_models"] = module
+    try:
+        spec.loader.exec_module(module)
+        paths = {}
+        examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3))}
+        for name in ("Cast", "Pair", "Fails", "Slow", "Rows", "Total"):
+            path = folder / f"{name.lower()}.pt"
+            with torch.package.PackageExporter(str(path)) as exporter:
+                exporter.extern(["torch.**"])
+                exporter.intern("serve_test_models")
+                exporter.save_pickle("model", "model.pkl", getattr(module, name)())
+                if name.lower() in examples:
+                    exporter.save_pickle("model", "example.pkl", examples[name.lower()])
+            paths[name.lower()] = str(path)
+    finally:
+        del sys.modules["serve_test_models"]
+    generate = importlib.util.spec_from_file_location(
+        "generate_examples", os.path.join(EXAMPLES, "generate_examples.py"))
+    generator = importlib.util.module_from_spec(generate)
+    generate.loader.exec_module(generator)
+    paths.update(generator.generate(str(folder), ["python_heavy"]))
+    return paths
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    port: int
+    log: str
+    report: str
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        with open(self.log) as f:
+            return f.read()
+
+    def client(self) -> httpclient.InferenceServerClient:
+        return httpclient.InferenceServerClient(self.url, network_timeout=60)
+
+
+def _start(tmp_path, paths: list[str], *options: str) -> Server:
+    """A server on a free port, ready (every model on every interpreter)."""
+    wrapper = tmp_path / "serve_wrapper.py"
+    wrapper.write_text(WRAPPER)
+    port = _free_port()
+    log = str(tmp_path / "server.log")
+    report = str(tmp_path / "report.json")
+    env = {**{k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
+           "PYTHONUNBUFFERED": "1", "SERVE_TEST_REPORT": report}
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "multipy", "run", str(wrapper), *paths, "--port", str(port),
+             *options], stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(process, port, log, report)
+    deadline = time.monotonic() + 110
+    while True:
+        assert process.poll() is None, f"the server exited:\n{server.output()}"
+        assert time.monotonic() < deadline, f"the server was not ready:\n{server.output()}"
+        try:
+            if _request(server, "GET", "/v2/health/ready")[0] == 200:
+                return server
+        except OSError:
+            pass  # not listening yet
+        time.sleep(0.1)
+
+
+def _stop(server: Server) -> None:
+    if server.process.poll() is None:
+        server.process.kill()
+    server.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(packages, tmp_path_factory):
+    names = ["python_heavy", "cast", "pair", "fails", "slow"]
+    server = _start(tmp_path_factory.mktemp("served"), [packages[n] for n in names],
+                    "--interpreters", "2", "--timeout", "5")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def batching(packages, tmp_path_factory):
+    server = _start(tmp_path_factory.mktemp("batching"), [packages["rows"], packages["total"]],
+                    "--interpreters", "1", "--max-batch-size", "8", "--batch-timeout-ms", "500")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+def _request(server: Server, method: str, path: str, body: bytes | None = None,
+             headers: dict | None = None) -> tuple[int, dict, bytes]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request(method, path, body=body, headers=headers or {})
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        connection.close()
+
+
+def _infer_json(server: Server, model: str, request: dict, headers: dict | None = None):
+    status, answer_headers, body = _request(server, "POST", f"/v2/models/{model}/infer",
+                                            json.dumps(request).encode(), headers)
+    return status, json.loads(body)
+
+
+def _metrics(server: Server) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value of every sample at /metrics."""
+    status, _, body = _request(server, "GET", "/metrics")
+    assert status == 200
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(body.decode())
+            for sample in family.samples}
+
+
+def _input(name: str, array: np.ndarray, datatype: str, binary: bool) -> httpclient.InferInput:
+    tensor = httpclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array, binary_data=binary)
+    return tensor
+
+
+def _eager(path: str):
+    importer = torch.package.PackageImporter(path)
+    return importer.load_pickle("model", "model.pkl")
+
+
+# -- health and metadata --
+
+def test_health_and_server_metadata(served):
+    client = served.client()
+    assert client.is_server_live() and client.is_server_ready()
+    for model in ("python_heavy", "cast", "pair", "fails", "slow"):
+        assert client.is_model_ready(model)
+        assert client.is_model_ready(model, "1")
+    assert not client.is_model_ready("nope")
+    metadata = client.get_server_metadata()
+    assert metadata["name"] == "multipy" and "binary_tensor_data" in metadata["extensions"]
+    status, _, body = _request(served, "GET", "/v2/models/nope/ready")
+    assert status == 404 and "nope" in json.loads(body)["error"]
+    assert _request(served, "GET", "/v2/health/live")[:3:2] == (200, b"")
+
+
+def test_model_metadata_names_inputs_after_forward(served):
+    client = served.client()
+    heavy = client.get_model_metadata("python_heavy")
+    assert heavy["name"] == "python_heavy" and heavy["versions"] == ["1"]
+    assert heavy["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 48, 16]}]
+    assert heavy["outputs"] == [{"name": "output0", "datatype": "FP32", "shape": [-1, 16]}]
+    pair = client.get_model_metadata("pair", "1")
+    assert [(i["name"], i["datatype"], i["shape"]) for i in pair["inputs"]] == \
+        [("a", "FP32", [-1, 3]), ("b", "FP32", [-1, 3])]
+    cast = client.get_model_metadata("cast")  # no example in the archive
+    assert cast["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1]}]
+    with pytest.raises(InferenceServerException) as unknown:
+        client.get_model_metadata("nope")
+    assert unknown.value.status() == "404"
+    with pytest.raises(InferenceServerException) as version:
+        client.get_model_metadata("pair", "7")
+    assert version.value.status() == "404"
+
+
+# -- inference --
+
+def test_concurrent_inferences_match_eager(served, packages):
+    model = _eager(packages["python_heavy"])
+    errors, checked = [], []
+
+    def client_thread(index: int) -> None:
+        try:
+            client = served.client()
+            generator = np.random.default_rng(index)
+            for request in range(4):
+                x = generator.standard_normal((1 + (index + request) % 3, 48, 16), np.float32)
+                binary = (index + request) % 2 == 0
+                result = client.infer("python_heavy", [_input("x", x, "FP32", binary)],
+                                      outputs=[httpclient.InferRequestedOutput("output0",
+                                                                               binary_data=binary)])
+                with torch.no_grad():
+                    expected = model(torch.from_numpy(x)).numpy()
+                actual = result.as_numpy("output0")
+                assert actual.shape == expected.shape and actual.dtype == np.float32
+                np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-6)
+                checked.append(binary)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=client_thread, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert not errors, errors[0]
+    assert sorted(checked) == [False] * 12 + [True] * 12
+
+
+def _values(datatype: str) -> np.ndarray:
+    if datatype == "BOOL":
+        return np.array([[True, False, True], [False, False, True]])
+    if datatype == "BF16":
+        return np.array([[1.5, -2.25, 0.0], [3.0, 256.0, -0.125]], dtype=ml_dtypes.bfloat16)
+    dtype = np.dtype({"FP16": "float16", "FP32": "float32", "FP64": "float64"}.get(
+        datatype, datatype.lower()))
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return np.array([[info.min, 0, 1], [2, info.max - 1, info.max]], dtype)
+    return np.array([[0.5, -2.0, 65504.0], [1e-3, 0.0, -7.25]], dtype)
+
+
+@pytest.mark.parametrize("datatype", DATATYPES)
+def test_every_datatype_in_json_and_binary(served, datatype):
+    x = _values(datatype)
+    client = served.client()
+    for binary in (True, False):
+        if datatype == "BF16" and not binary:
+            continue  # tritonclient sends BF16 as binary only: JSON is checked below
+        result = client.infer("cast", [_input("x", x, datatype, binary)], outputs=[
+            httpclient.InferRequestedOutput("same", binary_data=binary),
+            httpclient.InferRequestedOutput("as_fp64", binary_data=binary)])
+        outputs = {o["name"]: o for o in result.get_response()["outputs"]}
+        assert outputs["same"]["datatype"] == datatype and outputs["same"]["shape"] == [2, 3]
+        assert outputs["as_fp64"]["datatype"] == "FP64"
+        same = result.as_numpy("same")
+        assert same.dtype == x.dtype and np.array_equal(same, x), (binary, same)
+        np.testing.assert_array_equal(result.as_numpy("as_fp64"), x.astype(np.float64))
+    if datatype == "BF16":  # JSON numbers, rounded to BF16 on the way in
+        request = {"inputs": [{"name": "x", "shape": [2, 3], "datatype": "BF16",
+                               "data": [[1.5, -2.25, 0.0], [3.0, 256.0, -0.1251]]}]}
+        status, answer = _infer_json(served, "cast", request)
+        assert status == 200, answer
+        outputs = {o["name"]: o for o in answer["outputs"]}
+        assert outputs["same"]["datatype"] == "BF16"
+        assert outputs["same"]["data"] == [1.5, -2.25, 0.0, 3.0, 256.0, -0.125]
+        assert outputs["as_fp64"]["data"] == [1.5, -2.25, 0.0, 3.0, 256.0, -0.125]
+
+
+def test_inputs_map_by_name_else_by_position(served):
+    client = served.client()
+    a = np.full((2, 3), 10, np.float32)
+    b = np.ones((2, 3), np.float32)
+    by_name = client.infer("pair", [_input("b", b, "FP32", True), _input("a", a, "FP32", True)])
+    np.testing.assert_array_equal(by_name.as_numpy("output0"), a - b)
+    by_position = client.infer("pair", [_input("first", b, "FP32", False),
+                                        _input("second", a, "FP32", False)])
+    np.testing.assert_array_equal(by_position.as_numpy("output0"), b - a)
+
+
+def test_requested_outputs_select_among_the_model_outputs(served):
+    client = served.client()
+    x = np.arange(6, dtype=np.int32).reshape(2, 3)
+    everything = client.infer("cast", [_input("x", x, "INT32", True)])
+    assert sorted(o["name"] for o in everything.get_response()["outputs"]) == ["as_fp64", "same"]
+    one = client.infer("cast", [_input("x", x, "INT32", True)],
+                       outputs=[httpclient.InferRequestedOutput("as_fp64", binary_data=False)])
+    assert [o["name"] for o in one.get_response()["outputs"]] == ["as_fp64"]
+    assert one.get_response()["outputs"][0]["data"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    with pytest.raises(InferenceServerException) as missing:
+        client.infer("cast", [_input("x", x, "INT32", True)],
+                     outputs=[httpclient.InferRequestedOutput("nope")])
+    assert missing.value.status() == "400" and "nope" in missing.value.message()
+
+
+def test_compression_and_json_whatever_the_content_type(served):
+    client = served.client()
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    for algorithm in ("gzip", "deflate"):
+        result = client.infer("cast", [_input("x", x, "FP32", True)],
+                              request_compression_algorithm=algorithm,
+                              response_compression_algorithm=algorithm)
+        np.testing.assert_array_equal(result.as_numpy("same"), x)
+    request = {"inputs": [{"name": "x", "shape": [3], "datatype": "INT64", "data": [1, 2, 3]}]}
+    status, answer = _infer_json(served, "cast", request,
+                                 {"Content-Type": "application/octet-stream"})
+    assert status == 200 and answer["outputs"][0]["data"] == [1, 2, 3]
+    status, _, body = _request(served, "POST", "/v2/models/cast/infer",
+                               gzip.compress(json.dumps(request).encode()),
+                               {"Content-Encoding": "gzip"})
+    assert status == 200, body
+
+
+# -- errors --
+
+def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(served):
+    good = {"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1, 2]}]}
+
+    def infer(model: str, request, headers=None, raw: bytes | None = None):
+        body = raw if raw is not None else json.dumps(request).encode()
+        status, _, answer = _request(served, "POST", f"/v2/models/{model}/infer", body, headers)
+        error = json.loads(answer)
+        assert set(error) == {"error"} and error["error"], error
+        return status, error["error"]
+
+    assert infer("cast", None, raw=b'{"inputs": [')[0] == 400
+    assert infer("nope", good) == (404, infer("nope", good)[1]) and "nope" in infer("nope", good)[1]
+    tensor = good["inputs"][0]
+    for change, words in [({"datatype": "FP99"}, "FP99"), ({"datatype": "BYTES"}, "BYTES"),
+                          ({"data": ["a", "b"]}, "numbers"), ({"data": [1, 2, 3]}, "elements"),
+                          ({"shape": [2, 2]}, "elements"), ({"shape": [-2]}, "shape"),
+                          ({"datatype": "INT8", "data": [1, 300]}, "range"),
+                          ({"datatype": "BOOL", "data": [1, 0]}, "true or false"),
+                          ({"data": [[1], [2, 3]]}, "data")]:
+        status, message = infer("cast", {"inputs": [{**tensor, **change}]})
+        assert status == 400 and words in message, (change, message)
+    assert infer("cast", {"inputs": []})[0] == 400
+    assert infer("cast", {"nothing": 1})[0] == 400
+    # binary data that does not match the shape, or is missing
+    header = json.dumps({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": 4}}]}).encode()
+    assert infer("cast", None, {"Inference-Header-Content-Length": str(len(header))},
+                 header + b"\0" * 4)[0] == 400
+    header = header.replace(b'"binary_data_size": 4', b'"binary_data_size": 8')
+    assert infer("cast", None, {"Inference-Header-Content-Length": str(len(header))},
+                 header + b"\0" * 4)[0] == 400
+    assert infer("cast", None, {"Inference-Header-Content-Length": "100000"}, header)[0] == 400
+    # the model raises: the model's fault
+    negative = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [-1]}]}
+    status, message = infer("fails", negative)
+    assert status == 500 and "negative input" in message and "ValueError" in message
+    assert 'raise ValueError("negative input")' in served.output()  # the model's traceback
+    # an unknown route
+    status, _, body = _request(served, "GET", "/v2/nothing/here")
+    assert status == 404 and "error" in json.loads(body)
+    # and the server still answers, every model
+    for model in ("cast", "fails"):
+        status, answer = _infer_json(served, model, good)
+        assert status == 200 and answer["outputs"][0]["data"] in ([1.0, 2.0], [1, 2]), answer
+    metrics = _metrics(served)
+    assert metrics[("multipy_inference_failures_total",
+                    (("model", "fails"), ("status", "500")))] == 1
+    assert metrics[("multipy_inference_requests_total", (("model", "fails"),))] == 2
+
+
+def test_a_request_past_the_timeout_is_answered_and_cancelled(served):
+    seconds = np.array([30.0], np.float32)  # --timeout is 5
+    client = served.client()
+    with pytest.raises(InferenceServerException) as timed_out:
+        client.infer("slow", [_input("seconds", seconds, "FP32", True)])
+    assert timed_out.value.status() == "500" and "did not answer" in timed_out.value.message()
+    # Cancelled inside, the call stops long before its 30 s: then two calls at once each
+    # run alone in an interpreter.  (While the call runs on, the load balancer sends both
+    # to the other interpreter, where they run together.)
+    quick = np.array([0.3], np.float32)
+    deadline = time.monotonic() + 15
+    while True:
+        answers = []
+        pair = [threading.Thread(target=lambda: answers.append(served.client().infer(
+            "slow", [_input("seconds", quick, "FP32", True)]))) for _ in range(2)]
+        for thread in pair:
+            thread.start()
+        for thread in pair:
+            thread.join(timeout=30)
+        assert [a.as_numpy("doubled")[0] for a in answers] == [np.float32(0.6)] * 2
+        if [a.as_numpy("together")[0] for a in answers] == [1, 1]:
+            break
+        assert time.monotonic() < deadline, "the timed-out call was not cancelled"
+
+
+def test_metrics(served):
+    before = _metrics(served)
+    key = ("multipy_inference_requests_total", (("model", "python_heavy"),))
+    client = served.client()
+    x = np.zeros((1, 48, 16), np.float32)
+    for _ in range(3):
+        client.infer("python_heavy", [_input("x", x, "FP32", True)])
+    after = _metrics(served)
+    assert after[key] == before[key] + 3
+    count = ("multipy_inference_request_duration_seconds_count", (("model", "python_heavy"),))
+    assert after[count] == before[count] + 3
+    calls = ("multipy_model_calls_total", (("model", "python_heavy"),))
+    assert after[calls] == before[calls] + 3
+    for model in ("python_heavy", "cast", "pair", "fails", "slow"):
+        assert after[("multipy_inference_queue_length", (("model", model),))] == 0
+        assert after[("multipy_busy_interpreters", (("model", model),))] == 0
+    assert after[("multipy_interpreters", ())] == 2
+
+
+# -- batching --
+
+def test_batching_answers_each_request_with_its_rows(batching, packages):
+    model = _eager(packages["rows"])
+    before = _metrics(batching)
+    requests, errors, answers = 16, [], {}
+
+    def one(index: int) -> None:
+        try:
+            x = np.full((1, 3), index, np.float32) + np.arange(3, dtype=np.float32)
+            result = batching.client().infer("rows", [_input("x", x, "FP32", index % 2 == 0)])
+            answers[index] = (x, result.as_numpy("output0"))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert not errors, errors[0]
+    assert sorted(answers) == list(range(requests))
+    for x, answer in answers.values():
+        with torch.no_grad():
+            np.testing.assert_array_equal(answer, model(torch.from_numpy(x)).numpy())
+    after = _metrics(batching)
+    key = (("model", "rows"),)
+    assert after[("multipy_inference_requests_total", key)] - \
+        before[("multipy_inference_requests_total", key)] == requests
+    calls = after[("multipy_model_calls_total", key)] - before[("multipy_model_calls_total", key)]
+    assert 2 <= calls < requests  # at most 8 rows a batch, so at least 2 calls
+    assert after[("multipy_batch_requests_count", key)] - \
+        before[("multipy_batch_requests_count", key)] == calls
+
+
+def test_batching_keeps_shapes_apart_and_runs_big_requests_alone(batching, packages):
+    model = _eager(packages["rows"])
+    inputs = [np.ones((1, 3), np.float32), np.ones((2, 4), np.float32) * 2,
+              np.arange(30, dtype=np.float32).reshape(10, 3)]  # 10 rows > 8: alone
+    answers, errors = {}, []
+
+    def one(index: int) -> None:
+        try:
+            result = batching.client().infer("rows", [_input("x", inputs[index], "FP32", True)])
+            answers[index] = result.as_numpy("output0")
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert not errors, errors[0]
+    for index, x in enumerate(inputs):
+        with torch.no_grad():
+            np.testing.assert_array_equal(answers[index], model(torch.from_numpy(x)).numpy())
+
+
+def test_a_batch_that_cannot_be_split_is_the_models_fault(batching):
+    client = batching.client()
+    with pytest.raises(InferenceServerException) as error:
+        client.infer("total", [_input("x", np.ones((2, 3), np.float32), "FP32", True)])
+    assert error.value.status() == "500" and "cannot be batched" in error.value.message()
+    result = client.infer("rows", [_input("x", np.ones((1, 3), np.float32), "FP32", True)])
+    np.testing.assert_array_equal(result.as_numpy("output0"), np.full((1, 3), 5, np.float32))
+
+
+# -- memory --
+
+def test_the_weights_alias_the_archive_mapped_once_in_the_host(packages):
+    from multipy.serve import archive
+
+    path = packages["python_heavy"]
+    storages = archive.storages(path)
+    spans = [(a.__array_interface__["data"][0], a.nbytes) for a in storages.values()]
+    found = []
+    with multipy.InterpreterManager(2) as manager:
+        for interpreter in manager.all_instances():
+            served = interpreter.global_("multipy._inside.serving", "load")(
+                path, "model", "model.pkl", storages)
+            pointers = interpreter.global_("builtins", "eval")(
+                "[p.data_ptr() for p in served.model.parameters()]", {"served": served})
+            found.append(pointers.deref())
+    assert found[0] == found[1] and len(found[0]) == 4
+    for pointer in found[0]:  # every weight is in the host's one mapping of the file
+        assert any(start <= pointer < start + size for start, size in spans), pointer
+
+
+# -- the command line --
+
+def _cli(*args: str, patch: str = "", timeout: float = 60) -> subprocess.CompletedProcess:
+    code = "\n".join(["import importlib.util", patch, "from multipy.cli import main",
+                      f"main({list(args)!r})"])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_cli_serve_help_and_errors(tmp_path):
+    result = _cli("serve", "--help")
+    assert result.returncode == 0, result.stderr
+    for option in ("--module", "--resource", "--name", "--interpreters", "--host", "--port",
+                   "--max-batch-size", "--batch-timeout-ms", "--timeout"):
+        assert option in result.stdout
+    result = _cli("serve", str(tmp_path / "missing.pt"))
+    assert result.returncode == 2 and "missing.pt: no such file" in result.stderr
+    not_a_package = tmp_path / "model.pt"
+    not_a_package.write_bytes(b"not a zip")
+    result = _cli("serve", str(not_a_package))
+    assert result.returncode == 2 and "not a torch.package archive" in result.stderr
+
+
+@pytest.mark.parametrize("command, extra, module", [("serve", "serve", "uvicorn"),
+                                                     ("bench", "bench", "rich")])
+def test_cli_says_which_extra_to_install(command, extra, module):
+    hide = (f"real = importlib.util.find_spec\n"
+            f"importlib.util.find_spec = lambda name, *a: None if name == {module!r} "
+            f"else real(name, *a)")
+    result = _cli(command, "--help", patch=hide)
+    assert result.returncode == 1
+    assert f"pip install 'multipy[{extra}]'" in result.stderr and module in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- last: it stops the shared server --
+
+def test_sigterm_answers_requests_in_flight_and_exits_0(served):
+    seconds = np.array([1.2], np.float32)  # queued ones end after 2.4 s: within --timeout
+    answers, errors = [], []
+
+    def slow() -> None:
+        try:
+            result = served.client().infer("slow", [_input("seconds", seconds, "FP32", True)])
+            answers.append(result.as_numpy("doubled"))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=slow) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while True:  # 2 running (one per interpreter), 2 queued: all received
+        metrics = _metrics(served)
+        if (metrics[("multipy_busy_interpreters", (("model", "slow"),))] == 2
+                and metrics[("multipy_inference_queue_length", (("model", "slow"),))] == 2):
+            break
+        assert time.monotonic() < deadline, metrics
+        time.sleep(0.01)
+    served.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, (errors[0], served.output())
+    assert len(answers) == 4 and all(a[0] == np.float32(2.4) for a in answers)
+    assert served.process.wait(timeout=60) == 0, served.output()
+    with pytest.raises(OSError):
+        _request(served, "GET", "/v2/health/live")  # it stopped accepting
+    with open(served.report) as f:
+        imported = json.load(f)
+    assert imported == {"torch": False, "numpy": True}, "the serving host imported torch"
+    assert "Shutting down" in served.output()

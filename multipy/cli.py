@@ -77,6 +77,18 @@ def _info() -> None:
           f"unless InterpreterManager(torch_threads=, grad_enabled=) says otherwise")
 
 
+def _cmake_prefix() -> None:
+    """Prints where find_package(multipy) and find_package(Torch) look: multipy's
+    multipyConfig.cmake, and torch.utils.cmake_prefix_path (found without importing
+    torch); exits with advice if torch is missing."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("multipy cmake-prefix: multipy's C++ API needs torch, which multipy does "
+                 "not install: pip install torch")
+    torch_prefix = os.path.join(list(spec.submodule_search_locations)[0], "share", "cmake")
+    print(f"{Path(__file__).resolve().parent / 'cpp'};{torch_prefix}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="multipy", description="Many isolated CPython interpreters in one process.")
@@ -96,6 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("shell", help="a Python prompt (or -c CODE, or a script) inside an "
                                       "interpreter, with a torch.package's importer and model "
                                       "bound (options: multipy shell --help)")
+    commands.add_parser("cmake-prefix", help="print the CMake prefixes of multipy's C++ API "
+                                             "and of torch, ';'-separated, for "
+                                             "-DCMAKE_PREFIX_PATH (docs/cpp.md)")
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"] and len(argv) > 1 and argv[1] not in ("-h", "--help"):
         # Everything after the script or module belongs to the program, options too.
@@ -113,4 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "run":
         run.error("a script or -m module is required")
+    if args.command == "cmake-prefix":
+        _cmake_prefix()
+        return
     _info()

@@ -15,7 +15,7 @@ LAYERS = ["errors", "_launch", "_host", "_bootstrap", "_glibc", "_protocol", "_s
 #: multipy.serve, bottom-up: each of its modules may import only those before it, and of
 #: the rest of multipy only the layers below "serve".
 SERVE_LAYERS = ["protocol", "batching", "metrics", "archive", "models", "progress", "service",
-                "app", "main", "__main__", "__init__"]
+                "app", "on_ray", "main", "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy.
 INSIDE_MAY_IMPORT = {"_protocol", "_sharing", "_inside"}
 

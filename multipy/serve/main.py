@@ -7,12 +7,15 @@ SIGTERM and SIGINT stop the server gracefully: it stops accepting connections, a
 every request it has received, and the process exits 0 (a second SIGINT forces it).
 ``multipy serve`` runs this through ``multipy run``'s launcher, with room for 15
 interpreters; ``python -m multipy.serve`` re-executes itself to get it (make_room).
+With ``--ray``, the same options make the same application in each replica of a Ray
+Serve deployment instead (multipy.serve.on_ray), and this process only deploys it.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import importlib.util
 import logging
 import os
 import signal
@@ -24,12 +27,13 @@ from typing import Iterator
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
 
+from .._glibc import MAX_NAMESPACES
 from .._launch import make_room
 from .._pool import capacity
 from .app import create_app
-from .archive import ArchiveError
+from .archive import ArchiveError, check
 from .models import ModelSpec
-from .service import Service, cores, default_interpreters
+from .service import Options, Service, cores, default_interpreters
 
 logger = logging.getLogger("multipy.serve")
 
@@ -63,6 +67,25 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--timeout", type=float, metavar="S",
                        help="answer a request with an error after S seconds, cancelling "
                             "its call (default: no limit)")
+    ray = parse.add_argument_group(
+        "Ray Serve", "With --ray, the models are served by replicas of a Ray Serve "
+                     "deployment, each a process of --interpreters interpreters answering "
+                     "the same routes, behind Ray Serve's HTTP proxy on --host and --port; "
+                     "needs the 'ray' extra (docs/serving.md, \"Scaling out with Ray "
+                     "Serve\")")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve through Ray Serve, on a Ray cluster")
+    ray.add_argument("--replicas", type=int, metavar="R",
+                     help="replica processes, each with --interpreters interpreters "
+                          "(default: 1)")
+    ray.add_argument("--replica-cpus", type=float, metavar="C",
+                     help="CPUs Ray reserves for each replica, which places replicas by "
+                          "them; each interpreter gets C / N torch threads (default: N, "
+                          "--interpreters)")
+    ray.add_argument("--ray-address", metavar="ADDR",
+                     help="the Ray cluster to deploy on, as ray.init takes it (\"auto\", "
+                          "HOST:6379); default: start a local Ray for this process, shut "
+                          "down when it stops")
     return parse
 
 
@@ -107,28 +130,56 @@ def _logging_config() -> dict:
     return config
 
 
+def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options:
+    """What the arguments ask to serve, and how; exits through parse with a message if
+    they make no sense or an archive is not one (checked here before anything starts)."""
+    models = specs(args, parse)
+    if args.ray:  # each replica is a process of its own, with room for 15
+        fit, where = MAX_NAMESPACES, "what fits in one replica process"
+    else:
+        room = capacity()
+        fit, where = room["free"] + room["more"], "what fits in this process"
+        for option in ("replicas", "replica_cpus", "ray_address"):
+            if getattr(args, option) is not None:
+                parse.error(f"--{option.replace('_', '-')} is an option of --ray")
+    interpreters = args.interpreters if args.interpreters is not None else default_interpreters()
+    if not 1 <= interpreters <= fit:
+        parse.error(f"--interpreters must be between 1 and {fit} ({where}), not {interpreters}")
+    if args.max_batch_size < 1:
+        parse.error("--max-batch-size must be at least 1")
+    if args.timeout is not None and not args.timeout > 0:
+        parse.error("--timeout must be a number of seconds above 0")
+    if args.ray and args.replicas is not None and args.replicas < 1:
+        parse.error("--replicas must be at least 1")
+    if args.ray and args.replica_cpus is not None and not args.replica_cpus > 0:
+        parse.error("--replica-cpus must be above 0")
+    try:
+        for spec in models:
+            check(spec.path, spec.module, spec.resource)
+    except ArchiveError as error:
+        parse.exit(2, f"multipy serve: {error}\n")
+    return Options(tuple(models), interpreters, args.max_batch_size, args.batch_timeout_ms,
+                   args.timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the server until SIGTERM or SIGINT; returns the exit status (0 after a
     graceful stop, 1 if the models failed to load)."""
     make_room()  # re-executes this process with room for 15 interpreters if it lacks it
     parse = parser()
     args = parse.parse_args(argv)
-    models = specs(args, parse)
-    room = capacity()
-    fit = room["free"] + room["more"]
-    interpreters = args.interpreters if args.interpreters is not None else default_interpreters()
-    if not 1 <= interpreters <= fit:
-        parse.error(f"--interpreters must be between 1 and {fit} (what fits in this "
-                    f"process), not {interpreters}")
-    if args.max_batch_size < 1:
-        parse.error("--max-batch-size must be at least 1")
-    if args.timeout is not None and not args.timeout > 0:
-        parse.error("--timeout must be a number of seconds above 0")
-    try:
-        service = Service(models, interpreters, args.max_batch_size,
-                          args.batch_timeout_ms / 1000, args.timeout)
-    except ArchiveError as error:
-        parse.exit(2, f"multipy serve: {error}\n")
+    served = options(args, parse)
+    if args.ray:
+        if importlib.util.find_spec("ray") is None:
+            parse.exit(1, "multipy serve --ray needs the 'ray' extra, which installs Ray "
+                          "Serve: pip install 'multipy[ray]' (from a checkout: "
+                          "pip install -e '.[ray]')\n")
+        from .on_ray import serve_on_ray
+
+        return serve_on_ray(served, replicas=args.replicas or 1, replica_cpus=args.replica_cpus,
+                            address=args.ray_address, host=args.host, port=args.port,
+                            logging_config=_logging_config())
+    service = Service(served)
     loader = threading.Thread(target=lambda: _load(service, server), daemon=True,
                               name="multipy-serve-start")
     config = uvicorn.Config(create_app(service, loader.start), host=args.host, port=args.port,

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from .. import _glibc
@@ -46,19 +47,36 @@ class ServiceTimeout(Exception):
     """A request ran past --timeout; its call was cancelled."""
 
 
-class Service:
-    """The models of one server (see the module's docstring).  ArchiveError, at once, if
-    a spec's path is not a torch.package archive with its (module, resource)."""
+@dataclass(frozen=True)
+class Options:
+    """What a server serves and how, as ``multipy serve``'s options say: the same for
+    the server that uvicorn runs and for each replica that Ray Serve runs
+    (multipy.serve.on_ray).  batch_timeout_ms: --batch-timeout-ms; torch_threads: each
+    interpreter's intra-op threads (None: the manager's default, the cores divided
+    among the interpreters)."""
 
-    def __init__(self, specs: list[ModelSpec], interpreters: int, max_batch_size: int = 1,
-                 batch_delay: float = 0.0, timeout: float | None = None) -> None:
-        for spec in specs:
+    models: tuple[ModelSpec, ...]
+    interpreters: int
+    max_batch_size: int = 1
+    batch_timeout_ms: float = 5.0
+    timeout: float | None = None
+    torch_threads: int | None = None
+
+
+class Service:
+    """The models of one server (see the module's docstring), as options say.
+    ArchiveError, at once, if a model's path is not a torch.package archive with its
+    (module, resource)."""
+
+    def __init__(self, options: Options) -> None:
+        for spec in options.models:
             archive.check(spec.path, spec.module, spec.resource)
-        self.specs = {spec.name: spec for spec in specs}
-        self.interpreters = interpreters
-        self.timeout = timeout
-        self.metrics = Metrics(list(self.specs), interpreters)
-        self._batching = (max_batch_size, batch_delay)
+        self.options = options
+        self.specs = {spec.name: spec for spec in options.models}
+        self.interpreters = options.interpreters
+        self.timeout = options.timeout
+        self.metrics = Metrics(list(self.specs), options.interpreters)
+        self._batching = (options.max_batch_size, options.batch_timeout_ms / 1000)
         self.manager: InterpreterManager | None = None
         self.models: dict[str, ServedModel] = {}
         self.ready = False
@@ -75,7 +93,8 @@ class Service:
         try:
             progress.stage(f"starting {n} interpreter(s)")
             # grad off: nothing served needs it, and it saves the autograd graph's memory
-            self.manager = InterpreterManager(n, grad_enabled=False)
+            self.manager = InterpreterManager(n, torch_threads=self.options.torch_threads,
+                                              grad_enabled=False)
             progress.advance(n, "interpreters started")
             max_batch_size, delay = self._batching
             models = [ServedModel(spec, self.manager, self.metrics, max_batch_size, delay)

@@ -95,6 +95,30 @@ class Total(nn.Module):
 
     def forward(self, x):
         return x.sum()
+
+
+class Scratch(nn.Module):
+    """Writes its input, through dropout, into a buffer and returns the buffer: state
+    that forward changes, and an output over it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("last", torch.zeros(2, 4))
+        self.drop = nn.Dropout(0.9)
+
+    def forward(self, x):
+        self.last.copy_(self.drop(x))
+        return self.last
+
+
+class Wrapped:
+    """Not a module, holding one, pickled in training mode."""
+
+    def __init__(self):
+        self.net = Scratch()
+
+    def __call__(self, x):
+        return self.net(x)
 '''
 
 #: The wrapper a server runs as: `multipy serve`'s own entry (the launcher runs the
@@ -128,7 +152,7 @@ def packages(tmp_path_factory):
         spec.loader.exec_module(module)
         paths = {}
         examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3))}
-        for name in ("Cast", "Pair", "Fails", "Slow", "Rows", "Total"):
+        for name in ("Cast", "Pair", "Fails", "Slow", "Rows", "Total", "Wrapped"):
             path = folder / f"{name.lower()}.pt"
             with torch.package.PackageExporter(str(path)) as exporter:
                 exporter.extern(["torch.**"])
@@ -435,10 +459,18 @@ def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(serv
                           ({"shape": [2, 2]}, "elements"), ({"shape": [-2]}, "shape"),
                           ({"datatype": "INT8", "data": [1, 300]}, "range"),
                           ({"datatype": "BOOL", "data": [1, 0]}, "true or false"),
-                          ({"data": [[1], [2, 3]]}, "data")]:
+                          ({"data": [[1], [2, 3]]}, "data"),
+                          ({"datatype": "INT32", "data": [1, None]}, "integers")]:
         status, message = infer("cast", {"inputs": [{**tensor, **change}]})
         assert status == 400 and words in message, (change, message)
     assert infer("cast", {"inputs": []})[0] == 400
+    assert infer("cast", None, raw=b'{"inputs": ' + b"[" * 100000)[0] == 400  # too deep
+    huge = (b'{"inputs": [{"name": "x", "shape": [1], "datatype": "INT64", "data": ['
+            + b"9" * 5000 + b"]}]}")  # past Python's digit limit for int()
+    assert infer("cast", None, raw=huge)[0] == 400
+    # "outputs": [] asks for every output, as Triton answers
+    status, answer = _infer_json(served, "cast", {**good, "outputs": []})
+    assert status == 200 and {o["name"] for o in answer["outputs"]} == {"same", "as_fp64"}
     assert infer("cast", {"nothing": 1})[0] == 400
     # binary data that does not match the shape, or is missing
     header = json.dumps({"inputs": [{"name": "x", "shape": [2], "datatype": "FP32",
@@ -598,6 +630,34 @@ def test_the_weights_alias_the_archive_mapped_once_in_the_host(packages):
     assert found[0] == found[1] and len(found[0]) == 4
     for pointer in found[0]:  # every weight is in the host's one mapping of the file
         assert any(start <= pointer < start + size for start, size in spans), pointer
+
+
+def test_state_that_forward_writes_is_each_interpreters_own_and_never_lent(packages):
+    from multipy.serve import archive
+
+    path = packages["wrapped"]
+    storages = archive.storages(path)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) + 1
+    buffers, answers = [], []
+    with multipy.InterpreterManager(2) as manager:
+        for interpreter in manager.all_instances():
+            served = interpreter.global_("multipy._inside.serving", "load")(
+                path, "model", "model.pkl", storages)
+            buffer = interpreter.global_("builtins", "eval")(
+                "served.model.net.last", {"served": served})
+            buffers.append(buffer.attr("data_ptr")().deref())
+            [(name, datatype, array)] = served.attr("infer")([(x, "FP32")], {}).deref()
+            answers.append((name, datatype, array.copy(),
+                            array.__array_interface__["data"][0]))
+            training = interpreter.global_("builtins", "eval")(
+                "served.model.net.training or served.model.net.drop.training",
+                {"served": served})
+            assert training.deref() is False  # eval() reached the module inside the wrapper
+    assert buffers[0] != buffers[1]  # a buffer per interpreter, not one shared
+    for (name, datatype, array, pointer), buffer in zip(answers, buffers):
+        assert (name, datatype) == ("output0", "FP32")
+        assert np.array_equal(array, x)  # dropout off: eval mode
+        assert pointer != buffer  # a copy, not the buffer the next call writes
 
 
 # -- the command line --

@@ -62,8 +62,22 @@ class Served:
         parameters = inspect.signature(forward).parameters.values()
         #: The forward's parameters that an input can be given to (not *args, **kwargs).
         self.parameters = [p.name for p in parameters if p.kind in _INPUT_KINDS]
-        if hasattr(model, "eval") and hasattr(model, "training"):
-            model.eval()
+        import torch
+
+        modules = [model] if isinstance(model, torch.nn.Module) else [
+            value for value in vars(model).values() if isinstance(value, torch.nn.Module)]
+        for module in modules:
+            module.eval()
+            # Parameters alias the archive, shared by every interpreter; buffers (running
+            # statistics, caches) may be written by forward: each interpreter its own.
+            for owner in module.modules():
+                for name, buffer in owner._buffers.items():
+                    if buffer is not None:
+                        owner._buffers[name] = buffer.clone()
+        #: storages of the model's own state: an output over one is copied, or the next
+        #: call here could change it while the host still reads it
+        self.state = {tensor.untyped_storage().data_ptr() for module in modules
+                      for tensor in (*module.parameters(), *module.buffers())}
 
     def infer(self, args: list[tuple[Any, str]], kwargs: dict[str, tuple[Any, str]]
               ) -> list[tuple[str, str, Any]]:
@@ -75,7 +89,7 @@ class Served:
             with torch.no_grad():
                 result = self.model(*[_tensor(torch, *item) for item in args],
                                     **{name: _tensor(torch, *item) for name, item in kwargs.items()})
-            return _outputs(torch, result)
+            return _outputs(torch, result, self.state)
         except Exception as error:
             _raise_plainly(error)
 
@@ -106,7 +120,7 @@ class Served:
     def _run_example(self, torch: Any) -> list[tuple[str, str, Any]]:
         try:
             with torch.no_grad():
-                return _outputs(torch, self.model(*self.example))
+                return _outputs(torch, self.model(*self.example), self.state)
         except Exception as error:
             _raise_plainly(error)
 
@@ -124,10 +138,11 @@ def _tensor(torch: Any, array: Any, datatype: str) -> Any:
     return tensor.view(torch.bfloat16) if datatype == "BF16" else tensor
 
 
-def _outputs(torch: Any, result: Any) -> list[tuple[str, str, Any]]:
+def _outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, str, Any]]:
     """(name, datatype, array) of each output: ``output0``, ``output1``, ... for a tensor,
     tuple or list, the keys for a dict; nested tuples, lists and dicts are flattened,
-    their names joined with dots (``output1.0``, ``scores.top``)."""
+    their names joined with dots (``output1.0``, ``scores.top``).  An output over one of
+    the storages in state (the model's own) is a copy."""
     if isinstance(result, dict):
         items = [(str(key), value) for key, value in result.items()]
     elif isinstance(result, (tuple, list)):
@@ -142,14 +157,17 @@ def _outputs(torch: Any, result: Any) -> list[tuple[str, str, Any]]:
         elif isinstance(value, (tuple, list)):
             items[:0] = [(f"{name}.{i}", each) for i, each in enumerate(value)]
         else:
-            flat.append((name, *_array(torch, name, value)))
+            flat.append((name, *_array(torch, name, value, state)))
     return flat
 
 
-def _array(torch: Any, name: str, value: Any) -> tuple[str, Any]:
-    """(datatype, numpy array over the same memory) for an output value."""
+def _array(torch: Any, name: str, value: Any, state: set[int]) -> tuple[str, Any]:
+    """(datatype, numpy array over the same memory) for an output value; a copy of a
+    tensor over one of the storages in state."""
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
+        if tensor.untyped_storage().data_ptr() in state:
+            tensor = tensor.clone()
         if tensor.device.type != "cpu":
             tensor = tensor.cpu()
         tensor = tensor.resolve_conj().resolve_neg()

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -93,6 +93,9 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
         except (ModelError, BatchError) as error:  # logged with the model's traceback
             logger.error("%s%s", error, _inside_traceback(error))
             return _error(500, str(error))
+        except ClientDisconnect:  # nobody to answer
+            status = 499
+            return Response(status_code=499)
         except Exception as error:  # multipy's own failure: logged whole
             logger.exception("inference on model %r failed", name)
             return _error(500, f"internal error: {type(error).__name__}: {error}")

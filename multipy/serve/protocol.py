@@ -91,7 +91,8 @@ def decode_request(body: bytes, header_length: str | None = None,
         json_part, binary = body[:length], memoryview(body)[length:]
     try:
         request = json.loads(json_part)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
+        # an integer literal over Python's digit limit, nesting deeper than the stack
         raise ProtocolError(f"malformed JSON in the request: {error}") from None
     if not isinstance(request, dict):
         raise ProtocolError("the request must be a JSON object")
@@ -111,7 +112,7 @@ def decode_request(body: bytes, header_length: str | None = None,
     if len(set(names)) != len(names):
         raise ProtocolError(f"input names must be unique: {names}")
     outputs = None
-    if request.get("outputs") is not None:
+    if request.get("outputs"):  # absent, null or []: every output, as Triton answers
         if not isinstance(request["outputs"], list):
             raise ProtocolError('"outputs" must be a list of {"name": ...} objects')
         outputs = [_requested(spec, parameters) for spec in request["outputs"]]
@@ -251,8 +252,9 @@ def _exact_integers(name: str, datatype: str, data: Any) -> np.ndarray:
         flat = np.array(data if isinstance(data, list) else [data], dtype=object).reshape(-1)
     except ValueError:
         flat = np.array([None], dtype=object)
-    wrong = next((v for v in flat if type(v) is not int), None)
-    if wrong is not None:
+    wrong = [v for v in flat if type(v) is not int][:1]
+    if wrong:
+        wrong = wrong[0]
         raise ProtocolError(f"input {name!r}: {datatype} data must be integers; got {wrong!r}")
     info = np.iinfo(DTYPES[datatype])
     if flat.size and (min(flat) < info.min or max(flat) > info.max):

@@ -84,8 +84,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import ray
-    import torch
-    import torch.package
     from ray import serve
 
     from multipy.serve.models import ModelSpec
@@ -93,21 +91,14 @@ def main() -> None:
     from multipy.serve.service import Options
 
     sys.path.insert(0, HERE)
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from generate_examples import generate
-    from serve_load import _free_port, _pss_tree, load, run_server
+    from serve_load import example, free_port, load, pss_tree, run_server
 
     rows = []
     with tempfile.TemporaryDirectory() as directory:
-        path = generate(directory, [args.model])[args.model]
-        importer = torch.package.PackageImporter(path)
-        inputs = importer.load_pickle("model", "example.pkl")
-        with torch.no_grad():
-            expected = importer.load_pickle("model", "model.pkl")(*inputs).numpy()
-        arrays = [x.numpy() for x in inputs]
+        path, arrays, expected = example(directory, args.model)
         figures = (args.clients, args.seconds, args.warm_up, arrays, expected)
 
-        port = _free_port()
+        port = free_port()
         reference = run_server([sys.executable, "-m", "multipy", "serve", path,
                                 "--interpreters", "2", "--port", str(port)],
                                port, args.model, *figures)
@@ -127,7 +118,7 @@ def main() -> None:
                                       logging_config={"enable_access_log": False}
                                       ).bind(path, args.model)),
         ]
-        port = _free_port()
+        port = free_port()
         ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -141,8 +132,8 @@ def main() -> None:
                     if len(seen) == replicas:
                         break
                 result = load(port, args.model, *figures)
-                result["replicas_pss_mib"] = sum(_pss_tree(pid) for pid in seen) / (1 << 20)
-                result["ray_pss_mib"] = (_pss_tree(os.getpid()) - _pss(os.getpid())) / (1 << 20)
+                result["replicas_pss_mib"] = sum(pss_tree(pid) for pid in seen) / (1 << 20)
+                result["ray_pss_mib"] = (pss_tree(os.getpid()) - _pss(os.getpid())) / (1 << 20)
                 result["torch_threads"] = sorted(a["torch_threads"] for a in seen.values())
                 rows.append((label, result))
                 serve.delete("bench")

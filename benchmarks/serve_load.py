@@ -34,7 +34,7 @@ ROOT = os.path.dirname(HERE)
 PEER_PACKAGES = ["kserve==0.21.0", "torch==2.13.0", "numpy==2.4.6"]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -53,7 +53,7 @@ def ensure_peer_venv(path: str) -> str:
     return python
 
 
-def _pss_tree(pid: int) -> int:
+def pss_tree(pid: int) -> int:
     """PSS in bytes of process pid and all its descendants."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -172,7 +172,7 @@ def run_server(command: list[str], port: int, model: str, clients: int, seconds:
         try:
             _wait_ready(port, process)
             figures = load(port, model, clients, seconds, warm_up, inputs, expected)
-            figures["pss_mib"] = _pss_tree(process.pid) / (1 << 20)
+            figures["pss_mib"] = pss_tree(process.pid) / (1 << 20)
             return figures
         except BaseException:
             _stop(process)
@@ -181,6 +181,23 @@ def run_server(command: list[str], port: int, model: str, clients: int, seconds:
             raise
         finally:
             _stop(process)
+
+
+def example(directory: str, model: str) -> tuple[str, list, object]:
+    """The example package `model` written into directory: its path, its example inputs
+    as numpy arrays, and the model's output for them, run eagerly here."""
+    import torch
+    import torch.package
+
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from generate_examples import generate
+
+    path = generate(directory, [model])[model]
+    importer = torch.package.PackageImporter(path)
+    inputs = importer.load_pickle("model", "example.pkl")
+    with torch.no_grad():
+        expected = importer.load_pickle("model", "model.pkl")(*inputs).numpy()
+    return path, [x.numpy() for x in inputs], expected
 
 
 def main() -> None:
@@ -195,27 +212,16 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
 
-    import torch
-    import torch.package
-
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from generate_examples import generate
-
     peer = ensure_peer_venv(args.peer_venv)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
-        path = generate(directory, [args.model])[args.model]
-        importer = torch.package.PackageImporter(path)
-        inputs = importer.load_pickle("model", "example.pkl")
-        with torch.no_grad():
-            expected = importer.load_pickle("model", "model.pkl")(*inputs).numpy()
-        arrays = [x.numpy() for x in inputs]
+        path, arrays, expected = example(directory, args.model)
         for n in counts:
-            port = _free_port()
+            port = free_port()
             ours = run_server([sys.executable, "-m", "multipy", "serve", path, "--interpreters",
                                str(n), "--port", str(port)],
                               port, args.model, n, args.seconds, args.warm_up, arrays, expected)
-            port = _free_port()
+            port = free_port()
             theirs = run_server([peer, os.path.join(HERE, "kserve_model.py"), path, "--name",
                                  args.model, "--workers", str(n), "--port", str(port)],
                                 port, args.model, n, args.seconds, args.warm_up, arrays, expected)

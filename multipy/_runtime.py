@@ -3,8 +3,8 @@ started it, and the entry through which host threads run requests in it.
 
 A runtime lives as long as the process: glibc never gives a namespace back.  A request
 runs on the thread that makes it (``call``), with the host's GIL released for all of it
-and the interpreter's GIL serialising the threads inside; ``call_within`` runs it on a
-worker thread instead, so that its caller can give up at a deadline.  The interpreter's
+and the interpreter's GIL serialising the threads inside; ``start`` runs it on a worker
+thread instead, so that its caller can give up at a deadline or await it.  The interpreter's
 own thread only starts CPython and, at exit, finalises it (docs/design.md, "The call
 path").  Nothing here knows about managers, sessions or handles.
 """
@@ -127,22 +127,17 @@ class Runtime:
         self.closed_because = reason
         self.entry.close()
 
-    def call_within(self, request: bytes, seconds: float, finish: Callable[[tuple], Any],
-                    unsent: Callable[[], None]) -> Any:
-        """finish(reply) of request run on a worker thread, if it ends within seconds.
-
-        Otherwise TimeoutError (KeyboardInterrupt if interrupted): the call is cancelled
-        (CallCancelled, or KeyboardInterrupt, raised in it at its next bytecode) and
-        counts in ``abandoned`` until it ends; its result is finished and dropped.  A call
-        that had not started never runs, and unsent() takes back what it lent.
-        """
-        return self.start(request, finish, unsent).wait(seconds)
-
     def start(self, request: bytes, finish: Callable[[tuple], Any],
               unsent: Callable[[], None]) -> _Job:
         """Runs request on a worker thread and returns at once: the job, whose end its
-        ``wait``, ``add_done_callback`` and ``result`` tell, and whose ``cancel`` gives
-        up on it as call_within does at its deadline."""
+        ``wait``, ``add_done_callback`` and ``result`` tell (finish(reply) is its value).
+
+        A caller that gives up on it (``wait`` past its deadline: TimeoutError, or
+        KeyboardInterrupt if interrupted; ``cancel``) has the call cancelled (CallCancelled,
+        or KeyboardInterrupt, raised in it at its next bytecode); it counts in
+        ``abandoned`` until it ends, and its result is finished and dropped.  A call that
+        had not started never runs, and unsent() takes back what it lent.
+        """
         job = _Job(self, request, finish, unsent)
         _workers.submit(job.run)
         return job
@@ -186,7 +181,7 @@ class Runtime:
 
 
 class _Job:
-    """One call of call_within or start: run by a worker, waited for by its caller
+    """One call of start: run by a worker, waited for by its caller
     (``wait``) or reported to it (``add_done_callback``)."""
 
     def __init__(self, runtime: Runtime, request: bytes, finish: Callable, unsent: Callable) -> None:
@@ -256,7 +251,7 @@ class _Job:
         return value
 
     def cancel(self) -> bool:
-        """Gives up on the call as a deadline does (see Runtime.call_within): it is
+        """Gives up on the call as a deadline does (see Runtime.start): it is
         cancelled if it runs and never runs if it has not started.  False if it had
         already ended."""
         return self._give_up(CANCEL_TIMEOUT)
@@ -276,7 +271,7 @@ class _Job:
 
 
 class _Workers:
-    """Daemon threads for call_within: one per job in flight; idle ones are reused."""
+    """Daemon threads for started calls: one per job in flight; idle ones are reused."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()

@@ -107,8 +107,7 @@ class InterpreterManager:
 
     def _pick(self) -> Interpreter | None:
         limited = self._interpreters[:self._limit]
-        roomy = [i for i in limited if not i.out_of_room]
-        if not roomy:
+        if all(i.out_of_room for i in limited):
             raise InterpreterLimitError(f"no interpreter of this manager had room to load "
                                         f"what it was asked to: {limited[0].out_of_room}")
         start = getattr(self._thread, "cursor", 0) % len(limited)

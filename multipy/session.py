@@ -209,15 +209,14 @@ class Interpreter:
         """Runs one operation of multipy._protocol in the interpreter, on this thread (on
         a worker under ``multipy.timeout``); the one path of every call.  Raises what
         the operation raised inside, InterpreterClosedError, or TimeoutError."""
-        request, pickler = self._encode(op, target, args)
         seconds = _thread.timeout
-        if seconds is None:
-            reply = self._runtime.call(request)
-            if reply[1]:  # a new object: the common case, first
-                return Obj(self, reply[1])
-            return self._finish(reply, pickler)
-        return self._runtime.call_within(request, seconds, lambda reply: self._finish(reply, pickler),
-                                         pickler.take_back if pickler else _nothing)
+        if seconds is not None:
+            return self.start(op, target, *args).wait(seconds)
+        request, pickler = self._encode(op, target, args)
+        reply = self._runtime.call(request)
+        if reply[1]:  # a new object: the common case, first
+            return Obj(self, reply[1])
+        return self._finish(reply, pickler)
 
     def start(self, op: int, target: Obj | None, *args: Any) -> _Job:
         """Starts one operation as ``request`` does, but on a worker thread, and returns

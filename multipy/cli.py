@@ -53,7 +53,7 @@ def _bench_script() -> str:
 
 def _info() -> None:
     from ._pool import capacity
-    from .manager import default_torch_threads
+    from .manager import cores, default_torch_threads
 
     tunables = _glibc.tunables_at_start()
     try:
@@ -71,8 +71,7 @@ def _info() -> None:
     if fits["more"] < _glibc.MAX_NAMESPACES:
         print(f"              `multipy run SCRIPT`, or multipy.make_room() first thing in the "
               f"program, gives room for {_glibc.MAX_NAMESPACES}")
-    cores = len(os.sched_getaffinity(0))
-    print(f"torch:        each interpreter of a manager of n runs torch with max(1, {cores} cores "
+    print(f"torch:        each interpreter of a manager of n runs torch with max(1, {cores()} cores "
           f"// n) intra-op threads ({default_torch_threads(2)} for n=2) and grad mode on, "
           f"unless InterpreterManager(torch_threads=, grad_enabled=) says otherwise")
 

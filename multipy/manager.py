@@ -18,11 +18,19 @@ from .session import Interpreter, InterpreterSession, Obj, current_timeout
 _INSIDE = "multipy._inside"
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def default_torch_threads(n_interpreters: int) -> int:
     """The intra-op threads each of n interpreters runs torch with by default: the cores
     this process may use, divided among them (at least 1), so that together they do not
     oversubscribe the cores (each interpreter has its own copy of torch's thread pool)."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, n_interpreters))
+    return max(1, cores() // max(1, n_interpreters))
 
 
 class InterpreterManager:

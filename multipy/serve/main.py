@@ -30,10 +30,11 @@ from uvicorn.config import LOGGING_CONFIG
 from .._glibc import MAX_NAMESPACES
 from .._launch import make_room
 from .._pool import capacity
+from ..manager import cores
 from .app import create_app
 from .archive import ArchiveError, check
 from .models import ModelSpec
-from .service import Options, Service, cores, default_interpreters
+from .service import Options, Service, default_interpreters
 
 logger = logging.getLogger("multipy.serve")
 

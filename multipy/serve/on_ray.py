@@ -40,8 +40,9 @@ from ray import serve
 
 from .._launch import has_room, launch_environment, tunables_at_start
 from .._pool import capacity
+from ..manager import cores
 from .app import create_app
-from .service import Options, Service, cores
+from .service import Options, Service
 
 logger = logging.getLogger("multipy.serve")
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from .. import _glibc
 from .._pool import capacity
-from ..manager import InterpreterManager
+from ..manager import InterpreterManager, cores
 from . import archive
 from .metrics import Metrics
 from .models import ModelSpec, ServedModel
@@ -25,14 +24,6 @@ from .progress import Progress
 from .protocol import InferRequest, ProtocolError, Tensor
 
 logger = logging.getLogger("multipy.serve")
-
-
-def cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def default_interpreters() -> int:

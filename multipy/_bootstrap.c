@@ -24,6 +24,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "_dlpack.h"
 #include "_entry.h"
 
 enum { STARTING, SERVING, STOPPING };
@@ -71,6 +72,8 @@ static __thread char *buffer;                     /* the reply, until the host h
 static __thread size_t capacity;
 static __thread struct multipy_record *record;    /* this thread's line in the crash report */
 static PyObject *cancelled_type;                  /* raised in a call by a timeout */
+/* Tokens of host tensors that aliases here no longer use (_dlpack.h). */
+static struct release_queue released_tensors = RELEASE_QUEUE_INIT;
 
 /* -- the module that the interpreter's own Python sees as _multipy_bootstrap -- */
 
@@ -109,7 +112,19 @@ static PyObject *thread_states(PyObject *module, PyObject *unused)
     return PyLong_FromLong(count);
 }
 
+static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    return make_alias_capsule(args, nargs, &released_tensors);
+}
+
 static PyMethodDef methods[] = {
+    {"lent_address", lent_address, METH_O,
+     "lent_address(capsule) -> int: the DLManagedTensor in a dltensor capsule, 0 if its "
+     "memory is not host memory."},
+    {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
+     "alias_capsule(address, token) -> capsule: the tensor the host lent at address, "
+     "for torch.from_dlpack; the token goes back to the host when unused."},
     {"note", (PyCFunction)(void (*)(void))note, METH_FASTCALL,
      "note(op: bytes, target: bytes): what this thread runs now, for the fatal-signal "
      "report; the caller keeps both alive while it runs"},
@@ -384,7 +399,8 @@ static int keep_reply(struct runtime *rt, struct multipy_reply *reply, const cha
                       size_t size)
 {
     Py_ssize_t count = PyList_GET_SIZE(rt->released);
-    size_t released_size = (size_t)count * 8, need = released_size + size;
+    size_t queued = queue_length(&released_tensors);
+    size_t released_size = ((size_t)count + queued) * 8, need = released_size + size;
     if (need > capacity) {
         char *grown = realloc(buffer, need);
         if (!grown)
@@ -398,6 +414,7 @@ static int keep_reply(struct runtime *rt, struct multipy_reply *reply, const cha
     if (count && PyList_SetSlice(rt->released, 0, count, NULL) < 0)
         count = 0;
     PyErr_Clear();
+    count += (Py_ssize_t)queue_take(&released_tensors, tokens + count, queued);
     if (size)
         memcpy(buffer + released_size, data, size);
     reply->released = (const uint64_t *)buffer;

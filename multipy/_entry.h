@@ -24,6 +24,7 @@ enum {
     MULTIPY_CLOSED = 2, /* the interpreter is stopped: nothing ran */
     MULTIPY_BROKEN = 3, /* multipy's own code inside raised; payload: "type: message" */
     MULTIPY_CANCELLED = 4, /* cancelled before it started: nothing ran */
+    MULTIPY_LENT = 5,   /* payload: the value, with the tensors in it lent */
 };
 
 /* What a cancel raises in the call (multipy/_protocol.py has the same numbers). */

@@ -19,6 +19,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "_dlpack.h"
 #include "_entry.h"
 
 /* -- threads that enter interpreters -- */
@@ -127,8 +128,12 @@ typedef struct {
     multipy_cancel_fn *cancel;
     PyObject *releases; /* list: handles and tokens the host dropped, sent with the next call */
     PyObject *exports;  /* dict: token -> host object lent to interpreters */
-    PyObject *lent_tokens; /* lent_tokens(payload) -> the tokens a reply lends */
+    PyObject *lent_tokens; /* lent_tokens(payload, status) -> the tokens a reply lends */
 } Entry;
+
+/* Per interpreter: tokens of its tensors that host aliases no longer use (_dlpack.h). */
+static struct release_queue queues[MULTIPY_MAX_INTERPRETERS] = {
+    [0 ... MULTIPY_MAX_INTERPRETERS - 1] = RELEASE_QUEUE_INIT};
 
 static _Atomic uint64_t serials;       /* numbers calls, process-wide */
 static unsigned long main_thread;      /* the host's main thread */
@@ -178,7 +183,7 @@ static void drop_released(PyObject *exports, const uint64_t *tokens, size_t coun
  * the interpreter goes back with the next call.  Keeps the exception being raised. */
 static void give_back(Entry *self, int status, uint64_t handle, PyObject *payload)
 {
-    if (status != MULTIPY_OK)
+    if (status != MULTIPY_OK && status != MULTIPY_LENT)
         return;
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
@@ -188,7 +193,7 @@ static void give_back(Entry *self, int status, uint64_t handle, PyObject *payloa
             PyErr_Clear();
         Py_XDECREF(number);
     } else if (PyBytes_GET_SIZE(payload)) {
-        PyObject *tokens = PyObject_CallOneArg(self->lent_tokens, payload);
+        PyObject *tokens = PyObject_CallFunction(self->lent_tokens, "Oi", payload, status);
         Py_ssize_t end = PyList_GET_SIZE(self->releases);
         if (!tokens || !PyList_Check(tokens)
             || PyList_SetSlice(self->releases, end, end, tokens) < 0)
@@ -220,15 +225,18 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         serial = ++serials;
     int on_main = (unsigned long)pthread_self() == main_thread;
     PyObject *releases = self->releases;
-    Py_ssize_t n = PyList_GET_SIZE(releases);
-    uint64_t few[64], *numbers = n <= 64 ? few : PyMem_RawMalloc((size_t)n * sizeof *numbers);
+    Py_ssize_t listed = PyList_GET_SIZE(releases);
+    struct release_queue *queue = &queues[self->ordinal];
+    size_t n = (size_t)listed + queue_length(queue);
+    uint64_t few[64], *numbers = n <= 64 ? few : PyMem_RawMalloc(n * sizeof *numbers);
     if (!numbers)
         return PyErr_NoMemory();
-    for (Py_ssize_t i = 0; i < n; i++)
+    for (Py_ssize_t i = 0; i < listed; i++)
         numbers[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(releases, i));
     PyErr_Clear(); /* a number that is not one is skipped inside */
-    if (n && PyList_SetSlice(releases, 0, n, NULL) < 0)
+    if (listed && PyList_SetSlice(releases, 0, listed, NULL) < 0)
         PyErr_Clear();
+    n = (size_t)listed + queue_take(queue, numbers + listed, n - (size_t)listed);
 
     struct multipy_record *record = prepare(self->ordinal);
     if (record) {
@@ -243,7 +251,7 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     }
     Py_BEGIN_ALLOW_THREADS
     entered = self->enter(self->runtime, PyBytes_AS_STRING(args[0]),
-                          (size_t)PyBytes_GET_SIZE(args[0]), numbers, (size_t)n, serial,
+                          (size_t)PyBytes_GET_SIZE(args[0]), numbers, n, serial,
                           record, &reply);
     Py_END_ALLOW_THREADS
     if (on_main)
@@ -459,7 +467,25 @@ static PyObject *interrupt_main(PyObject *module, PyObject *unused)
     return cancel_call(entry, main_thread, main_call.serial, MULTIPY_CANCEL_INTERRUPT);
 }
 
+static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    long ordinal = nargs == 3 ? PyLong_AsLong(args[2]) : -1;
+    if (ordinal < 0 || ordinal >= MULTIPY_MAX_INTERPRETERS) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "alias_capsule(address, token, interpreter)");
+        return NULL;
+    }
+    return make_alias_capsule(args, nargs, &queues[ordinal]);
+}
+
 static PyMethodDef module_methods[] = {
+    {"lent_address", lent_address, METH_O,
+     "lent_address(capsule) -> int: the DLManagedTensor in a dltensor capsule, 0 if its "
+     "memory is not host memory."},
+    {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
+     "alias_capsule(address, token, interpreter) -> capsule: the tensor that interpreter "
+     "lent at address, for torch.from_dlpack; the token goes back to it when unused."},
     {"set_main_thread", set_main_thread, METH_O,
      "set_main_thread(ident): the thread whose calls interrupt_main() cancels."},
     {"next_serial", next_serial, METH_NOARGS, "A new call number."},

@@ -20,8 +20,11 @@ HASATTR = 4     #: args (name,): bool
 DEREF = 5       #: args (): the target itself, as a value
 RESET = 6       #: args (): forget every object and registered source (a manager closed);
                 #: its epoch is the interpreter's new one
+CALL_LENT = 7   #: args (method or None, args, positions, kwargs): CALL_VALUE whose args
+                #: are scalars and tensors, each tensor (at positions) sent as its record
+                #: (multipy._sharing.lend_flat); the fast path of a call with tensors
 
-OP_NAMES = ("import", "call", "call", "getattr", "hasattr", "deref", "reset")
+OP_NAMES = ("import", "call", "call", "getattr", "hasattr", "deref", "reset", "call")
 
 # -- statuses of a reply --
 OK = 0       #: payload: the pickled value, or empty when handle names a new object
@@ -29,6 +32,8 @@ ERROR = 1    #: payload: a pickled RemoteError
 CLOSED = 2   #: the interpreter is stopped; nothing ran
 BROKEN = 3   #: multipy's own code inside raised; payload: "Type: message", UTF-8
 CANCELLED = 4  #: cancelled before it started: nothing ran
+LENT = 5     #: payload: plainly pickled (values, positions, single), the value (values[0]
+             #: if single, else the tuple) with a tensor's record at each of positions
 
 # -- what a cancel raises in the call --
 CANCEL_TIMEOUT = 0    #: the interpreter's _multipy_bootstrap.CallCancelled

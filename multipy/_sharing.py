@@ -22,12 +22,35 @@ import threading
 import types
 from typing import Any, Callable, Iterable, Iterator
 
+from . import _protocol
+
+try:  # multipy's C: inside an interpreter its bootstrap module, in the host _host
+    import _multipy_bootstrap as _c
+except ImportError:
+    from . import _host as _c
+
 TORCH, NUMPY = "torch", "numpy"
 
 #: Types that are never lent: the common case, rejected before any other check
 #: (functions: a lent object's pickle names the function ``lent``).
 _PLAIN = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray, tuple,
                     list, dict, set, frozenset, type, types.FunctionType})
+
+
+class Lent:
+    """What one message lent: given back, unless the other side aliased it, when the
+    message is not sent or not read whole."""
+
+    def __init__(self, exports: Exports) -> None:
+        self.exports = exports
+        self.tokens: list[int] = []
+
+    def take_back(self, aliased: Iterable[int] = ()) -> None:
+        """Releases what this message lent, but for the tokens the other side aliased."""
+        kept = set(aliased)
+        for token in self.tokens:
+            if token not in kept:
+                self.exports.release(token)
 
 
 class Exports:
@@ -63,21 +86,13 @@ def describe(obj: Any, exports: Exports) -> tuple | None:
     as usual instead: anything but a CPU strided tensor or a plain numpy array, and the
     cases an alias could not represent faithfully (lazy conjugate or negative views,
     read-only or structured arrays).  Tensors that require grad cross detached.  The
-    owner must not resize or re-point (set_) a tensor while it is lent.  Few calls into
-    torch: this runs for every value pickled."""
+    owner must not resize a tensor or array while it is lent.  Few calls into torch:
+    this runs for every value pickled."""
     if type(obj) in _PLAIN:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and type(obj) is torch.Tensor:  # subclasses (Parameter) are copied
-        if (obj.device.type != "cpu" or obj.layout is not torch.strided or obj.is_quantized
-                or obj.is_nested or obj.is_conj() or obj.is_neg()):
-            return None
-        dtype, shape, strides = _dtype_name(obj.dtype), tuple(obj.shape), obj.stride()
-        if obj.numel() == 0:
-            return (TORCH, 0, 0, 0, dtype, shape, strides, 0)
-        storage = obj.untyped_storage()  # lent, not the tensor: set_() cannot free it
-        return (TORCH, exports.export(storage), storage.data_ptr(), storage.nbytes(), dtype,
-                shape, strides, obj.storage_offset())
+        return _tensor_record(obj, torch, exports)
     numpy = sys.modules.get("numpy")
     if (numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject
             and obj.dtype.fields is None and obj.flags.writeable):
@@ -90,14 +105,63 @@ def describe(obj: Any, exports: Exports) -> tuple | None:
     return None
 
 
-_dtype_names: dict[Any, str] = {}
+def _tensor_record(tensor: Any, torch: Any, exports: Exports) -> tuple | None:
+    """describe for a torch.Tensor: lent by DLPack (multipy/_dlpack.h)."""
+    if tensor.is_conj() or tensor.is_neg():  # DLPack would drop the lazy bit
+        return None
+    try:  # a view of its own, so that set_() on the tensor cannot free what is lent
+        capsule = torch.utils.dlpack.to_dlpack(tensor.detach())
+    except (RuntimeError, BufferError, TypeError):  # sparse, quantized, nested...
+        return None
+    address = _c.lent_address(capsule)
+    if not address:  # not in host memory
+        return None
+    return (TORCH, exports.export(capsule), address)
 
 
-def _dtype_name(dtype: Any) -> str:
-    name = _dtype_names.get(dtype)
-    if name is None:
-        name = _dtype_names[dtype] = str(dtype).rpartition(".")[2]
-    return name
+def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]] | None:
+    """The fast path for a flat sequence of scalars and tensors: values as a tuple that
+    pickles plainly, with each tensor's record in its place, and those places; lent
+    notes the tokens.  None, with nothing lent, if a value is anything else or a tensor
+    that describe would not lend."""
+    torch = sys.modules.get("torch")
+    flat, positions = None, []
+    for position, value in enumerate(values):
+        if type(value) in _SCALARS:
+            continue
+        record = None
+        if torch is not None and type(value) is torch.Tensor:
+            record = _tensor_record(value, torch, lent.exports)
+        if record is None:
+            lent.take_back()
+            lent.tokens.clear()
+            return None
+        lent.tokens.append(record[1])
+        if flat is None:
+            flat = list(values)
+        flat[position] = record
+        positions.append(position)
+    return tuple(values if flat is None else flat), tuple(positions)
+
+
+def lend_result(value: Any, exports: Exports) -> tuple | None:
+    """A LENT reply's (values, positions, single) for a tensor or a tuple of scalars and
+    tensors (see lend_flat), or None."""
+    if type(value) is tuple:
+        flat = lend_flat(value, Lent(exports))
+        return None if flat is None else (*flat, False)
+    flat = lend_flat((value,), Lent(exports))
+    return None if flat is None else (*flat, True)
+
+
+def alias_flat(values: tuple, positions: tuple[int, ...], source: int,
+               on_alias: Callable[[int], None]) -> list:
+    """values (from lend_flat) with an alias in place of each record; on_alias(token)
+    as for alias."""
+    values = list(values)
+    for position in positions:
+        values[position] = alias(values[position], source=source, on_alias=on_alias)
+    return values
 
 
 #: A message with nothing lent and no handle in it is pickled with PLAIN_PROTOCOL and
@@ -153,50 +217,45 @@ class LendingPickler(pickle.Pickler):
     def __init__(self, exports: Exports) -> None:
         self._buffer = io.BytesIO()
         super().__init__(self._buffer, protocol=MESSAGE_PROTOCOL)
-        self._exports = exports
-        self._lent: list[int] = []
+        self.lent = Lent(exports)
 
     def dumps(self, value: Any) -> bytes:
         """The message for value; if pickling fails, nothing stays lent."""
         try:
             self.dump(value)
         except BaseException:
-            self.take_back()
+            self.lent.take_back()
             raise
         return self._buffer.getvalue()
 
     def reducer_override(self, obj):
-        record = describe(obj, self._exports)
+        record = describe(obj, self.lent.exports)
         if record is None:
             return NotImplemented
         if record[1]:
-            self._lent.append(record[1])
+            self.lent.tokens.append(record[1])
         return lent, (record,)
-
-    def take_back(self, aliased: Iterable[int] = ()) -> None:
-        """Releases what this pickler lent, but for the tokens the other side aliased."""
-        kept = set(aliased)
-        for token in self._lent:
-            if token not in kept:
-                self._exports.release(token)
 
 
 class AliasingUnpickler(pickle.Unpickler):
     """Unpickles a message (``load()``), turning what the other side lent into aliases;
-    on_release(token) runs when an alias and all its views are gone.  ``aliased`` lists
-    the tokens aliased so far (each before its alias exists): if reading fails, what the
-    other side lent and is not in it may be taken back."""
+    on_release(token) runs when an array alias and all its views are gone; a tensor's
+    token goes back through multipy's C, to interpreter ``source`` (in the host: the
+    interpreter that sent the message).  ``aliased`` lists the tokens aliased so far:
+    if reading fails, what the other side lent and is not in it may be taken back."""
 
-    def __init__(self, data: bytes, on_release: Callable[[int], None]) -> None:
+    def __init__(self, data: bytes, on_release: Callable[[int], None], source: int = 0) -> None:
         super().__init__(io.BytesIO(data))
         self._on_release = on_release
+        self._source = source
         self.aliased: list[int] = []
 
     def find_class(self, module: str, name: str) -> Any:
         # What this returns stays in the memo: it must not refer to the unpickler, or the
         # memo (and every alias in it) would live on in a cycle until a garbage collection.
         if module == __name__ and name == "lent":
-            return functools.partial(alias, on_release=self._on_release, on_alias=self.aliased.append)
+            return functools.partial(alias, on_release=self._on_release, source=self._source,
+                                     on_alias=self.aliased.append)
         return super().find_class(module, name)
 
 
@@ -240,9 +299,13 @@ class _TokenReader(pickle.Unpickler):
             self.tokens.append(record[1])
 
 
-def lent_tokens(data: bytes) -> list[int]:
-    """The tokens of everything a message lends, as far as it can be read without the
-    classes it names: what to give back when the message itself cannot be read."""
+def lent_tokens(data: bytes, status: int = _protocol.OK) -> list[int]:
+    """The tokens of everything a message (a reply of that status) lends, as far as it
+    can be read without the classes it names: what to give back when the message itself
+    cannot be read."""
+    if status == _protocol.LENT:
+        values, positions, _ = pickle.loads(data)
+        return [values[position][1] for position in positions]
     reader = _TokenReader(data)
     try:
         reader.load()
@@ -266,29 +329,27 @@ class _Release:
             due[0](due[1])
 
 
-def alias(record: tuple, on_release: Callable[[int], None],
+def alias(record: tuple, on_release: Callable[[int], None] | None = None, source: int = 0,
           on_alias: Callable[[int], None] = lambda token: None) -> Any:
-    """An object over the memory a record describes; on_release(token) runs when the
-    alias and every view of it are gone."""
-    kind, token, address, nbytes, dtype, shape, strides, offset = record
-    buffer = None
-    if nbytes:
-        # In this order, an exception at any point (a cancel raises one anywhere) leaves
-        # the token either not yet noted (the owner takes it back) or due to be released.
-        release = _Release(token, on_release)
+    """An object over the memory a record describes.  Its token goes back when the alias
+    and every view of it are gone: a tensor's through multipy's C to interpreter
+    ``source`` (see AliasingUnpickler), an array's by on_release(token)."""
+    # In this order, an exception at any point (a cancel raises one anywhere) leaves the
+    # token either not yet noted (the owner takes it back) or due to be released.
+    if record[0] == TORCH:
+        kind, token, address = record
+        capsule = _c.alias_capsule(address, token, source)  # gives the token back if unused
         on_alias(token)
-        buffer = (ctypes.c_char * nbytes).from_address(address)
-        buffer.release = release
-    if kind == TORCH:
         import torch
 
-        dtype = getattr(torch, dtype)
-        if buffer is None:
-            return torch.empty_strided(shape, strides, dtype=dtype)
-        flat = torch.frombuffer(buffer, dtype=dtype, count=nbytes // dtype.itemsize)
-        return flat.as_strided(shape, strides, offset)
+        return torch.from_dlpack(capsule)
+    kind, token, address, nbytes, dtype, shape, strides, offset = record
     import numpy
 
-    if buffer is None:
+    if not nbytes:
         return numpy.empty(shape, dtype=numpy.dtype(dtype))
+    release = _Release(token, on_release)
+    on_alias(token)
+    buffer = (ctypes.c_char * nbytes).from_address(address)
+    buffer.release = release
     return numpy.ndarray(shape, numpy.dtype(dtype), buffer=buffer, offset=offset, strides=strides)

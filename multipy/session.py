@@ -10,7 +10,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
 from . import _glibc, _pool, _protocol, _sharing
-from ._protocol import CALL, CALL_VALUE, DEREF, GETATTR, GLOBAL, HASATTR
+from ._protocol import CALL, CALL_LENT, CALL_VALUE, DEREF, GETATTR, GLOBAL, HASATTR
 from ._runtime import Runtime, exports
 from .errors import (InterpreterClosedError, InterpreterError, InterpreterLimitError,
                      RemoteTraceback, WrongInterpreterError)
@@ -212,24 +212,24 @@ class Interpreter:
         seconds = _thread.timeout
         if seconds is not None:
             return self.start(op, target, *args).wait(seconds)
-        request, pickler = self._encode(op, target, args)
+        request, lent = self._encode(op, target, args)
         reply = self._runtime.call(request)
         if reply[1]:  # a new object: the common case, first
             return Obj(self, reply[1])
-        return self._finish(reply, pickler)
+        return self._finish(reply, lent)
 
     def start(self, op: int, target: Obj | None, *args: Any) -> _Job:
         """Starts one operation as ``request`` does, but on a worker thread, and returns
         at once: the running call, whose ``add_done_callback``, ``result`` (what request
         would return or raise) and ``cancel`` (as at a ``multipy.timeout`` deadline) an
         asynchronous caller uses.  Raises InterpreterClosedError at once."""
-        request, pickler = self._encode(op, target, args)
-        return self._runtime.start(request, lambda reply: self._finish(reply, pickler),
-                                   pickler.take_back if pickler else _nothing)
+        request, lent = self._encode(op, target, args)
+        return self._runtime.start(request, lambda reply: self._finish(reply, lent),
+                                   lent.take_back if lent else _nothing)
 
-    def _encode(self, op: int, target: Obj | None, args: tuple) -> tuple[bytes, _Pickler | None]:
-        """The request for an operation, and the pickler that lent what it holds (None
-        when nothing is lent: the fast path)."""
+    def _encode(self, op: int, target: Obj | None, args: tuple) -> tuple[bytes, _sharing.Lent | None]:
+        """The request for an operation, and what it lent (None when nothing is lent and
+        no handle is in it: the fastest path)."""
         if self._closed:
             raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
         handle = 0
@@ -239,20 +239,40 @@ class Interpreter:
             handle = target._handle
         for arg in args:
             if not _sharing.is_plain(arg):
-                pickler = _Pickler(self)
-                return pickler.dumps((op, handle, args, self._epoch)), pickler
-        # nothing to lend, no handle: the fast path
-        return pickle.dumps((op, handle, args, self._epoch), _sharing.PLAIN_PROTOCOL), None
+                break
+        else:  # nothing to lend, no handle: the fastest path
+            return pickle.dumps((op, handle, args, self._epoch), _sharing.PLAIN_PROTOCOL), None
+        if op == CALL_VALUE and _sharing.is_plain(args[0]) and _sharing.is_plain(args[2]):
+            lent = _sharing.Lent(exports)  # a call with scalars and tensors: the fast path
+            flat = _sharing.lend_flat(args[1], lent)
+            if flat is not None:
+                return pickle.dumps((CALL_LENT, handle, (args[0], *flat, args[2]), self._epoch),
+                                    _sharing.PLAIN_PROTOCOL), lent
+        pickler = _Pickler(self)
+        return pickler.dumps((op, handle, args, self._epoch)), pickler.lent
 
-    def _finish(self, reply: tuple[int, int, bytes], pickler: _Pickler | None) -> Any:
+    def _finish(self, reply: tuple[int, int, bytes], lent: _sharing.Lent | None) -> Any:
         """The result of a reply, or the exception it carries."""
         status, handle, payload = reply
+        if status == _protocol.LENT:
+            values, positions, single = pickle.loads(payload)
+            aliased: list[int] = []
+            try:
+                values = _sharing.alias_flat(values, positions, self._runtime.ordinal,
+                                             aliased.append)
+            except BaseException:  # Ctrl-C, say: give back what was not aliased
+                self._runtime.releases.extend(
+                    values[position][1] for position in positions
+                    if values[position][1] not in aliased)
+                raise
+            return values[0] if single else tuple(values)
         if status == _protocol.OK:
             if handle:
                 return Obj(self, handle)
             if payload[1] == _sharing.PLAIN_PROTOCOL:
                 return pickle.loads(payload)
-            reader = _sharing.AliasingUnpickler(payload, self._runtime.releases.append)
+            reader = _sharing.AliasingUnpickler(payload, self._runtime.releases.append,
+                                                self._runtime.ordinal)
             try:
                 return reader.load()
             except BaseException as error:  # give back what the reply lent and was not aliased
@@ -267,15 +287,15 @@ class Interpreter:
                     "") from error
         if status == _protocol.ERROR:
             record = _protocol.RemoteError(*pickle.loads(payload))
-            if record.aliased is not None and pickler is not None:
-                pickler.take_back(record.aliased)  # reading the request failed midway
+            if record.aliased is not None and lent is not None:
+                lent.take_back(record.aliased)  # reading the request failed midway
             error = _remote_error(record)
             if isinstance(error, InterpreterLimitError):
                 self._runtime.out_of_room = str(error)
             raise error
         if status == _protocol.CLOSED or status == _protocol.CANCELLED:
-            if pickler is not None:
-                pickler.take_back()  # nothing ran: nothing lent was aliased
+            if lent is not None:
+                lent.take_back()  # nothing ran: nothing lent was aliased
             if status == _protocol.CANCELLED:  # by Ctrl-C (a timed call's caller is gone)
                 raise KeyboardInterrupt
             if self._closed:  # refused: the interpreter went to another manager

@@ -441,6 +441,38 @@ def test_nothing_stays_lent_after_failed_or_abandoned_calls(torch_manager):
     assert _lent_after_settling(torch_manager) == baseline
 
 
+def test_calls_with_tensors_and_scalars_lend_both_ways(torch_manager):
+    """call_value with only scalars and tensors, and results that are a tensor or a tuple
+    of them, take the fast path (no pickler): the same guarantees as the general one."""
+    baseline = _lent_after_settling(torch_manager)
+    base = torch.arange(12.0).reshape(3, 4)
+    grad = torch.ones(2, requires_grad=True)
+    with torch_manager[0].acquire_session() as s:
+        stats = s.global_("multipy._inside", "stats")
+        lent_inside = stats.call_value(None)["lent"]
+        echo, add_one_ = s.global_("tensor_tools", "echo"), s.global_("tensor_tools", "add_one_")
+        as_tuple = s.global_("builtins", "tuple")
+        back = as_tuple.call_value(None, ((base, base.t(), 1.5, "x", None, torch.empty(0)),))
+        assert back[0].data_ptr() == base.data_ptr() and torch.equal(back[0], base)
+        assert back[1].stride() == base.t().stride() and torch.equal(back[1], base.t())
+        assert back[2:5] == (1.5, "x", None) and back[5].shape == (0,)
+        view = base[1:, ::2]
+        add_one_.call_value(None, (view,))  # in place, through an alias of a view
+        assert base[1:, ::2].tolist() == [[5.0, 7.0], [9.0, 11.0]] and base[0, 0] == 0
+        single = s.global_("operator", "neg").call_value(None, (base[2],))
+        assert torch.equal(single, -base[2])
+        assert s.global_("tensor_tools", "requires_grad").call_value(None, (grad,)) is False
+        conj = torch.tensor([1 + 2j]).conj()  # not lendable: the general path, a copy
+        assert torch.equal(as_tuple.call_value(None, ((conj, base),))[0], conj.resolve_conj())
+        args, kwargs = echo.call_value(None, (torch.tensor(3.0), 2), {"k": 1})
+        assert args[0].item() == 3.0 and args[1] == 2 and kwargs == {"k": 1}
+        made = s.global_("tensor_tools", "make").call_value(None, (5,))
+        assert made.tolist() == [0, 1, 2, 3, 4] and stats.call_value(None)["lent"] > lent_inside
+        del back, single, made, args
+        assert _lent_after_settling(torch_manager) == baseline
+        assert stats.call_value(None)["lent"] == lent_inside
+
+
 def test_replicated_object_materialises_once_under_races(torch_manager):
     made = []
 

@@ -25,7 +25,7 @@ import traceback
 import _multipy_bootstrap
 
 from .. import _protocol, _sharing
-from .._protocol import CALL, CLOSED, ERROR, GETATTR, GLOBAL, OK, RESET
+from .._protocol import CALL, CALL_LENT, CALL_VALUE, CLOSED, ERROR, GETATTR, GLOBAL, LENT, OK, RESET
 
 _NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
 _OP_TEXTS = tuple(name.encode() for name in _protocol.OP_NAMES)  #: for crash reports
@@ -192,14 +192,21 @@ class _Interpreter:
         """Runs one request: (status, new object handle or 0, payload).  The C entry
         applies the host's releases to the tables before, and collects ``released``
         after: an exception a cancel raises here cannot lose either."""
-        reading = None
+        aliased = None  # while the request is read: the host's tokens aliased so far
         try:
             if request[1] == _sharing.PLAIN_PROTOCOL:
                 op, handle, args, epoch = pickle.loads(request)
+                if op == CALL_LENT:
+                    aliased = []
+                    method, values, positions, kwargs = args
+                    args = (method, _sharing.alias_flat(values, positions, 0, aliased.append),
+                            kwargs)
+                    op, aliased = CALL_VALUE, None
             else:
                 reading = _Unpickler(request, self.objects, self.released.append)
+                aliased = reading.aliased
                 op, handle, args, epoch = reading.load()
-                reading = None
+                aliased = None
             if epoch != self.epoch:
                 if op != RESET:  # a request of a manager that closed: refused
                     return CLOSED, 0, b""
@@ -221,11 +228,13 @@ class _Interpreter:
                 status, number, payload = OK, number, b""
             elif _sharing.is_plain(result):
                 status, number, payload = OK, 0, pickle.dumps(result, _sharing.PLAIN_PROTOCOL)
+            elif (flat := _sharing.lend_result(result, self.exports)) is not None:
+                status, number, payload = LENT, 0, pickle.dumps(flat, _sharing.PLAIN_PROTOCOL)
             else:
                 status, number, payload = OK, 0, _sharing.LendingPickler(self.exports).dumps(result)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
             status, number, payload = ERROR, 0, _error_record(
-                exc, None if reading is None else tuple(reading.aliased))
+                exc, None if aliased is None else tuple(aliased))
         return status, number, payload
 
     def _crash_name(self, op: int, handle: int, args: tuple) -> bytes:

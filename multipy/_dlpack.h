@@ -1,0 +1,158 @@
+/*
+ * Tensors lent across the boundary by DLPack (docs/design.md, "Lending memory").
+ *
+ * The owner exports a tensor with its own torch's to_dlpack and keeps the capsule under
+ * a token; the receiver reads the owner's DLManagedTensor by address and gives its own
+ * torch a copy of it whose deleter only queues the token (no lock a call holds, no
+ * GIL: torch may free a tensor on any thread).  The queue goes back to the owner with
+ * the next call, and the owner drops its capsule under its own GIL.  Included by the
+ * host's C and by the C inside each interpreter: each has its own copy of this code.
+ */
+#ifndef MULTIPY_DLPACK_H
+#define MULTIPY_DLPACK_H
+
+#include <Python.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The DLPack ABI (dlpack.h, v0.8, the "dltensor" capsule that every torch reads). */
+typedef struct {
+    int32_t device_type; /* kDLCPU = 1 */
+    int32_t device_id;
+} DLDevice;
+typedef struct {
+    uint8_t code, bits;
+    uint16_t lanes;
+} DLDataType;
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape, *strides;
+    uint64_t byte_offset;
+} DLTensor;
+typedef struct DLManagedTensor {
+    DLTensor dl_tensor;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensor *self);
+} DLManagedTensor;
+
+#define MULTIPY_DL_CPU 1
+
+/* Tokens whose aliases died, waiting for the next call to carry them to their owner. */
+struct release_queue {
+    pthread_mutex_t lock;
+    uint64_t *tokens;
+    size_t count, capacity;
+};
+#define RELEASE_QUEUE_INIT {PTHREAD_MUTEX_INITIALIZER, NULL, 0, 0}
+
+static void queue_push(struct release_queue *queue, uint64_t token)
+{
+    pthread_mutex_lock(&queue->lock);
+    if (queue->count == queue->capacity) {
+        size_t capacity = queue->capacity ? 2 * queue->capacity : 64;
+        uint64_t *grown = realloc(queue->tokens, capacity * sizeof *grown);
+        if (!grown) { /* the owner keeps the tensor: a leak, never a dangling alias */
+            pthread_mutex_unlock(&queue->lock);
+            return;
+        }
+        queue->tokens = grown;
+        queue->capacity = capacity;
+    }
+    queue->tokens[queue->count++] = token;
+    pthread_mutex_unlock(&queue->lock);
+}
+
+/* Moves the queued tokens to out (room for `room`); how many it moved. */
+static size_t queue_take(struct release_queue *queue, uint64_t *out, size_t room)
+{
+    pthread_mutex_lock(&queue->lock);
+    size_t taken = queue->count < room ? queue->count : room;
+    queue->count -= taken;
+    memcpy(out, queue->tokens + queue->count, taken * sizeof *out);
+    pthread_mutex_unlock(&queue->lock);
+    return taken;
+}
+
+static size_t queue_length(struct release_queue *queue)
+{
+    pthread_mutex_lock(&queue->lock);
+    size_t count = queue->count;
+    pthread_mutex_unlock(&queue->lock);
+    return count;
+}
+
+/* The receiver's copy of the owner's DLManagedTensor. */
+struct alias {
+    DLManagedTensor managed;
+    uint64_t token;
+    struct release_queue *queue;
+};
+
+static void alias_deleter(DLManagedTensor *managed)
+{
+    struct alias *alias = managed->manager_ctx;
+    queue_push(alias->queue, alias->token);
+    free(alias);
+}
+
+static void alias_capsule_destructor(PyObject *capsule)
+{
+    /* Still named "dltensor": no torch took it, so the token goes back from here. */
+    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
+    if (managed)
+        managed->deleter(managed);
+    else
+        PyErr_Clear();
+}
+
+/* lent_address(capsule) -> int: the DLManagedTensor of a "dltensor" capsule that this
+ * side's torch made, or 0 when its memory is not in host memory (a CUDA tensor). */
+static PyObject *lent_address(PyObject *module, PyObject *capsule)
+{
+    (void)module;
+    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
+    if (!managed)
+        return NULL;
+    if (managed->dl_tensor.device.device_type != MULTIPY_DL_CPU)
+        return PyLong_FromLong(0);
+    return PyLong_FromVoidPtr(managed);
+}
+
+/* alias_capsule(address, token) -> capsule for this side's torch.from_dlpack: the
+ * owner's tensor at address, whose token goes to `queue` once this side is done. */
+static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,
+                                    struct release_queue *queue)
+{
+    if (nargs < 2) {
+        PyErr_SetString(PyExc_TypeError, "alias_capsule(address, token, ...)");
+        return NULL;
+    }
+    DLManagedTensor *owner = PyLong_AsVoidPtr(args[0]);
+    uint64_t token = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (!owner) {
+        PyErr_SetString(PyExc_ValueError, "no tensor at address 0");
+        return NULL;
+    }
+    struct alias *alias = malloc(sizeof *alias);
+    if (!alias)
+        return PyErr_NoMemory();
+    alias->managed.dl_tensor = owner->dl_tensor; /* shape and strides: the owner's, kept
+                                                    until the token goes back */
+    alias->managed.manager_ctx = alias;
+    alias->managed.deleter = alias_deleter;
+    alias->token = token;
+    alias->queue = queue;
+    PyObject *capsule = PyCapsule_New(&alias->managed, "dltensor", alias_capsule_destructor);
+    if (!capsule)
+        free(alias); /* the token was never queued: the owner takes it back */
+    return capsule;
+}
+
+#endif

@@ -3,7 +3,9 @@ tensors, its default) against `multipy serve` with N interpreters, and against t
 own Python model server (kserve.ModelServer) with N worker processes, each holding its
 own copy of the model.  Prints requests/s, p50 and p99 latency, and the memory (PSS) of
 each server's whole process tree, measured in one run; every answer is checked against
-the model run eagerly here.
+the model run eagerly here.  With --rounds R each server runs R times, the two taking
+turns (who goes first alternates), and the figures are the medians: a busy spell on a
+shared machine then skews one round, not the ratio.
 
 KServe 0.21 pins protobuf<7 and psutil<6, so the peer gets a virtual environment of its
 own, made here on first use (--peer-venv): kserve==0.21.0, torch==2.13.0, numpy==2.4.6.
@@ -11,7 +13,7 @@ The clients send binary tensors: KServe's server rejects tritonclient's JSON req
 which carry no Content-Type ("received byte inputs, but the
 'inference-header-content-length' header is missing").
 
-    multipy run benchmarks/serve_load.py [--counts 2,4] [--seconds 10] [--model python_heavy]
+    multipy run benchmarks/serve_load.py [--counts 2,4] [--seconds 10] [--rounds 3] [--model python_heavy]
 """
 from __future__ import annotations
 
@@ -183,6 +185,12 @@ def run_server(command: list[str], port: int, model: str, clients: int, seconds:
             _stop(process)
 
 
+def _medians(runs: list[dict]) -> dict:
+    """The median of each figure over runs; wrong answers summed."""
+    return {key: (sum(run[key] for run in runs) if key == "wrong"
+                  else statistics.median(run[key] for run in runs)) for key in runs[0]}
+
+
 def example(directory: str, model: str) -> tuple[str, list, object]:
     """The example package `model` written into directory: its path, its example inputs
     as numpy arrays, and the model's output for them, run eagerly here."""
@@ -205,6 +213,8 @@ def main() -> None:
     parser.add_argument("--counts", default="2,4", help="N: interpreters, workers and clients (2,4)")
     parser.add_argument("--seconds", type=float, default=10, help="timed seconds per run (10)")
     parser.add_argument("--warm-up", type=float, default=3, help="untimed seconds first (3)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="runs of each server, taking turns; medians reported (3)")
     parser.add_argument("--model", default="python_heavy", help="example package (python_heavy)")
     parser.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv", "kserve-peer"),
                         help="KServe's virtual environment, made if missing (.venv/kserve-peer)")
@@ -217,18 +227,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as directory:
         path, arrays, expected = example(directory, args.model)
         for n in counts:
-            port = free_port()
-            ours = run_server([sys.executable, "-m", "multipy", "serve", path, "--interpreters",
-                               str(n), "--port", str(port)],
-                              port, args.model, n, args.seconds, args.warm_up, arrays, expected)
-            port = free_port()
-            theirs = run_server([peer, os.path.join(HERE, "kserve_model.py"), path, "--name",
-                                 args.model, "--workers", str(n), "--port", str(port)],
-                                port, args.model, n, args.seconds, args.warm_up, arrays, expected)
-            rows.append({"n": n, "multipy": ours, "kserve": theirs})
+            commands = {
+                "multipy": [sys.executable, "-m", "multipy", "serve", path, "--interpreters",
+                            str(n), "--port", "{port}"],
+                "kserve": [peer, os.path.join(HERE, "kserve_model.py"), path, "--name",
+                           args.model, "--workers", str(n), "--port", "{port}"]}
+            rounds: dict[str, list[dict]] = {"multipy": [], "kserve": []}
+            for round_ in range(args.rounds):
+                for name in (("multipy", "kserve") if round_ % 2 == 0 else ("kserve", "multipy")):
+                    port = free_port()
+                    command = [part.format(port=port) for part in commands[name]]
+                    rounds[name].append(run_server(command, port, args.model, n, args.seconds,
+                                                   args.warm_up, arrays, expected))
+            rows.append({"n": n, "rounds": rounds,
+                         **{name: _medians(runs) for name, runs in rounds.items()}})
 
     print(f"\n{args.model}: N clients (tritonclient.http, binary) against each server, "
-          f"{args.seconds:g} s after {args.warm_up:g} s of warm-up")
+          f"{args.seconds:g} s after {args.warm_up:g} s of warm-up; the median of "
+          f"{args.rounds} round(s), the servers taking turns")
     print(f"{'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
           f"{'PSS MiB':>8s} {'wrong':>6s}")
     for row in rows:
@@ -238,9 +254,12 @@ def main() -> None:
             print(f"{label:28s} {row['n']:2d} {f['requests_per_second']:8.1f} {f['p50_ms']:8.2f} "
                   f"{f['p99_ms']:8.2f} {f['pss_mib']:8.1f} {f['wrong']:6d}")
         ours, theirs = row["multipy"], row["kserve"]
+        each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
+                         for a, b in zip(row["rounds"]["multipy"], row["rounds"]["kserve"]))
         print(f"  N={row['n']}: multipy / KServe: requests/s "
               f"{ours['requests_per_second'] / theirs['requests_per_second']:.2f}x, "
-              f"memory {ours['pss_mib'] / theirs['pss_mib']:.2f}x")
+              f"memory {ours['pss_mib'] / theirs['pss_mib']:.2f}x   (req/s by round, "
+              f"multipy/KServe: {each})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "seconds": args.seconds, "rows": rows}, f, indent=1)

@@ -4,7 +4,7 @@ VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info
 
 .PHONY: serve demo test bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py multipy/_bootstrap.c
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e ".[test]"

@@ -20,7 +20,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from . import _glibc, _host, _sharing
+from . import _cuda, _glibc, _host, _sharing
 from ._protocol import CANCEL_INTERRUPT, CANCEL_TIMEOUT, OK, RESET
 from .errors import InterpreterStartError
 
@@ -80,6 +80,9 @@ class Runtime:
     def __init__(self, ordinal: int) -> None:
         self.ordinal = ordinal
         _, lmid = _glibc.open_namespace(_glibc.libpython_path())
+        forwarder = _cuda.forwarder()
+        if forwarder is not None:  # before any code runs there: the host's CUDA driver
+            _glibc.load_into(lmid, forwarder)
         bootstrap = _glibc.load_into(lmid, _bootstrap_path())
         symbol = lambda name: _glibc.symbol(bootstrap, name)  # noqa: E731
         self._status_read, status_write = os.pipe()

@@ -10,7 +10,7 @@ import platform
 import sys
 from pathlib import Path
 
-from . import _glibc
+from . import _cuda, _glibc
 from ._launch import launch_environment
 
 
@@ -74,6 +74,7 @@ def _info() -> None:
     print(f"torch:        each interpreter of a manager of n runs torch with max(1, {cores()} cores "
           f"// n) intra-op threads ({default_torch_threads(2)} for n=2) and grad mode on, "
           f"unless InterpreterManager(torch_threads=, grad_enabled=) says otherwise")
+    print(f"CUDA driver:  {_cuda.describe()}")
 
 
 def _cmake_prefix() -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "multipy"
 
 #: Bottom-up: each module may import only modules before it.
-LAYERS = ["errors", "_launch", "_host", "_bootstrap", "_glibc", "_protocol", "_sharing", "_runtime",
-          "_pool", "session", "_aio", "environment", "replicated", "package", "manager", "_cpp", "shell", "serve",
+LAYERS = ["errors", "_launch", "_host", "_bootstrap", "_glibc", "_cuda", "_protocol", "_sharing",
+          "_runtime", "_pool", "session", "_aio", "environment", "replicated", "package", "manager", "_cpp", "shell", "serve",
           "cli",
           "__main__", "__init__"]
 #: multipy.serve, bottom-up: each of its modules may import only those before it, and of

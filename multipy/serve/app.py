@@ -70,7 +70,8 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
         except ProtocolError as error:
             return _error(error.status, str(error))
         metrics, name = service.metrics, model.name
-        metrics.requests.labels(model=name).inc()
+        series = metrics.models[name]
+        series.requests.inc()
         started = time.perf_counter()
         status = 500
         try:
@@ -100,7 +101,7 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
             logger.exception("inference on model %r failed", name)
             return _error(500, f"internal error: {type(error).__name__}: {error}")
         finally:
-            metrics.latency.labels(model=name).observe(time.perf_counter() - started)
+            series.latency.observe(time.perf_counter() - started)
             if status != 200:
                 metrics.failures.labels(model=name, status=str(status)).inc()
 
@@ -123,6 +124,8 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
     model_path = "/v2/models/{model}"
     version_path = "/v2/models/{model}/versions/{version}"
     routes = [
+        Route(f"{model_path}/infer", infer, methods=["POST"]),  # first: the busy one
+        Route(f"{version_path}/infer", infer, methods=["POST"]),
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
         Route("/v2", server_metadata, methods=["GET"]),
@@ -130,8 +133,6 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
         Route(version_path, model_metadata, methods=["GET"]),
         Route(f"{model_path}/ready", model_ready, methods=["GET"]),
         Route(f"{version_path}/ready", model_ready, methods=["GET"]),
-        Route(f"{model_path}/infer", infer, methods=["POST"]),
-        Route(f"{version_path}/infer", infer, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error},

@@ -7,6 +7,8 @@ adds to it.
 """
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -15,6 +17,18 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
             30.0, 60.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ModelSeries(NamedTuple):
+    """One model's series of each family, looked up once (a lookup by label takes a
+    lock and builds a key: every request would pay it several times)."""
+
+    requests: Any
+    latency: Any
+    queued: Any
+    busy: Any
+    calls: Any
+    batched: Any
 
 
 class Metrics:
@@ -47,10 +61,10 @@ class Metrics:
         self.interpreters = Gauge("multipy_interpreters", "Interpreters serving the models",
                                   registry=self.registry)
         self.interpreters.set(interpreters)
-        for model in models:
-            for family in (self.requests, self.latency, self.queued, self.busy, self.calls,
-                           self.batched):
-                family.labels(model=model)
+        #: model name -> its series
+        self.models = {model: ModelSeries(*(family.labels(model=model) for family in (
+            self.requests, self.latency, self.queued, self.busy, self.calls, self.batched)))
+            for model in models}
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

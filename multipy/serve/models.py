@@ -55,7 +55,7 @@ class ServedModel:
         self.spec = spec
         self.name = spec.name
         self._manager = manager
-        self._metrics = metrics
+        self._series = metrics.models[spec.name]
         self._storages: dict[str, Any] | None = None
         self._mapping = threading.Lock()
         self.replicated = ReplicatedObj(manager, self._load)
@@ -106,7 +106,7 @@ class ServedModel:
         """The outputs for request, as the request selects them; ProtocolError for an
         output it names that the model does not give, ModelError if the model fails,
         BatchError if a batch's outputs cannot be split."""
-        place = _Place(self._metrics.queued.labels(model=self.name))
+        place = _Place(self._series.queued)
         try:
             if self._batcher is not None:
                 outputs = await self._batcher.submit(request.inputs, place)
@@ -119,15 +119,15 @@ class ServedModel:
     async def _call(self, inputs: list[Tensor], places: list[_Place]) -> list[Tensor]:
         """One call of the model, with inputs that hold the requests at places."""
         args, kwargs = self._arguments(inputs)
-        metrics, name = self._metrics, self.name
+        series, name = self._series, self.name
         try:
             async with self._slots:
                 for place in places:
                     place.leave()
-                busy = metrics.busy.labels(model=name)
+                busy = series.busy
                 busy.inc()
-                metrics.calls.labels(model=name).inc()
-                metrics.batched.labels(model=name).observe(len(places))
+                series.calls.inc()
+                series.batched.observe(len(places))
                 try:
                     raw = await self.replicated.acall_method("infer", args, kwargs)
                 finally:

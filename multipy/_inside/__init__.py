@@ -28,6 +28,7 @@ from .. import _protocol, _sharing
 from .._protocol import CALL, CALL_LENT, CALL_VALUE, CLOSED, ERROR, GETATTR, GLOBAL, LENT, OK, RESET
 
 _NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
+_NONE = pickle.dumps(None, _sharing.PLAIN_PROTOCOL)  #: the most common value's payload
 _OP_TEXTS = tuple(name.encode() for name in _protocol.OP_NAMES)  #: for crash reports
 
 
@@ -118,6 +119,13 @@ def _object(objects: dict[int, object], number: int):
                           f"released, or the manager it came from closed") from None
 
 
+class _ThreadTorch(threading.local):
+    """Per thread: the torch settings it was given (see apply_torch_settings); a class
+    default, so that reading it never raises (getattr with a default would, inside)."""
+
+    torch: tuple[int, bool] | None = None
+
+
 class _Interpreter:
     """This interpreter as the host sees it: its objects and the requests it runs."""
 
@@ -135,7 +143,7 @@ class _Interpreter:
         #: (intra-op threads, grad enabled) for torch, set by the manager; torch keeps
         #: both per thread, so each thread gets them on its first call once torch is in
         self.torch_settings: tuple[int, bool] | None = None
-        self._thread = threading.local()
+        self._thread = _ThreadTorch()
         self._ops = (self._global, self._call, self._call_value, self._getattr,
                      self._hasattr, self._deref, self._reset)
 
@@ -175,7 +183,7 @@ class _Interpreter:
         """Gives the calling thread the manager's torch settings, once torch is imported
         and until they change.  A few attribute reads when there is nothing to do."""
         settings = self.torch_settings
-        if settings is None or getattr(self._thread, "torch", None) is settings:
+        if settings is None or self._thread.torch is settings:
             return
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "set_grad_enabled"):  # not (yet) imported
@@ -219,13 +227,17 @@ class _Interpreter:
                     target = _object(self.objects, handle)  # raises what to say
             name = self._names.get(handle if op != GLOBAL else args)
             _multipy_bootstrap.note(_OP_TEXTS[op], name or self._crash_name(op, handle, args))
-            self.apply_torch_settings()
+            if self._thread.torch is not self.torch_settings:
+                self.apply_torch_settings()
             result = self._ops[op](target, *args)
-            self.apply_torch_settings()  # this call may have imported torch
+            if self._thread.torch is not self.torch_settings:  # it may have imported torch
+                self.apply_torch_settings()
             if op in _NEW_OBJECT:
                 number = next(self._ids)
                 self.objects[number] = result
                 status, number, payload = OK, number, b""
+            elif result is None:
+                status, number, payload = OK, 0, _NONE
             elif _sharing.is_plain(result):
                 status, number, payload = OK, 0, pickle.dumps(result, _sharing.PLAIN_PROTOCOL)
             elif (flat := _sharing.lend_result(result, self.exports)) is not None:

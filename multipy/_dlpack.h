@@ -1,5 +1,5 @@
 /*
- * Tensors lent across the boundary by DLPack (docs/design.md, "Lending memory").
+ * Tensors lent across the boundary by DLPack (docs/design.md, "memory").
  *
  * The owner exports a tensor with its own torch's to_dlpack and keeps the capsule under
  * a token; the receiver reads the owner's DLManagedTensor by address and gives its own
@@ -102,12 +102,12 @@ static void alias_deleter(DLManagedTensor *managed)
 
 static void alias_capsule_destructor(PyObject *capsule)
 {
-    /* Still named "dltensor": no torch took it, so the token goes back from here. */
+    /* Still named "dltensor": no torch took it, so the token goes back from here.  Runs
+     * while an exception may be propagating: it must neither raise nor clear one. */
+    if (!PyCapsule_IsValid(capsule, "dltensor"))
+        return;
     DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
-    if (managed)
-        managed->deleter(managed);
-    else
-        PyErr_Clear();
+    managed->deleter(managed);
 }
 
 /* lent_address(capsule) -> int: the DLManagedTensor of a "dltensor" capsule that this

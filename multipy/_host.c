@@ -180,14 +180,19 @@ static void drop_released(PyObject *exports, const uint64_t *tokens, size_t coun
 }
 
 /* A reply that will not be read (its caller was interrupted): what it made or lent in
- * the interpreter goes back with the next call.  Keeps the exception being raised. */
-static void give_back(Entry *self, int status, uint64_t handle, PyObject *payload)
+ * the interpreter goes back with the next call, and unread(status, payload), if given,
+ * takes back what the request lent and the interpreter did not alias.  Keeps the
+ * exception being raised. */
+static void give_back(Entry *self, int status, uint64_t handle, PyObject *payload,
+                      PyObject *unread)
 {
-    if (status != MULTIPY_OK && status != MULTIPY_LENT)
-        return;
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    if (handle) {
+    if (status != MULTIPY_OK && status != MULTIPY_LENT) {
+        PyObject *done = unread ? PyObject_CallFunction(unread, "iO", status, payload) : NULL;
+        Py_XDECREF(done);
+        PyErr_Clear();
+    } else if (handle) {
         PyObject *number = PyLong_FromUnsignedLongLong(handle);
         if (!number || PyList_Append(self->releases, number) < 0)
             PyErr_Clear();
@@ -204,19 +209,21 @@ static void give_back(Entry *self, int status, uint64_t handle, PyObject *payloa
 }
 
 PyDoc_STRVAR(Entry_call_doc,
-"call(request: bytes, serial: int = 0) -> (status, handle, payload)\n\n"
+"call(request: bytes, serial: int = 0, unread=None) -> (status, handle, payload)\n\n"
 "Runs request in the interpreter on this thread, without the host's GIL (serial 0: a\n"
 "new number).  Takes every number out of the releases list and sends them along;\n"
 "removes from the exports dict the tokens the interpreter gave back.  On the main\n"
-"thread, interrupt_main() cancels the call.");
+"thread, interrupt_main() cancels the call; if Ctrl-C then raises before the reply is\n"
+"returned, unread(status, payload) runs for a reply that did not run the request.");
 
 static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "call(request: bytes, serial: int = 0)");
+    if (nargs < 1 || nargs > 3 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "call(request: bytes, serial: int = 0, unread=None)");
         return NULL;
     }
-    uint64_t serial = nargs == 2 ? PyLong_AsUnsignedLongLong(args[1]) : 0;
+    PyObject *unread = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
+    uint64_t serial = nargs >= 2 ? PyLong_AsUnsignedLongLong(args[1]) : 0;
     if (serial == (uint64_t)-1 && PyErr_Occurred())
         return NULL;
     if (self->closed)
@@ -278,7 +285,7 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     if (!payload)
         return NULL;
     if (on_main && PyErr_CheckSignals() < 0) { /* Ctrl-C: nobody will read this reply */
-        give_back(self, reply.status, reply.handle, payload);
+        give_back(self, reply.status, reply.handle, payload, unread);
         Py_DECREF(payload);
         return NULL;
     }
@@ -506,9 +513,16 @@ static struct PyModuleDef module_def = {
     module_methods,
 };
 
+/* In a forked child: a queue's lock may have been held by a thread that is gone. */
+static void reset_queues_in_child(void)
+{
+    for (int k = 0; k < MULTIPY_MAX_INTERPRETERS; k++)
+        pthread_mutex_init(&queues[k].lock, NULL);
+}
+
 PyMODINIT_FUNC PyInit__host(void)
 {
-    if (PyType_Ready(&EntryType) < 0)
+    if (PyType_Ready(&EntryType) < 0 || pthread_atfork(NULL, NULL, reset_queues_in_child))
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (!module)

@@ -45,12 +45,27 @@ class Lent:
         self.exports = exports
         self.tokens: list[int] = []
 
+    def export(self, obj: Any) -> int:
+        """Lends obj for this message: its new token."""
+        return self.exports.export(obj, self.tokens)
+
+    def unread(self, status: int, payload: bytes) -> None:
+        """Takes back what the other side did not alias, for a reply (status, payload)
+        to this message that will not be read: nothing if the call ran."""
+        if status == _protocol.CANCELLED or status == _protocol.CLOSED:
+            self.take_back()
+        elif status == _protocol.ERROR:
+            aliased = _protocol.RemoteError(*pickle.loads(payload)).aliased
+            if aliased is not None:
+                self.take_back(aliased)
+
     def take_back(self, aliased: Iterable[int] = ()) -> None:
         """Releases what this message lent, but for the tokens the other side aliased."""
         kept = set(aliased)
         for token in self.tokens:
             if token not in kept:
                 self.exports.release(token)
+        self.tokens = [token for token in self.tokens if token in kept]
 
 
 class Exports:
@@ -63,9 +78,12 @@ class Exports:
         self._tokens = itertools.count(1) if tokens is None else tokens
         self._lock = threading.Lock()
 
-    def export(self, obj: Any) -> int:
+    def export(self, obj: Any, noted: list[int]) -> int:
+        """Keeps obj under a new token, appended to noted before obj is kept: an
+        exception at any point leaves nothing kept that noted does not name."""
         with self._lock:
             token = next(self._tokens)
+            noted.append(token)
             self.objects[token] = obj
         return token
 
@@ -81,7 +99,7 @@ class Exports:
         self._lock = threading.Lock()
 
 
-def describe(obj: Any, exports: Exports) -> tuple | None:
+def describe(obj: Any, lent: Lent) -> tuple | None:
     """The record that lends obj's memory to the other side, or None if obj is pickled
     as usual instead: anything but a CPU strided tensor or a plain numpy array, and the
     cases an alias could not represent faithfully (lazy conjugate or negative views,
@@ -92,20 +110,20 @@ def describe(obj: Any, exports: Exports) -> tuple | None:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and type(obj) is torch.Tensor:  # subclasses (Parameter) are copied
-        return _tensor_record(obj, torch, exports)
+        return _tensor_record(obj, torch, lent)
     numpy = sys.modules.get("numpy")
     if (numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject
             and obj.dtype.fields is None and obj.flags.writeable):
         low = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s < 0 and n)
         high = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s > 0 and n)
         nbytes = (high - low + obj.itemsize) if obj.size else 0
-        token = exports.export(obj) if nbytes else 0
+        token = lent.export(obj) if nbytes else 0
         return (NUMPY, token, obj.__array_interface__["data"][0] + low, nbytes,
                 obj.dtype.str, obj.shape, obj.strides, -low)
     return None
 
 
-def _tensor_record(tensor: Any, torch: Any, exports: Exports) -> tuple | None:
+def _tensor_record(tensor: Any, torch: Any, lent: Lent) -> tuple | None:
     """describe for a torch.Tensor: lent by DLPack (multipy/_dlpack.h)."""
     if tensor.is_conj() or tensor.is_neg():  # DLPack would drop the lazy bit
         return None
@@ -116,51 +134,58 @@ def _tensor_record(tensor: Any, torch: Any, exports: Exports) -> tuple | None:
     address = _c.lent_address(capsule)
     if not address:  # not in host memory
         return None
-    return (TORCH, exports.export(capsule), address)
+    return (TORCH, lent.export(capsule), address)
 
 
 def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]] | None:
     """The fast path for a flat sequence of scalars and tensors: values as a tuple that
-    pickles plainly, with each tensor's record in its place, and those places; lent
-    notes the tokens.  None, with nothing lent, if a value is anything else or a tensor
-    that describe would not lend."""
+    pickles plainly, with each tensor's record in its place (one record for a tensor met
+    twice, as pickle's memo would), and those places; lent notes the tokens.  None,
+    with nothing lent, if a value is anything else or a tensor that describe would not
+    lend; whatever this raises, nothing stays lent."""
     torch = sys.modules.get("torch")
-    flat, positions = None, []
-    for position, value in enumerate(values):
-        if type(value) in _SCALARS:
-            continue
-        record = None
-        if torch is not None and type(value) is torch.Tensor:
-            record = _tensor_record(value, torch, lent.exports)
-        if record is None:
-            lent.take_back()
-            lent.tokens.clear()
-            return None
-        lent.tokens.append(record[1])
-        if flat is None:
-            flat = list(values)
-        flat[position] = record
-        positions.append(position)
+    flat, positions, records = None, [], {}
+    try:
+        for position, value in enumerate(values):
+            if type(value) in _SCALARS:
+                continue
+            record = records.get(id(value))
+            if record is None and torch is not None and type(value) is torch.Tensor:
+                record = records[id(value)] = _tensor_record(value, torch, lent)
+            if record is None:
+                lent.take_back()
+                return None
+            if flat is None:
+                flat = list(values)
+            flat[position] = record
+            positions.append(position)
+    except BaseException:
+        lent.take_back()
+        raise
     return tuple(values if flat is None else flat), tuple(positions)
 
 
-def lend_result(value: Any, exports: Exports) -> tuple | None:
+def lend_result(value: Any, lent: Lent) -> tuple | None:
     """A LENT reply's (values, positions, single) for a tensor or a tuple of scalars and
     tensors (see lend_flat), or None."""
     if type(value) is tuple:
-        flat = lend_flat(value, Lent(exports))
+        flat = lend_flat(value, lent)
         return None if flat is None else (*flat, False)
-    flat = lend_flat((value,), Lent(exports))
+    flat = lend_flat((value,), lent)
     return None if flat is None else (*flat, True)
 
 
 def alias_flat(values: tuple, positions: tuple[int, ...], source: int,
                on_alias: Callable[[int], None]) -> list:
-    """values (from lend_flat) with an alias in place of each record; on_alias(token)
-    as for alias."""
-    values = list(values)
+    """values (from lend_flat) with an alias in place of each record (one alias for a
+    record met twice); on_alias(token) as for alias."""
+    values, aliases = list(values), {}
     for position in positions:
-        values[position] = alias(values[position], source=source, on_alias=on_alias)
+        record = values[position]
+        made = aliases.get(record[1])
+        if made is None:
+            made = aliases[record[1]] = alias(record, source=source, on_alias=on_alias)
+        values[position] = made
     return values
 
 
@@ -214,10 +239,12 @@ class LendingPickler(pickle.Pickler):
     values cost nothing extra, and an object met twice is lent once (the memo).
     """
 
-    def __init__(self, exports: Exports) -> None:
+    def __init__(self, lent: Lent) -> None:
+        """lent: where what this pickler lends is noted (and taken back from if
+        pickling fails)."""
         self._buffer = io.BytesIO()
         super().__init__(self._buffer, protocol=MESSAGE_PROTOCOL)
-        self.lent = Lent(exports)
+        self.lent = lent
 
     def dumps(self, value: Any) -> bytes:
         """The message for value; if pickling fails, nothing stays lent."""
@@ -229,11 +256,9 @@ class LendingPickler(pickle.Pickler):
         return self._buffer.getvalue()
 
     def reducer_override(self, obj):
-        record = describe(obj, self.lent.exports)
+        record = describe(obj, self.lent)
         if record is None:
             return NotImplemented
-        if record[1]:
-            self.lent.tokens.append(record[1])
         return lent, (record,)
 
 
@@ -244,11 +269,13 @@ class AliasingUnpickler(pickle.Unpickler):
     interpreter that sent the message).  ``aliased`` lists the tokens aliased so far:
     if reading fails, what the other side lent and is not in it may be taken back."""
 
-    def __init__(self, data: bytes, on_release: Callable[[int], None], source: int = 0) -> None:
+    def __init__(self, data: bytes, on_release: Callable[[int], None], source: int = 0,
+                 aliased: list[int] | None = None) -> None:
+        """aliased: the list to note aliased tokens in (a new one by default)."""
         super().__init__(io.BytesIO(data))
         self._on_release = on_release
         self._source = source
-        self.aliased: list[int] = []
+        self.aliased: list[int] = [] if aliased is None else aliased
 
     def find_class(self, module: str, name: str) -> Any:
         # What this returns stays in the memo: it must not refer to the unpickler, or the

@@ -113,7 +113,7 @@ class _Pickler(_sharing.LendingPickler):
     tensor or array is lent (see _sharing), not copied."""
 
     def __init__(self, interpreter: Interpreter) -> None:
-        super().__init__(exports)
+        super().__init__(_sharing.Lent(exports))
         self._interpreter = interpreter
 
     def reducer_override(self, obj):
@@ -213,7 +213,9 @@ class Interpreter:
         if seconds is not None:
             return self.start(op, target, *args).wait(seconds)
         request, lent = self._encode(op, target, args)
-        reply = self._runtime.call(request)
+        # Ctrl-C may raise in the host before _finish reads the reply: then the entry
+        # gives back what the request lent and the interpreter did not alias
+        reply = self._runtime.call(request, 0, lent.unread if lent is not None else None)
         if reply[1]:  # a new object: the common case, first
             return Obj(self, reply[1])
         return self._finish(reply, lent)
@@ -244,10 +246,14 @@ class Interpreter:
             return pickle.dumps((op, handle, args, self._epoch), _sharing.PLAIN_PROTOCOL), None
         if op == CALL_VALUE and _sharing.is_plain(args[0]) and _sharing.is_plain(args[2]):
             lent = _sharing.Lent(exports)  # a call with scalars and tensors: the fast path
-            flat = _sharing.lend_flat(args[1], lent)
-            if flat is not None:
-                return pickle.dumps((CALL_LENT, handle, (args[0], *flat, args[2]), self._epoch),
-                                    _sharing.PLAIN_PROTOCOL), lent
+            try:
+                flat = _sharing.lend_flat(args[1], lent)
+                if flat is not None:
+                    return pickle.dumps((CALL_LENT, handle, (args[0], *flat, args[2]),
+                                         self._epoch), _sharing.PLAIN_PROTOCOL), lent
+            except BaseException:
+                lent.take_back()
+                raise
         pickler = _Pickler(self)
         return pickler.dumps((op, handle, args, self._epoch)), pickler.lent
 
@@ -255,15 +261,15 @@ class Interpreter:
         """The result of a reply, or the exception it carries."""
         status, handle, payload = reply
         if status == _protocol.LENT:
-            values, positions, single = pickle.loads(payload)
             aliased: list[int] = []
             try:
+                values, positions, single = pickle.loads(payload)
                 values = _sharing.alias_flat(values, positions, self._runtime.ordinal,
                                              aliased.append)
             except BaseException:  # Ctrl-C, say: give back what was not aliased
                 self._runtime.releases.extend(
-                    values[position][1] for position in positions
-                    if values[position][1] not in aliased)
+                    token for token in _sharing.lent_tokens(payload, status)
+                    if token not in aliased)
                 raise
             return values[0] if single else tuple(values)
         if status == _protocol.OK:
@@ -286,16 +292,16 @@ class Interpreter:
                     f"the call's result could not be read in the host: {error}",
                     "") from error
         if status == _protocol.ERROR:
+            if lent is not None:
+                lent.unread(status, payload)  # reading the request may have failed midway
             record = _protocol.RemoteError(*pickle.loads(payload))
-            if record.aliased is not None and lent is not None:
-                lent.take_back(record.aliased)  # reading the request failed midway
             error = _remote_error(record)
             if isinstance(error, InterpreterLimitError):
                 self._runtime.out_of_room = str(error)
             raise error
         if status == _protocol.CLOSED or status == _protocol.CANCELLED:
             if lent is not None:
-                lent.take_back()  # nothing ran: nothing lent was aliased
+                lent.unread(status, payload)  # nothing ran: nothing lent was aliased
             if status == _protocol.CANCELLED:  # by Ctrl-C (a timed call's caller is gone)
                 raise KeyboardInterrupt
             if self._closed:  # refused: the interpreter went to another manager

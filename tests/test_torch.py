@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
 import multipy  # noqa: E402
+from multipy._protocol import CALL_LENT, CALL_VALUE  # noqa: E402
 from multipy._runtime import exports as host_exports  # noqa: E402
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
@@ -457,6 +458,9 @@ def test_calls_with_tensors_and_scalars_lend_both_ways(torch_manager):
         assert back[1].stride() == base.t().stride() and torch.equal(back[1], base.t())
         assert back[2:5] == (1.5, "x", None) and back[5].shape == (0,)
         view = base[1:, ::2]
+        request, lent = s.interpreter._encode(CALL_VALUE, add_one_, (None, (view,), {}))
+        assert pickle.loads(request)[0] == CALL_LENT  # the fast path, not the pickler
+        lent.take_back()
         add_one_.call_value(None, (view,))  # in place, through an alias of a view
         assert base[1:, ::2].tolist() == [[5.0, 7.0], [9.0, 11.0]] and base[0, 0] == 0
         single = s.global_("operator", "neg").call_value(None, (base[2],))

@@ -100,8 +100,8 @@ class _Unpickler(_sharing.AliasingUnpickler):
     """Unpickles a request: a handle becomes the object the host holds, a lent tensor or
     array becomes an alias of the host's memory."""
 
-    def __init__(self, data, objects: dict[int, object], on_release) -> None:
-        super().__init__(data, on_release)
+    def __init__(self, data, objects: dict[int, object], on_release, aliased: list[int]) -> None:
+        super().__init__(data, on_release, aliased=aliased)
         self._objects = objects
 
     def find_class(self, module: str, name: str):
@@ -200,21 +200,20 @@ class _Interpreter:
         """Runs one request: (status, new object handle or 0, payload).  The C entry
         applies the host's releases to the tables before, and collects ``released``
         after: an exception a cancel raises here cannot lose either."""
-        aliased = None  # while the request is read: the host's tokens aliased so far
+        aliased: list[int] | None = []  # the host's tokens aliased until the request is read
+        lent = _sharing.Lent(self.exports)  # what the reply lends: taken back if it fails
         try:
             if request[1] == _sharing.PLAIN_PROTOCOL:
                 op, handle, args, epoch = pickle.loads(request)
                 if op == CALL_LENT:
-                    aliased = []
                     method, values, positions, kwargs = args
                     args = (method, _sharing.alias_flat(values, positions, 0, aliased.append),
                             kwargs)
-                    op, aliased = CALL_VALUE, None
+                    op = CALL_VALUE
             else:
-                reading = _Unpickler(request, self.objects, self.released.append)
-                aliased = reading.aliased
-                op, handle, args, epoch = reading.load()
-                aliased = None
+                op, handle, args, epoch = _Unpickler(request, self.objects, self.released.append,
+                                                     aliased).load()
+            aliased = None
             if epoch != self.epoch:
                 if op != RESET:  # a request of a manager that closed: refused
                     return CLOSED, 0, b""
@@ -240,14 +239,14 @@ class _Interpreter:
                 status, number, payload = OK, 0, _NONE
             elif _sharing.is_plain(result):
                 status, number, payload = OK, 0, pickle.dumps(result, _sharing.PLAIN_PROTOCOL)
-            elif (flat := _sharing.lend_result(result, self.exports)) is not None:
+            elif (flat := _sharing.lend_result(result, lent)) is not None:
                 status, number, payload = LENT, 0, pickle.dumps(flat, _sharing.PLAIN_PROTOCOL)
             else:
-                status, number, payload = OK, 0, _sharing.LendingPickler(self.exports).dumps(result)
+                status, number, payload = OK, 0, _sharing.LendingPickler(lent).dumps(result)
+            return status, number, payload
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
-            status, number, payload = ERROR, 0, _error_record(
-                exc, None if aliased is None else tuple(aliased))
-        return status, number, payload
+            lent.take_back()
+            return ERROR, 0, _error_record(exc, None if aliased is None else tuple(aliased))
 
     def _crash_name(self, op: int, handle: int, args: tuple) -> bytes:
         """The name of what a request acts on, for the fatal-signal report; made once

@@ -424,13 +424,17 @@ static int keep_reply(struct runtime *rt, struct multipy_reply *reply, const cha
     return 0;
 }
 
-/* After the handler: the memoryview over host memory must not outlive the call. */
+/* After the handler: the memoryview over host memory must not outlive the call.  Keeps
+ * the exception the handler raised, if any (BROKEN replies describe it). */
 static void release_view(PyObject *view)
 {
     if (view && Py_REFCNT(view) > 1) { /* kept, by a traceback for instance */
+        PyObject *type, *value, *traceback;
+        PyErr_Fetch(&type, &value, &traceback);
         PyObject *done = PyObject_CallMethod(view, "release", NULL);
         Py_XDECREF(done);
         PyErr_Clear();
+        PyErr_Restore(type, value, traceback);
     }
     Py_XDECREF(view);
 }

@@ -123,6 +123,11 @@ static PyObject *lent_address(PyObject *module, PyObject *capsule)
     return PyLong_FromVoidPtr(managed);
 }
 
+#define LENT_ADDRESS_METHOD                                                              \
+    {"lent_address", lent_address, METH_O,                                               \
+     "lent_address(capsule) -> int: the DLManagedTensor in a dltensor capsule, 0 if its " \
+     "memory is not host memory."}
+
 /* alias_capsule(address, token) -> capsule for this side's torch.from_dlpack: the
  * owner's tensor at address, whose token goes to `queue` once this side is done. */
 static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,

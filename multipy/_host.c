@@ -487,9 +487,7 @@ static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize
 }
 
 static PyMethodDef module_methods[] = {
-    {"lent_address", lent_address, METH_O,
-     "lent_address(capsule) -> int: the DLManagedTensor in a dltensor capsule, 0 if its "
-     "memory is not host memory."},
+    LENT_ADDRESS_METHOD,
     {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
      "alias_capsule(address, token, interpreter) -> capsule: the tensor that interpreter "
      "lent at address, for torch.from_dlpack; the token goes back to it when unused."},

@@ -168,11 +168,9 @@ def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]]
 def lend_result(value: Any, lent: Lent) -> tuple | None:
     """A LENT reply's (values, positions, single) for a tensor or a tuple of scalars and
     tensors (see lend_flat), or None."""
-    if type(value) is tuple:
-        flat = lend_flat(value, lent)
-        return None if flat is None else (*flat, False)
-    flat = lend_flat((value,), lent)
-    return None if flat is None else (*flat, True)
+    single = type(value) is not tuple
+    flat = lend_flat((value,) if single else value, lent)
+    return None if flat is None else (*flat, single)
 
 
 def alias_flat(values: tuple, positions: tuple[int, ...], source: int,

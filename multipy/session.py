@@ -266,10 +266,8 @@ class Interpreter:
                 values, positions, single = pickle.loads(payload)
                 values = _sharing.alias_flat(values, positions, self._runtime.ordinal,
                                              aliased.append)
-            except BaseException:  # Ctrl-C, say: give back what was not aliased
-                self._runtime.releases.extend(
-                    token for token in _sharing.lent_tokens(payload, status)
-                    if token not in aliased)
+            except BaseException:  # Ctrl-C, say
+                self._give_back(payload, status, aliased)
                 raise
             return values[0] if single else tuple(values)
         if status == _protocol.OK:
@@ -281,10 +279,8 @@ class Interpreter:
                                                 self._runtime.ordinal)
             try:
                 return reader.load()
-            except BaseException as error:  # give back what the reply lent and was not aliased
-                aliased = set(reader.aliased)
-                self._runtime.releases.extend(
-                    token for token in _sharing.lent_tokens(payload) if token not in aliased)
+            except BaseException as error:
+                self._give_back(payload, status, reader.aliased)
                 if not isinstance(error, Exception):  # Ctrl-C while reading, say
                     raise
                 raise InterpreterError(
@@ -312,6 +308,13 @@ class Interpreter:
             raise KeyboardInterrupt
         raise InterpreterError("multipy.InterpreterError", f"multipy's code inside the "
                                f"interpreter failed: {text}", "")
+
+    def _give_back(self, payload: bytes, status: int, aliased: list[int]) -> None:
+        """For a reply that could not be read whole: what it lent and was not aliased
+        goes back to the interpreter with the next call."""
+        kept = set(aliased)
+        self._runtime.releases.extend(
+            token for token in _sharing.lent_tokens(payload, status) if token not in kept)
 
     def _check_owns(self, obj: Obj) -> None:
         owner = obj._interpreter

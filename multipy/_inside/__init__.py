@@ -226,11 +226,9 @@ class _Interpreter:
                     target = _object(self.objects, handle)  # raises what to say
             name = self._names.get(handle if op != GLOBAL else args)
             _multipy_bootstrap.note(_OP_TEXTS[op], name or self._crash_name(op, handle, args))
-            if self._thread.torch is not self.torch_settings:
-                self.apply_torch_settings()
+            self.apply_torch_settings()
             result = self._ops[op](target, *args)
-            if self._thread.torch is not self.torch_settings:  # it may have imported torch
-                self.apply_torch_settings()
+            self.apply_torch_settings()  # this call may have imported torch
             if op in _NEW_OBJECT:
                 number = next(self._ids)
                 self.objects[number] = result

@@ -47,11 +47,10 @@ struct runtime {
     pthread_t thread;
     PyObject *handler; /* handler(request) -> (status, handle, payload) */
     /* The handler's tables, where releases are applied in C, before any Python runs:
-     * handle -> object, token -> object lent to the host, handle -> crash-report name;
-     * and the list of host tokens that aliases here gave back, collected in C after.
+     * handle -> object, token -> object lent to the host, handle -> crash-report name.
      * Never released: what was lent to the host stays alive through finalisation,
      * since the host may still read it as it exits. */
-    PyObject *objects, *lent, *names, *released;
+    PyObject *objects, *lent, *names;
     atomic_int state;
     atomic_int active; /* entries in progress: stopping waits for none */
     struct call *calls;
@@ -121,8 +120,9 @@ static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize
 static PyMethodDef methods[] = {
     LENT_ADDRESS_METHOD,
     {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
-     "alias_capsule(address, token) -> capsule: the tensor the host lent at address, "
-     "for torch.from_dlpack; the token goes back to the host when unused."},
+     "alias_capsule(address, token, source=0, versioned=False) -> capsule: the tensor or "
+     "array the host lent at address, for torch.from_dlpack (numpy's, versioned); the "
+     "token goes back to the host when unused (source is the host's own argument)."},
     {"note", (PyCFunction)(void (*)(void))note, METH_FASTCALL,
      "note(op: bytes, target: bytes): what this thread runs now, for the fatal-signal "
      "report; the caller keeps both alive while it runs"},
@@ -186,8 +186,7 @@ static void *interpreter_thread(void *arg)
         || !(rt->handler = PyObject_GetAttrString(main_module, "handler"))
         || !(rt->objects = PyObject_GetAttrString(main_module, "objects"))
         || !(rt->lent = PyObject_GetAttrString(main_module, "lent"))
-        || !(rt->names = PyObject_GetAttrString(main_module, "names"))
-        || !(rt->released = PyObject_GetAttrString(main_module, "released"))) {
+        || !(rt->names = PyObject_GetAttrString(main_module, "names"))) {
         PyErr_Clear();
         dprintf(rt->status_fd, "the interpreter's entry code failed (traceback on stderr)");
         Py_FinalizeEx();
@@ -392,13 +391,11 @@ static int cancelled_early(struct runtime *rt, unsigned long thread, uint64_t se
 
 /* Copies the reply into this thread's buffer (the handler's objects are dropped under
  * the GIL; the host copies the buffer without it), after the host tokens that aliases
- * here gave back, which it takes out of rt->released; 0, or -1 out of memory. */
-static int keep_reply(struct runtime *rt, struct multipy_reply *reply, const char *data,
-                      size_t size)
+ * here gave back (taken from their queue); 0, or -1 out of memory. */
+static int keep_reply(struct multipy_reply *reply, const char *data, size_t size)
 {
-    Py_ssize_t count = PyList_GET_SIZE(rt->released);
     size_t queued = queue_length(&released_tensors);
-    size_t released_size = ((size_t)count + queued) * 8, need = released_size + size;
+    size_t released_size = queued * 8, need = released_size + size;
     if (need > capacity) {
         char *grown = realloc(buffer, need);
         if (!grown)
@@ -406,17 +403,11 @@ static int keep_reply(struct runtime *rt, struct multipy_reply *reply, const cha
         buffer = grown;
         capacity = need;
     }
-    uint64_t *tokens = (uint64_t *)buffer;
-    for (Py_ssize_t i = 0; i < count; i++)
-        tokens[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(rt->released, i));
-    if (count && PyList_SetSlice(rt->released, 0, count, NULL) < 0)
-        count = 0;
-    PyErr_Clear();
-    count += (Py_ssize_t)queue_take(&released_tensors, tokens + count, queued);
+    size_t count = queue_take(&released_tensors, (uint64_t *)buffer, queued);
     if (size)
         memcpy(buffer + released_size, data, size);
     reply->released = (const uint64_t *)buffer;
-    reply->n_released = (size_t)count;
+    reply->n_released = count;
     reply->data = buffer + released_size;
     reply->size = size;
     return 0;
@@ -474,18 +465,18 @@ int multipy_enter(void *runtime, const char *request, size_t size, const uint64_
         reply->status = (int)PyLong_AsLong(PyTuple_GET_ITEM(result, 0));
         reply->handle = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(result, 1));
         PyObject *payload = PyTuple_GET_ITEM(result, 2);
-        kept = keep_reply(rt, reply, PyBytes_AS_STRING(payload), (size_t)PyBytes_GET_SIZE(payload));
+        kept = keep_reply(reply, PyBytes_AS_STRING(payload), (size_t)PyBytes_GET_SIZE(payload));
     } else if (call.cancelled && !result && !PyErr_Occurred()) { /* cancelled before it ran */
         reply->status = MULTIPY_CANCELLED;
-        kept = keep_reply(rt, reply, NULL, 0);
+        kept = keep_reply(reply, NULL, 0);
     }
     if (kept != 0) { /* the handler itself failed: an exception a cancel raised in it, say */
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_MemoryError, "no memory for multipy's reply");
         PyObject *text = describe_exception();
         reply->status = MULTIPY_BROKEN;
-        if (!text || keep_reply(rt, reply, PyBytes_AS_STRING(text), (size_t)PyBytes_GET_SIZE(text)))
-            keep_reply(rt, reply, "MemoryError: ?", 14);
+        if (!text || keep_reply(reply, PyBytes_AS_STRING(text), (size_t)PyBytes_GET_SIZE(text)))
+            keep_reply(reply, "MemoryError: ?", 14);
         Py_XDECREF(text);
     }
     Py_XDECREF(result);

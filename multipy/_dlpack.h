@@ -17,7 +17,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The DLPack ABI (dlpack.h, v0.8, the "dltensor" capsule that every torch reads). */
+/* The DLPack ABI (dlpack.h): v0.8's "dltensor" capsule, which every torch reads and
+ * which owners export; and v1.0's "dltensor_versioned", whose flags let numpy (2.1 and
+ * later) make a writable array, where it makes a read-only one from a "dltensor". */
 typedef struct {
     int32_t device_type; /* kDLCPU = 1 */
     int32_t device_id;
@@ -39,6 +41,17 @@ typedef struct DLManagedTensor {
     void *manager_ctx;
     void (*deleter)(struct DLManagedTensor *self);
 } DLManagedTensor;
+
+typedef struct {
+    uint32_t major, minor;
+} DLPackVersion;
+typedef struct DLManagedTensorVersioned {
+    DLPackVersion version;
+    void *manager_ctx;
+    void (*deleter)(struct DLManagedTensorVersioned *self);
+    uint64_t flags; /* 0: writable, not a copy */
+    DLTensor dl_tensor;
+} DLManagedTensorVersioned;
 
 #define MULTIPY_DL_CPU 1
 
@@ -86,32 +99,43 @@ static size_t queue_length(struct release_queue *queue)
     return count;
 }
 
-/* The receiver's copy of the owner's DLManagedTensor. */
+/* The receiver's copy of the owner's DLManagedTensor, in one of the two forms. */
 struct alias {
     DLManagedTensor managed;
+    DLManagedTensorVersioned versioned;
     uint64_t token;
     struct release_queue *queue;
 };
 
-static void alias_deleter(DLManagedTensor *managed)
+static void release_alias(struct alias *alias)
 {
-    struct alias *alias = managed->manager_ctx;
     queue_push(alias->queue, alias->token);
     free(alias);
 }
 
+static void alias_deleter(DLManagedTensor *managed)
+{
+    release_alias(managed->manager_ctx);
+}
+
+static void versioned_alias_deleter(DLManagedTensorVersioned *versioned)
+{
+    release_alias(versioned->manager_ctx);
+}
+
 static void alias_capsule_destructor(PyObject *capsule)
 {
-    /* Still named "dltensor": no torch took it, so the token goes back from here.  Runs
-     * while an exception may be propagating: it must neither raise nor clear one. */
-    if (!PyCapsule_IsValid(capsule, "dltensor"))
-        return;
-    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
-    managed->deleter(managed);
+    /* Still named as made: no torch or numpy took it, so the token goes back from here.
+     * Runs while an exception may be propagating: it must neither raise nor clear one. */
+    if (PyCapsule_IsValid(capsule, "dltensor"))
+        release_alias(((DLManagedTensor *)PyCapsule_GetPointer(capsule, "dltensor"))->manager_ctx);
+    else if (PyCapsule_IsValid(capsule, "dltensor_versioned"))
+        release_alias(((DLManagedTensorVersioned *)PyCapsule_GetPointer(
+            capsule, "dltensor_versioned"))->manager_ctx);
 }
 
 /* lent_address(capsule) -> int: the DLManagedTensor of a "dltensor" capsule that this
- * side's torch made, or 0 when its memory is not in host memory (a CUDA tensor). */
+ * side's torch or numpy made, or 0 when its memory is not in host memory (CUDA). */
 static PyObject *lent_address(PyObject *module, PyObject *capsule)
 {
     (void)module;
@@ -128,8 +152,9 @@ static PyObject *lent_address(PyObject *module, PyObject *capsule)
      "lent_address(capsule) -> int: the DLManagedTensor in a dltensor capsule, 0 if its " \
      "memory is not host memory."}
 
-/* alias_capsule(address, token) -> capsule for this side's torch.from_dlpack: the
- * owner's tensor at address, whose token goes to `queue` once this side is done. */
+/* alias_capsule(address, token, source=0, versioned=False) -> capsule for this side's
+ * torch.from_dlpack (or numpy's, versioned): the owner's tensor or array at address,
+ * whose token goes to `queue` once this side is done. */
 static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,
                                     struct release_queue *queue)
 {
@@ -137,6 +162,9 @@ static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,
         PyErr_SetString(PyExc_TypeError, "alias_capsule(address, token, ...)");
         return NULL;
     }
+    int versioned = nargs >= 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (versioned < 0)
+        return NULL;
     DLManagedTensor *owner = PyLong_AsVoidPtr(args[0]);
     uint64_t token = PyLong_AsUnsignedLongLong(args[1]);
     if (PyErr_Occurred())
@@ -148,13 +176,23 @@ static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,
     struct alias *alias = malloc(sizeof *alias);
     if (!alias)
         return PyErr_NoMemory();
-    alias->managed.dl_tensor = owner->dl_tensor; /* shape and strides: the owner's, kept
-                                                    until the token goes back */
-    alias->managed.manager_ctx = alias;
-    alias->managed.deleter = alias_deleter;
+    memset(alias, 0, sizeof *alias);
     alias->token = token;
     alias->queue = queue;
-    PyObject *capsule = PyCapsule_New(&alias->managed, "dltensor", alias_capsule_destructor);
+    PyObject *capsule;
+    if (versioned) {
+        alias->versioned.version.major = 1;
+        alias->versioned.dl_tensor = owner->dl_tensor; /* shape and strides: the owner's,
+                                                          kept until the token goes back */
+        alias->versioned.manager_ctx = alias;
+        alias->versioned.deleter = versioned_alias_deleter;
+        capsule = PyCapsule_New(&alias->versioned, "dltensor_versioned", alias_capsule_destructor);
+    } else {
+        alias->managed.dl_tensor = owner->dl_tensor;
+        alias->managed.manager_ctx = alias;
+        alias->managed.deleter = alias_deleter;
+        capsule = PyCapsule_New(&alias->managed, "dltensor", alias_capsule_destructor);
+    }
     if (!capsule)
         free(alias); /* the token was never queued: the owner takes it back */
     return capsule;

@@ -477,10 +477,11 @@ static PyObject *interrupt_main(PyObject *module, PyObject *unused)
 static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    long ordinal = nargs == 3 ? PyLong_AsLong(args[2]) : -1;
+    long ordinal = nargs >= 3 ? PyLong_AsLong(args[2]) : -1;
     if (ordinal < 0 || ordinal >= MULTIPY_MAX_INTERPRETERS) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError, "alias_capsule(address, token, interpreter)");
+            PyErr_SetString(PyExc_ValueError,
+                            "alias_capsule(address, token, interpreter, versioned=False)");
         return NULL;
     }
     return make_alias_capsule(args, nargs, &queues[ordinal]);
@@ -489,8 +490,9 @@ static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize
 static PyMethodDef module_methods[] = {
     LENT_ADDRESS_METHOD,
     {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
-     "alias_capsule(address, token, interpreter) -> capsule: the tensor that interpreter "
-     "lent at address, for torch.from_dlpack; the token goes back to it when unused."},
+     "alias_capsule(address, token, interpreter, versioned=False) -> capsule: the tensor "
+     "or array that interpreter lent at address, for torch.from_dlpack (numpy's, "
+     "versioned); the token goes back to it when unused."},
     {"set_main_thread", set_main_thread, METH_O,
      "set_main_thread(ident): the thread whose calls interrupt_main() cancels."},
     {"next_serial", next_serial, METH_NOARGS, "A new call number."},

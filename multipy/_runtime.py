@@ -29,7 +29,7 @@ import sys
 sys.path[:] = {path!r}
 sys.argv[:] = {argv!r}
 from multipy._inside import main
-handler, objects, lent, names, released = main({status_fd})
+handler, objects, lent, names = main({status_fd})
 del main
 """
 

@@ -1,18 +1,17 @@
 """Zero-copy sharing of tensor and array memory between the host and interpreters.
 
 Host and interpreters share one address space, so a CPU tensor or numpy array crosses
-a call as a record of its memory (address, size, dtype, shape, strides) instead of its
-bytes.  The sending side *exports* the object: it keeps it alive under a token.  The
-receiving side builds an *alias* over the same memory; when the last view of the alias
-dies, the token goes back to the owner, whose own thread releases the object
-(docs/design.md, "memory": memory is only ever freed by the side that allocated
+a call as a record of its memory instead of its bytes: the address of a DLPack
+description (multipy/_dlpack.h).  The sending side *exports* the object: it keeps the
+DLPack capsule under a token.  The receiving side builds an *alias* over the same memory;
+when the last view of the alias dies, the token goes back to the owner, which drops the
+capsule (docs/design.md, "memory": memory is only ever freed by the side that allocated
 it).
 
 Used on both sides: each has its own ``Exports`` and makes its own aliases.
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import io
 import itertools
@@ -101,25 +100,20 @@ class Exports:
 
 def describe(obj: Any, lent: Lent) -> tuple | None:
     """The record that lends obj's memory to the other side, or None if obj is pickled
-    as usual instead: anything but a CPU strided tensor or a plain numpy array, and the
-    cases an alias could not represent faithfully (lazy conjugate or negative views,
-    read-only or structured arrays).  Tensors that require grad cross detached.  The
-    owner must not resize a tensor or array while it is lent.  Few calls into torch:
-    this runs for every value pickled."""
-    if type(obj) in _PLAIN:
+    as usual instead: anything but a CPU strided tensor or a numpy array, and the cases
+    an alias could not represent faithfully (lazy conjugate or negative views; arrays
+    that DLPack cannot describe: read-only, byte-swapped, structured or of objects).
+    Tensors that require grad cross detached.  The owner must not resize a tensor or
+    array while it is lent.  Few calls into torch: this runs for every value pickled."""
+    kind = type(obj)
+    if kind in _PLAIN:
         return None
     torch = sys.modules.get("torch")
-    if torch is not None and type(obj) is torch.Tensor:  # subclasses (Parameter) are copied
+    if torch is not None and kind is torch.Tensor:  # subclasses (Parameter) are copied
         return _tensor_record(obj, torch, lent)
     numpy = sys.modules.get("numpy")
-    if (numpy is not None and type(obj) is numpy.ndarray and not obj.dtype.hasobject
-            and obj.dtype.fields is None and obj.flags.writeable):
-        low = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s < 0 and n)
-        high = sum((n - 1) * s for n, s in zip(obj.shape, obj.strides) if s > 0 and n)
-        nbytes = (high - low + obj.itemsize) if obj.size else 0
-        token = lent.export(obj) if nbytes else 0
-        return (NUMPY, token, obj.__array_interface__["data"][0] + low, nbytes,
-                obj.dtype.str, obj.shape, obj.strides, -low)
+    if numpy is not None and kind is numpy.ndarray:
+        return _array_record(obj, lent)
     return None
 
 
@@ -137,21 +131,32 @@ def _tensor_record(tensor: Any, torch: Any, lent: Lent) -> tuple | None:
     return (TORCH, lent.export(capsule), address)
 
 
+def _array_record(array: Any, lent: Lent) -> tuple | None:
+    """describe for a numpy.ndarray: lent by DLPack too."""
+    if not array.flags.writeable:  # DLPack 0.8 cannot say read-only
+        return None
+    try:
+        capsule = array.__dlpack__()
+    except (BufferError, TypeError):  # byte-swapped, structured, objects
+        return None
+    return (NUMPY, lent.export(capsule), _c.lent_address(capsule))
+
+
 def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]] | None:
-    """The fast path for a flat sequence of scalars and tensors: values as a tuple that
-    pickles plainly, with each tensor's record in its place (one record for a tensor met
-    twice, as pickle's memo would), and those places; lent notes the tokens.  None,
-    with nothing lent, if a value is anything else or a tensor that describe would not
-    lend; whatever this raises, nothing stays lent."""
-    torch = sys.modules.get("torch")
+    """The fast path for a flat sequence of scalars, tuples of scalars, tensors and
+    arrays: values as a tuple that pickles plainly, with each tensor's or array's record
+    in its place (one record for one met twice, as pickle's memo would), and those
+    places; lent notes the tokens.  None, with nothing lent, if a value is anything
+    else or one that describe would not lend; whatever this raises, nothing stays lent."""
     flat, positions, records = None, [], {}
     try:
         for position, value in enumerate(values):
-            if type(value) in _SCALARS:
+            kind = type(value)
+            if kind in _SCALARS or (kind is tuple and is_plain(value)):
                 continue
             record = records.get(id(value))
-            if record is None and torch is not None and type(value) is torch.Tensor:
-                record = records[id(value)] = _tensor_record(value, torch, lent)
+            if record is None:
+                record = records[id(value)] = describe(value, lent)
             if record is None:
                 lent.take_back()
                 return None
@@ -166,8 +171,8 @@ def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]]
 
 
 def lend_result(value: Any, lent: Lent) -> tuple | None:
-    """A LENT reply's (values, positions, single) for a tensor or a tuple of scalars and
-    tensors (see lend_flat), or None."""
+    """A LENT reply's (values, positions, single) for a tensor, an array, or a tuple that
+    lend_flat takes, or None."""
     single = type(value) is not tuple
     flat = lend_flat((value,) if single else value, lent)
     return None if flat is None else (*flat, single)
@@ -261,17 +266,14 @@ class LendingPickler(pickle.Pickler):
 
 
 class AliasingUnpickler(pickle.Unpickler):
-    """Unpickles a message (``load()``), turning what the other side lent into aliases;
-    on_release(token) runs when an array alias and all its views are gone; a tensor's
-    token goes back through multipy's C, to interpreter ``source`` (in the host: the
+    """Unpickles a message (``load()``), turning what the other side lent into aliases,
+    whose tokens go back through multipy's C to interpreter ``source`` (in the host: the
     interpreter that sent the message).  ``aliased`` lists the tokens aliased so far:
     if reading fails, what the other side lent and is not in it may be taken back."""
 
-    def __init__(self, data: bytes, on_release: Callable[[int], None], source: int = 0,
-                 aliased: list[int] | None = None) -> None:
+    def __init__(self, data: bytes, source: int = 0, aliased: list[int] | None = None) -> None:
         """aliased: the list to note aliased tokens in (a new one by default)."""
         super().__init__(io.BytesIO(data))
-        self._on_release = on_release
         self._source = source
         self.aliased: list[int] = [] if aliased is None else aliased
 
@@ -279,8 +281,7 @@ class AliasingUnpickler(pickle.Unpickler):
         # What this returns stays in the memo: it must not refer to the unpickler, or the
         # memo (and every alias in it) would live on in a cycle until a garbage collection.
         if module == __name__ and name == "lent":
-            return functools.partial(alias, on_release=self._on_release, source=self._source,
-                                     on_alias=self.aliased.append)
+            return functools.partial(alias, source=self._source, on_alias=self.aliased.append)
         return super().find_class(module, name)
 
 
@@ -339,42 +340,45 @@ def lent_tokens(data: bytes, status: int = _protocol.OK) -> list[int]:
     return reader.tokens
 
 
-class _Release:
-    """Rides on the buffer under an alias: when the last view of the alias is gone, the
-    buffer dies and this gives the token back to the owner."""
+class _Exported:
+    """A DLPack capsule as numpy.from_dlpack takes it (numpy reads no bare capsule)."""
 
-    __slots__ = ("due",)
+    __slots__ = ("capsule",)
 
-    def __init__(self, token: int, callback: Callable[[int], None]) -> None:
-        self.due = (callback, token)  # one store: an interrupted __init__ leaves nothing due
+    def __init__(self, capsule: Any) -> None:
+        self.capsule = capsule
 
-    def __del__(self) -> None:
-        due = getattr(self, "due", None)
-        if due is not None:
-            due[0](due[1])
+    def __dlpack__(self, **unused: Any) -> Any:
+        return self.capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # the CPU
 
 
-def alias(record: tuple, on_release: Callable[[int], None] | None = None, source: int = 0,
+#: Whether this side's numpy reads DLPack 1.0 capsules (2.1 and later), whose flags let
+#: an alias of a writable array be writable; None until the first array alias.
+_numpy_reads_versioned: bool | None = None
+
+
+def alias(record: tuple, source: int = 0,
           on_alias: Callable[[int], None] = lambda token: None) -> Any:
-    """An object over the memory a record describes.  Its token goes back when the alias
-    and every view of it are gone: a tensor's through multipy's C to interpreter
-    ``source`` (see AliasingUnpickler), an array's by on_release(token)."""
+    """A tensor or array over the memory a record describes, whose token goes back
+    through multipy's C to interpreter ``source`` (in the host) when the alias and every
+    view of it are gone.  on_alias(token) runs once the token will go back that way."""
     # In this order, an exception at any point (a cancel raises one anywhere) leaves the
     # token either not yet noted (the owner takes it back) or due to be released.
-    if record[0] == TORCH:
-        kind, token, address = record
+    kind, token, address = record
+    if kind == TORCH:
         capsule = _c.alias_capsule(address, token, source)  # gives the token back if unused
         on_alias(token)
         import torch
 
         return torch.from_dlpack(capsule)
-    kind, token, address, nbytes, dtype, shape, strides, offset = record
     import numpy
 
-    if not nbytes:
-        return numpy.empty(shape, dtype=numpy.dtype(dtype))
-    release = _Release(token, on_release)
+    global _numpy_reads_versioned
+    if _numpy_reads_versioned is None:
+        _numpy_reads_versioned = numpy.lib.NumpyVersion(numpy.__version__) >= "2.1.0"
+    capsule = _c.alias_capsule(address, token, source, _numpy_reads_versioned)
     on_alias(token)
-    buffer = (ctypes.c_char * nbytes).from_address(address)
-    buffer.release = release
-    return numpy.ndarray(shape, numpy.dtype(dtype), buffer=buffer, offset=offset, strides=strides)
+    return numpy.from_dlpack(_Exported(capsule))

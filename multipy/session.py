@@ -275,8 +275,7 @@ class Interpreter:
                 return Obj(self, handle)
             if payload[1] == _sharing.PLAIN_PROTOCOL:
                 return pickle.loads(payload)
-            reader = _sharing.AliasingUnpickler(payload, self._runtime.releases.append,
-                                                self._runtime.ordinal)
+            reader = _sharing.AliasingUnpickler(payload, self._runtime.ordinal)
             try:
                 return reader.load()
             except BaseException as error:

@@ -646,7 +646,7 @@ def test_state_that_forward_writes_is_each_interpreters_own_and_never_lent(packa
             buffer = interpreter.global_("builtins", "eval")(
                 "served.model.net.last", {"served": served})
             buffers.append(buffer.attr("data_ptr")().deref())
-            [(name, datatype, array)] = served.attr("infer")([(x, "FP32")], {}).deref()
+            (name,), (datatype,), array = served.call_value("infer", (None, ("FP32",), x))
             answers.append((name, datatype, array.copy(),
                             array.__array_interface__["data"][0]))
             training = interpreter.global_("builtins", "eval")(

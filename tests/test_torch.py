@@ -477,6 +477,39 @@ def test_calls_with_tensors_and_scalars_lend_both_ways(torch_manager):
         assert stats.call_value(None)["lent"] == lent_inside
 
 
+def test_arrays_lend_both_ways_on_the_fast_path(torch_manager):
+    """numpy arrays cross calls by DLPack too: in place through a writable alias, out as
+    the interpreter's own memory; the arrays DLPack cannot describe are copied."""
+    baseline = _lent_after_settling(torch_manager)
+    array = np.arange(12.0).reshape(3, 4)
+    with torch_manager[1].acquire_session() as s:
+        stats = s.global_("multipy._inside", "stats")
+        lent_inside = stats.call_value(None)["lent"]
+        numpy_add = s.global_("numpy", "add")
+        view = array[1:, ::2]
+        request, lent = s.interpreter._encode(CALL_VALUE, numpy_add, (None, (view, 1, view), {}))
+        assert pickle.loads(request)[0] == CALL_LENT  # the fast path, not the pickler
+        lent.take_back()
+        numpy_add.call_value(None, (view, 1.0, view))  # out=view: in place, in host memory
+        assert array[1:, ::2].tolist() == [[5.0, 7.0], [9.0, 11.0]] and array[0, 0] == 0
+        as_tuple = s.global_("builtins", "tuple")
+        back = as_tuple.call_value(None, ((array[::-1], "x", ("a", 2), np.empty((0, 2))),))
+        assert back[0].__array_interface__["data"][0] == array[::-1].__array_interface__["data"][0]
+        assert back[0].strides == array[::-1].strides and back[1:3] == ("x", ("a", 2))
+        assert back[3].shape == (0, 2) and back[0].flags.writeable
+        made = s.global_("numpy", "arange").call_value(None, (4,))
+        assert made.tolist() == [0, 1, 2, 3] and made.flags.writeable
+        assert stats.call_value(None)["lent"] > lent_inside  # made lives inside, lent here
+        read_only, swapped = np.arange(3.0), np.arange(3, dtype=">i4")
+        read_only.flags.writeable = False
+        copies = as_tuple.call_value(None, ((read_only, swapped),))
+        assert copies[0].tolist() == [0.0, 1.0, 2.0] and not copies[0].flags.writeable
+        assert copies[1].dtype == swapped.dtype and copies[1].tolist() == [0, 1, 2]
+        del back, made, copies
+        assert _lent_after_settling(torch_manager) == baseline
+        assert stats.call_value(None)["lent"] == lent_inside
+
+
 def test_replicated_object_materialises_once_under_races(torch_manager):
     made = []
 

@@ -100,8 +100,8 @@ class _Unpickler(_sharing.AliasingUnpickler):
     """Unpickles a request: a handle becomes the object the host holds, a lent tensor or
     array becomes an alias of the host's memory."""
 
-    def __init__(self, data, objects: dict[int, object], on_release, aliased: list[int]) -> None:
-        super().__init__(data, on_release, aliased=aliased)
+    def __init__(self, data, objects: dict[int, object], aliased: list[int]) -> None:
+        super().__init__(data, aliased=aliased)
         self._objects = objects
 
     def find_class(self, module: str, name: str):
@@ -137,7 +137,6 @@ class _Interpreter:
         # names one thing and a late release is harmless.
         self._ids = itertools.count(1)
         self.exports = _sharing.Exports(self._ids)  # outlives managers: the host may hold aliases
-        self.released: list[int] = []  # host tokens no alias here uses any more
         self.sources = _SourceFinder()
         sys.meta_path.insert(0, self.sources)
         #: (intra-op threads, grad enabled) for torch, set by the manager; torch keeps
@@ -198,8 +197,8 @@ class _Interpreter:
 
     def handle(self, request: memoryview) -> tuple:
         """Runs one request: (status, new object handle or 0, payload).  The C entry
-        applies the host's releases to the tables before, and collects ``released``
-        after: an exception a cancel raises here cannot lose either."""
+        applies the host's releases to the tables before, and sends back the host
+        tokens that aliases here gave back after: a cancel's exception loses neither."""
         aliased: list[int] | None = []  # the host's tokens aliased until the request is read
         lent = _sharing.Lent(self.exports)  # what the reply lends: taken back if it fails
         try:
@@ -211,8 +210,7 @@ class _Interpreter:
                             kwargs)
                     op = CALL_VALUE
             else:
-                op, handle, args, epoch = _Unpickler(request, self.objects, self.released.append,
-                                                     aliased).load()
+                op, handle, args, epoch = _Unpickler(request, self.objects, aliased).load()
             aliased = None
             if epoch != self.epoch:
                 if op != RESET:  # a request of a manager that closed: refused
@@ -318,10 +316,9 @@ _current: _Interpreter | None = None
 
 
 def stats() -> dict[str, int]:
-    """What this interpreter holds for the host: objects behind handles, tensors and
-    arrays lent to the host, and host tokens it released but has not yet reported."""
-    return {"objects": len(_current.objects), "lent": len(_current.exports),
-            "unreported": len(_current.released)}
+    """What this interpreter holds for the host: objects behind handles, and tensors and
+    arrays lent to the host."""
+    return {"objects": len(_current.objects), "lent": len(_current.exports)}
 
 
 def set_torch_settings(threads: int, grad_enabled: bool) -> None:
@@ -368,15 +365,13 @@ def forget_paths(paths: list[str]) -> None:
 
 def main(status_fd: int) -> tuple:
     """Sets this interpreter up; returns the handler the C entry calls and the tables
-    where the C entry applies releases (handles, lent tokens, names) and the list of
-    host tokens it sends back.  On failure the
+    where the C entry applies releases (handles, lent tokens, names).  On failure the
     traceback goes to status_fd, where the host reads why the interpreter did not start."""
     try:
         _strip_rtld_global()
         global _current
         _current = _Interpreter()
-        return (_current.handle, _current.objects, _current.exports.objects, _current._names,
-                _current.released)
+        return _current.handle, _current.objects, _current.exports.objects, _current._names
     except BaseException:
         os.write(status_fd, traceback.format_exc().encode())
         raise

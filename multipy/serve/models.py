@@ -118,7 +118,8 @@ class ServedModel:
 
     async def _call(self, inputs: list[Tensor], places: list[_Place]) -> list[Tensor]:
         """One call of the model, with inputs that hold the requests at places."""
-        args, kwargs = self._arguments(inputs)
+        names = self._names(inputs)
+        datatypes = tuple(t.datatype for t in inputs)
         series, name = self._series, self.name
         try:
             async with self._slots:
@@ -129,23 +130,24 @@ class ServedModel:
                 series.calls.inc()
                 series.batched.observe(len(places))
                 try:
-                    raw = await self.replicated.acall_method("infer", args, kwargs)
+                    outputs = await self.replicated.acall_method(
+                        "infer", names, datatypes, *(t.array for t in inputs))
                 finally:
                     busy.dec()
         except InterpreterError as error:  # a type the host cannot re-create
             raise ModelError(f"model {name!r} raised {error.type_name}: {error.message}") from error
         except Exception as error:
             raise ModelError(f"model {name!r} raised {type(error).__name__}: {error}") from error
-        return [Tensor(output_name, datatype, array) for output_name, datatype, array in raw]
+        output_names, output_datatypes, *arrays = outputs
+        return [Tensor(*output) for output in zip(output_names, output_datatypes, arrays)]
 
-    def _arguments(self, inputs: list[Tensor]) -> tuple[list, dict]:
-        """By name when every input names one of forward's parameters, else by position
-        in request order."""
-        pairs = [(t.array, t.datatype) for t in inputs]
-        names = [t.name for t in inputs]
+    def _names(self, inputs: list[Tensor]) -> tuple[str, ...] | None:
+        """The inputs' names when every one names one of forward's parameters (they are
+        given by name), else None (by position in request order)."""
+        names = tuple(t.name for t in inputs)
         if self._parameters and set(names) <= set(self._parameters):
-            return [], dict(zip(names, pairs))
-        return pairs, {}
+            return names
+        return None
 
     def _select(self, outputs: list[Tensor], request: InferRequest) -> list[Tensor]:
         if request.outputs is None:

@@ -2,6 +2,8 @@
 
 - roundtrip: a no-op call, host thread -> interpreter -> host (median, p95), against a
   direct call and a multiprocessing pipe round trip.
+- lending:   a small tensor or array in a call, or a new one in its result, against a
+  no-op call (the cost of lending it, by DLPack, and of aliasing it).
 - transfer:  a new tensor through a call and back, 1 KB to 256 MB, against a process
   pool (sent both ways as its users do: torch moves each new tensor into shared
   memory).  multipy aliases the tensors, copying nothing.
@@ -19,7 +21,7 @@
   calling thread, torch's own thread count (cores per interpreter), and n plain host
   threads (grad off everywhere).
 
-    multipy run benchmarks/micro.py [roundtrip transfer threads startup memory ceiling defaults]
+    multipy run benchmarks/micro.py [roundtrip lending transfer threads startup memory ceiling defaults]
 """
 from __future__ import annotations
 
@@ -153,6 +155,44 @@ def transfer(count: int) -> None:
             first = first or ours_same
             print(f"  {size / 1024:>9.0f} KB  {ours_same * 1e6:9.1f} ({ours_same / first:4.2f}x 1 KB)"
                   f" | {ours * 1e6:9.1f} | {theirs * 1e6:10.1f} | {theirs / ours:6.1f}x")
+
+
+def _interleaved_medians(calls: list, count: int) -> list[float]:
+    """The median time of each call, the calls taking turns (a busy spell hits all)."""
+    samples: list[list[float]] = [[] for _ in calls]
+    for _ in range(count):
+        for call, each in zip(calls, samples):
+            start = time.perf_counter()
+            call()
+            each.append(time.perf_counter() - start)
+    return [statistics.median(each) for each in samples]
+
+
+def lending(count: int) -> None:
+    import numpy
+    import torch
+
+    print(f"\na small tensor or array (2x48x16 float32) in a call or its result, medians of "
+          f"{count} calls taking turns: the time, and what it adds to a no-op call")
+    with multipy.InterpreterManager(1) as manager, manager.acquire_one() as s:
+        manager.register_module_source("micro_lend", (
+            "import numpy, torch\n"
+            "tensor, array = torch.zeros(2, 48, 16), numpy.zeros((2, 48, 16), numpy.float32)\n"
+            "def noop(*args):\n    pass\n"
+            "def make_tensor():\n    return tensor.clone()\n"
+            "def make_array():\n    return array.copy()\n"))
+        noop = s.global_("micro_lend", "noop")
+        make_tensor, make_array = (s.global_("micro_lend", name) for name in ("make_tensor", "make_array"))
+        tensor, array = torch.zeros(2, 48, 16), numpy.zeros((2, 48, 16), numpy.float32)
+        calls = {"no-op call": lambda: noop.call_value(None),
+                 "a tensor in": lambda: noop.call_value(None, (tensor,)),
+                 "an array in": lambda: noop.call_value(None, (array,)),
+                 "a new tensor out": lambda: make_tensor.call_value(None),
+                 "a new array out": lambda: make_array.call_value(None)}
+        _interleaved_medians(list(calls.values()), 1000)  # warm-up
+        medians = _interleaved_medians(list(calls.values()), count)
+    for (label, _), median in zip(calls.items(), medians):
+        print(f"  {label:18s} {median * 1e6:7.1f} us   +{(median - medians[0]) * 1e6:5.1f} us")
 
 
 def _import_torch(index: int, manager) -> None:
@@ -396,15 +436,16 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmarks", nargs="*",
-                        default=["roundtrip", "transfer", "threads", "startup", "memory",
-                                 "ceiling", "defaults"])
+                        default=["roundtrip", "lending", "transfer", "threads", "startup",
+                                 "memory", "ceiling", "defaults"])
     parser.add_argument("--calls", type=int, default=20_000, help="round trips to time (20000)")
     parser.add_argument("--counts", default="1,2,4",
                         help="n for threads, startup, memory and ceiling (1,2,4)")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
     for name in args.benchmarks:
-        {"roundtrip": lambda: roundtrip(args.calls), "transfer": lambda: transfer(50),
+        {"roundtrip": lambda: roundtrip(args.calls), "lending": lambda: lending(args.calls // 4),
+         "transfer": lambda: transfer(50),
          "threads": lambda: threads(counts),
          "startup": lambda: startup(counts), "memory": lambda: memory(counts),
          "ceiling": lambda: ceiling(counts), "defaults": lambda: defaults(counts)}[name]()

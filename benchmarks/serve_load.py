@@ -1,11 +1,15 @@
 """Load benchmark: N concurrent Open Inference Protocol clients (tritonclient.http, binary
-tensors, its default) against `multipy serve` with N interpreters, and against the same model behind KServe's
-own Python model server (kserve.ModelServer) with N worker processes, each holding its
-own copy of the model.  Prints requests/s, p50 and p99 latency, and the memory (PSS) of
-each server's whole process tree, measured in one run; every answer is checked against
-the model run eagerly here.  With --rounds R each server runs R times, the two taking
-turns (who goes first alternates), and the figures are the medians: a busy spell on a
-shared machine then skews one round, not the ratio.
+tensors, its default) against `multipy serve` with N interpreters, and against the same
+model behind KServe's own Python model server (kserve.ModelServer) with N worker
+processes, each holding its own copy of the model.  Prints requests/s, p50 and p99
+latency, the memory (PSS) of each server's whole process tree, and the cores each server
+kept busy, measured in one run; every answer is checked against the model run eagerly
+here.  KServe's workers each serve the connections they accept, and the kernel may give
+two of the N keep-alive connections to one worker: the rounds say how many of its
+processes were busy, and the ratio is also given against its rounds with all N workers
+busy.  With --rounds R each server runs R times, the two taking turns (who goes first
+alternates), and the figures are the medians: a busy spell on a shared machine then
+skews one round, not the ratio.
 
 KServe 0.21 pins protobuf<7 and psutil<6, so the peer gets a virtual environment of its
 own, made here on first use (--peer-venv): kserve==0.21.0, torch==2.13.0, numpy==2.4.6.
@@ -55,8 +59,8 @@ def ensure_peer_venv(path: str) -> str:
     return python
 
 
-def pss_tree(pid: int) -> int:
-    """PSS in bytes of process pid and all its descendants."""
+def _tree(pid: int) -> list[int]:
+    """pid and all its descendants."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -66,10 +70,32 @@ def pss_tree(pid: int) -> int:
             except (OSError, ValueError, IndexError):
                 continue
             children.setdefault(parent, []).append(int(entry))
-    total, pending = 0, [pid]
+    found, pending = [], [pid]
     while pending:
         each = pending.pop()
+        found.append(each)
         pending += children.get(each, [])
+    return found
+
+
+def cpu_seconds(pid: int) -> dict[int, float]:
+    """CPU seconds (user and system) used so far by pid and each of its descendants."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for each in _tree(pid):
+        try:
+            with open(f"/proc/{each}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            used[each] = (int(fields[11]) + int(fields[12])) / ticks
+        except (OSError, ValueError, IndexError):
+            pass
+    return used
+
+
+def pss_tree(pid: int) -> int:
+    """The PSS of pid and all its descendants, in bytes."""
+    total = 0
+    for each in _tree(pid):
         try:
             with open(f"/proc/{each}/smaps_rollup") as f:
                 total += next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
@@ -173,7 +199,14 @@ def run_server(command: list[str], port: int, model: str, clients: int, seconds:
                                    start_new_session=True)
         try:
             _wait_ready(port, process)
+            before, began = cpu_seconds(process.pid), time.perf_counter()
             figures = load(port, model, clients, seconds, warm_up, inputs, expected)
+            after, elapsed = cpu_seconds(process.pid), time.perf_counter() - began
+            # The cores each process of the server kept busy: whether a multi-process
+            # server spread the N connections over its N workers shows here.
+            busy = [(after[pid] - before.get(pid, 0.0)) / elapsed for pid in after]
+            figures["busy_processes"] = sum(cores >= 0.1 for cores in busy)
+            figures["server_cores"] = sum(busy)
             figures["pss_mib"] = pss_tree(process.pid) / (1 << 20)
             return figures
         except BaseException:
@@ -246,20 +279,33 @@ def main() -> None:
           f"{args.seconds:g} s after {args.warm_up:g} s of warm-up; the median of "
           f"{args.rounds} round(s), the servers taking turns")
     print(f"{'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
-          f"{'PSS MiB':>8s} {'wrong':>6s}")
+          f"{'PSS MiB':>8s} {'cores':>6s} {'wrong':>6s}")
     for row in rows:
         for name, label in (("multipy", f"multipy serve, {row['n']} interp."),
                             ("kserve", f"kserve.ModelServer, {row['n']} workers")):
             f = row[name]
             print(f"{label:28s} {row['n']:2d} {f['requests_per_second']:8.1f} {f['p50_ms']:8.2f} "
-                  f"{f['p99_ms']:8.2f} {f['pss_mib']:8.1f} {f['wrong']:6d}")
+                  f"{f['p99_ms']:8.2f} {f['pss_mib']:8.1f} {f['server_cores']:6.2f} "
+                  f"{f['wrong']:6d}")
         ours, theirs = row["multipy"], row["kserve"]
         each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
+                         f" ({b['busy_processes']})"
                          for a, b in zip(row["rounds"]["multipy"], row["rounds"]["kserve"]))
         print(f"  N={row['n']}: multipy / KServe: requests/s "
               f"{ours['requests_per_second'] / theirs['requests_per_second']:.2f}x, "
               f"memory {ours['pss_mib'] / theirs['pss_mib']:.2f}x   (req/s by round, "
-              f"multipy/KServe: {each})")
+              f"multipy/KServe (KServe's processes busy): {each})")
+        # KServe's workers each take the connections they accept: in a round where the
+        # kernel gave two of the N keep-alive connections to one worker, KServe served
+        # with fewer than N workers.  The ratio against its rounds with all N busy:
+        spread = [b["requests_per_second"] for b in row["rounds"]["kserve"]
+                  if b["busy_processes"] >= row["n"]]
+        if spread:
+            print(f"  N={row['n']}: against KServe's {len(spread)} round(s) with all "
+                  f"{row['n']} workers busy: requests/s "
+                  f"{ours['requests_per_second'] / statistics.median(spread):.2f}x")
+        else:
+            print(f"  N={row['n']}: KServe never had all {row['n']} workers busy")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "seconds": args.seconds, "rows": rows}, f, indent=1)

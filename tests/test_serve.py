@@ -1,9 +1,10 @@
 """`multipy serve`: the Open Inference Protocol over HTTP, checked with tritonclient.http
 against servers running in subprocesses on free ports of 127.0.0.1.
 
-Two servers serve the whole module: ``served`` (2 interpreters, --timeout 5, no
-batching) and ``batching`` (1 interpreter, --max-batch-size 8).  The last test stops
-``served`` with SIGTERM while requests run.
+Three servers serve the whole module: ``served`` (2 interpreters, --timeout 5, no
+batching: one event loop), ``batching`` (1 interpreter, --max-batch-size 8: one loop) and
+``per_loop`` (2 interpreters, neither: a loop per interpreter).  The last tests stop
+``per_loop`` and ``served`` with SIGTERM while requests run.
 """
 from __future__ import annotations
 
@@ -83,6 +84,14 @@ class Slow(nn.Module):
         return {"doubled": seconds * 2, "together": torch.tensor([peak])}
 
 
+class Thread(nn.Module):
+    """Says which host thread runs it: the one that entered the interpreter."""
+
+    def forward(self, x):
+        import threading
+        return torch.tensor([threading.get_native_id()])
+
+
 class Rows(nn.Module):
     """Row i of the output depends on row i of the input only: batches split back."""
 
@@ -152,7 +161,7 @@ def packages(tmp_path_factory):
         spec.loader.exec_module(module)
         paths = {}
         examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3))}
-        for name in ("Cast", "Pair", "Fails", "Slow", "Rows", "Total", "Wrapped"):
+        for name in ("Cast", "Pair", "Fails", "Slow", "Thread", "Rows", "Total", "Wrapped"):
             path = folder / f"{name.lower()}.pt"
             with torch.package.PackageExporter(str(path)) as exporter:
                 exporter.extern(["torch.**"])
@@ -243,6 +252,16 @@ def served(packages, tmp_path_factory):
 def batching(packages, tmp_path_factory):
     server = _start(tmp_path_factory.mktemp("batching"), [packages["rows"], packages["total"]],
                     "--interpreters", "1", "--max-batch-size", "8", "--batch-timeout-ms", "500")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def per_loop(packages, tmp_path_factory):
+    server = _start(tmp_path_factory.mktemp("per_loop"), [packages["thread"], packages["slow"]],
+                    "--interpreters", "2")
     try:
         yield server
     finally:
@@ -696,6 +715,71 @@ def test_cli_says_which_extra_to_install(command, extra, module):
 
 
 # -- last: it stops the shared server --
+
+def test_each_connection_gets_a_loop_of_its_own_that_runs_its_calls(per_loop):
+    """Two clients' connections go to the two event loops, and a loop that serves one
+    connection runs its calls on its own thread (the same thread for every request); a
+    third connection shares a loop, whose calls then go to worker threads: every answer
+    is still right."""
+    x = np.zeros((1, 2), np.float32)
+    threads_seen: list[list[int]] = [[], [], []]
+    errors = []
+
+    def client(k: int, requests: int, started: threading.Barrier) -> None:
+        try:
+            connection = per_loop.client()
+            started.wait(timeout=30)  # every connection open before any request
+            for _ in range(requests):
+                answer = connection.infer("thread", [_input("x", x, "FP32", True)])
+                threads_seen[k].append(int(answer.as_numpy("output0")[0]))
+            connection.close()
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    for clients in (2, 3):
+        started = threading.Barrier(clients)
+        workers = [threading.Thread(target=client, args=(k, 8, started)) for k in range(clients)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(timeout=60)
+        assert not errors, (errors[0], per_loop.output())
+        if clients == 2:
+            assert [len(set(seen)) for seen in threads_seen[:2]] == [1, 1], threads_seen
+            assert threads_seen[0][0] != threads_seen[1][0], threads_seen
+        assert all(len(seen) == 8 for seen in threads_seen[:clients]), threads_seen
+        threads_seen = [[], [], []]
+
+
+def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop):
+    seconds = np.array([1.0], np.float32)
+    answers, errors = [], []
+
+    def slow() -> None:
+        try:
+            result = per_loop.client().infer("slow", [_input("seconds", seconds, "FP32", True)])
+            answers.append(result.as_numpy("doubled"))
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=slow) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while _metrics(per_loop)[("multipy_inference_requests_total", (("model", "slow"),))] < 3:
+        assert time.monotonic() < deadline, per_loop.output()  # all three received
+        time.sleep(0.01)
+    per_loop.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, (errors[0], per_loop.output())
+    assert len(answers) == 3 and all(a[0] == np.float32(2.0) for a in answers)
+    assert per_loop.process.wait(timeout=60) == 0, per_loop.output()
+    with pytest.raises(OSError):
+        _request(per_loop, "GET", "/v2/health/live")  # it stopped accepting
+    output = per_loop.output()
+    assert output.count("Started server process") == 1 and "Shutting down" in output
+
 
 def test_sigterm_answers_requests_in_flight_and_exits_0(served):
     seconds = np.array([1.2], np.float32)  # queued ones end after 2.4 s: within --timeout

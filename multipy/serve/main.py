@@ -1,10 +1,17 @@
 """``multipy serve PATH [PATH ...]``: the command line, and the HTTP server's life.
 
-uvicorn runs the Starlette application (multipy.serve.app) on the main thread; the
-models load on a thread of their own once the server listens, so that
-``/v2/health/live`` answers at once and ``/v2/health/ready`` says when loading is done.
-SIGTERM and SIGINT stop the server gracefully: it stops accepting connections, answers
-every request it has received, and the process exits 0 (a second SIGINT forces it).
+The Starlette application (multipy.serve.app) runs on uvicorn, on event loops of their
+own: one per interpreter, each on its own thread (one loop when batching, or a
+per-request timeout, needs every request on one loop).  The main thread's loop accepts
+the connections and hands each to the loop with the fewest, so that N clients' keep-alive
+connections land on N loops; a loop that serves one connection runs its model calls on
+its own thread (multipy.serve.models.serve_inline), the way a worker process of other
+servers does, with no hand-over to a worker thread and back.  The main thread also
+catches the signals and runs the application's lifespan.  The models load on a thread of
+their own once the server listens, so that ``/v2/health/live`` answers at once and
+``/v2/health/ready`` says when loading is done.  SIGTERM and SIGINT stop the server
+gracefully: it stops accepting connections, answers every request it has received, and
+the process exits 0 (a second SIGINT forces it).
 ``multipy serve`` runs this through ``multipy run``'s launcher, with room for 15
 interpreters; ``python -m multipy.serve`` re-executes itself to get it (make_room).
 With ``--ray``, the same options make the same application in each replica of a Ray
@@ -13,6 +20,7 @@ Serve deployment instead (multipy.serve.on_ray), and this process only deploys i
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import copy
 import importlib.util
@@ -22,7 +30,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
@@ -33,7 +41,7 @@ from .._pool import capacity
 from ..manager import cores
 from .app import create_app
 from .archive import ArchiveError, check
-from .models import ModelSpec
+from .models import ModelSpec, serve_inline
 from .service import Options, Service, default_interpreters
 
 logger = logging.getLogger("multipy.serve")
@@ -107,7 +115,14 @@ def specs(args: argparse.Namespace, parse: argparse.ArgumentParser) -> list[Mode
 
 class _Server(uvicorn.Server):
     """uvicorn's server, but a graceful stop by SIGTERM or SIGINT ends the process with
-    exit status 0 (uvicorn raises the signal again once it has stopped)."""
+    exit status 0 (uvicorn raises the signal again once it has stopped).  It listens
+    and hands each connection it accepts to one of its loops (see the module's
+    docstring), and stops them first when it stops."""
+
+    def __init__(self, config: uvicorn.Config, loops: _ConnectionLoops) -> None:
+        super().__init__(config)
+        self._loops = loops
+        self._accepting: asyncio.Task | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -122,12 +137,128 @@ class _Server(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup([])  # the lifespan; the loops serve the connections
+        if self.should_exit:
+            return
+        listener = self.config.bind_socket()
+        listener.listen(self.config.backlog)
+        listener.setblocking(False)
+        self._loops.start()
+        self._accepting = asyncio.get_running_loop().create_task(self._loops.accept(listener))
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        if self._accepting is not None:  # stop accepting, then answer what was received
+            self._accepting.cancel()
+            await asyncio.to_thread(self._loops.stop)
+        await super().shutdown(sockets)
+
+
+class _ConnectionLoops:
+    """``count`` uvicorn servers of one application, each on an event loop on a thread
+    of its own and with no socket of its own: ``accept`` hands them the connections."""
+
+    def __init__(self, app: Any, count: int, inline: bool) -> None:
+        self._app, self._inline = app, inline
+        self._servers: list[uvicorn.Server] = []
+        self._loops: list[asyncio.AbstractEventLoop] = []
+        self._threads = [threading.Thread(target=self._run, name=f"{_LOOP_THREAD}{k}",
+                                          daemon=True) for k in range(count)]
+        self._started = threading.Barrier(count + 1)
+        self._handing = [0] * count  # connections handed to each loop and not yet there
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._threads)
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+        self._started.wait()
+
+    def _run(self) -> None:
+        server = _LoopServer(uvicorn.Config(self._app, lifespan="off", access_log=False,
+                                            log_config=None, timeout_graceful_shutdown=None),
+                             self._serving)
+        if self._inline:
+            serve_inline(server.server_state.connections)
+        server.run(sockets=[])
+
+    def _serving(self, server: uvicorn.Server) -> None:
+        """On each loop's thread, once its server runs."""
+        with self._lock:
+            self._servers.append(server)
+            self._loops.append(asyncio.get_running_loop())
+        self._started.wait()
+
+    async def accept(self, listener: Any) -> None:
+        """Accepts connections on listener until cancelled, handing each to the loop
+        with the fewest (counting those on their way there)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                connection, _ = await loop.sock_accept(listener)
+                with self._lock:
+                    k = min(range(len(self._servers)), key=lambda i: len(
+                        self._servers[i].server_state.connections) + self._handing[i])
+                    self._handing[k] += 1
+                server, target = self._servers[k], self._loops[k]
+
+                def protocol(server: uvicorn.Server = server) -> asyncio.Protocol:
+                    return server.config.http_protocol_class(
+                        config=server.config, server_state=server.server_state,
+                        app_state=server.lifespan.state)
+
+                handed = asyncio.run_coroutine_threadsafe(
+                    target.connect_accepted_socket(protocol, connection), target)
+                handed.add_done_callback(lambda _, k=k: self._arrived(k))
+        finally:
+            listener.close()
+
+    def _arrived(self, k: int) -> None:
+        with self._lock:
+            self._handing[k] -= 1
+
+    def stop(self) -> None:
+        """Stops every loop gracefully (each answers what it has received) and waits."""
+        for server in self._servers:
+            server.should_exit = True
+        for thread in self._threads:
+            thread.join()
+
+
+class _LoopServer(uvicorn.Server):
+    """A server of _ConnectionLoops: calls serving(self) on its loop once it runs."""
+
+    def __init__(self, config: uvicorn.Config, serving: Any) -> None:
+        super().__init__(config)
+        self._serving = serving
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        self._serving(self)
+
+
+class _OneServerLines(logging.Filter):
+    """Drops uvicorn's information lines (starting, stopping) of each connection loop's
+    server: the process is one server, whose main thread says those once.  Warnings
+    and errors stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or not record.threadName.startswith(_LOOP_THREAD)
+
+
+_LOOP_THREAD = "multipy-serve-loop-"
+
 
 def _logging_config() -> dict:
-    """uvicorn's logging, with multipy.serve's lines formatted as uvicorn's own."""
+    """uvicorn's logging, with multipy.serve's lines formatted as uvicorn's own, and
+    uvicorn's information lines from the connection loops' servers left out."""
     config = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["multipy.serve"] = {"handlers": ["default"], "level": "INFO",
                                           "propagate": False}
+    config.setdefault("filters", {})["one_server"] = {"()": _OneServerLines}
+    config["loggers"]["uvicorn.error"]["filters"] = ["one_server"]
     return config
 
 
@@ -183,10 +314,16 @@ def main(argv: list[str] | None = None) -> int:
     service = Service(served)
     loader = threading.Thread(target=lambda: _load(service, server), daemon=True,
                               name="multipy-serve-start")
-    config = uvicorn.Config(create_app(service, loader.start), host=args.host, port=args.port,
-                            lifespan="on", access_log=False, log_config=_logging_config(),
+    app = create_app(service, loader.start)
+    # A loop per interpreter, which calls models on its own thread while it serves one
+    # connection; one loop when batching (a batch gathers requests on one loop) or a
+    # per-request timeout (bounded by the loop, on a worker thread) needs it.
+    inline = served.max_batch_size == 1 and served.timeout is None
+    loops = _ConnectionLoops(app, served.interpreters if inline else 1, inline)
+    config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
+                            access_log=False, log_config=_logging_config(),
                             timeout_graceful_shutdown=None)
-    server = _Server(config)
+    server = _Server(config, loops)
     server.run()
     if loader.is_alive():  # stopped while loading: the interpreters stop at exit
         return 0

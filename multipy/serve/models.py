@@ -46,8 +46,9 @@ class ServedModel:
     ``materialise(interpreter)`` loads it there (and runs its example once, if the
     archive has one); ``ready`` is true once every interpreter has it.  ``infer(request)``
     runs a request on a free interpreter, through the batcher when batching is on, and
-    returns its outputs.  Calls share ``slots``: at most one call per interpreter runs,
-    the others queue (in arrival order).
+    returns its outputs.  The calls an event loop makes share its slots: at most one
+    call per interpreter runs, the others queue (in arrival order).  On a loop that
+    serves one connection (see ``serve_inline``), the call runs on the loop's own thread.
     """
 
     def __init__(self, spec: ModelSpec, manager: Any, metrics: Metrics,
@@ -62,7 +63,6 @@ class ServedModel:
         self._materialised: set[Interpreter] = set()
         self._metadata: dict[str, list[dict]] | None = None
         self._parameters: list[str] = []
-        self._slots: asyncio.Semaphore | None = None
         self._batcher = Batcher(self._call, max_batch_size, batch_delay) \
             if max_batch_size > 1 else None
 
@@ -98,10 +98,6 @@ class ServedModel:
 
     # -- serving: on the event loop --
 
-    def use_slots(self, slots: asyncio.Semaphore) -> None:
-        """The server-wide semaphore of interpreters that calls take one of."""
-        self._slots = slots
-
     async def infer(self, request: InferRequest) -> list[Tensor]:
         """The outputs for request, as the request selects them; ProtocolError for an
         output it names that the model does not give, ModelError if the model fails,
@@ -120,20 +116,26 @@ class ServedModel:
         """One call of the model, with inputs that hold the requests at places."""
         names = self._names(inputs)
         datatypes = tuple(t.datatype for t in inputs)
-        series, name = self._series, self.name
+        arrays = [t.array for t in inputs]
+        series, name, here = self._series, self.name, _here
         try:
-            async with self._slots:
+            if here.connections is not None and len(here.connections) <= 1:
+                # This loop serves only the connection this request came on: the call
+                # runs here, blocking the loop (nothing else waits on it), with no
+                # hand-over to a worker thread and back.
                 for place in places:
                     place.leave()
-                busy = series.busy
-                busy.inc()
-                series.calls.inc()
-                series.batched.observe(len(places))
-                try:
-                    outputs = await self.replicated.acall_method(
-                        "infer", names, datatypes, *(t.array for t in inputs))
-                finally:
-                    busy.dec()
+                with _Busy(series, len(places)):
+                    outputs = self.replicated.call_method("infer", names, datatypes, *arrays)
+            else:
+                if here.slots is None:  # made on this loop's thread, by its first call
+                    here.slots = asyncio.Semaphore(len(self._manager))
+                async with here.slots:
+                    for place in places:
+                        place.leave()
+                    with _Busy(series, len(places)):
+                        outputs = await self.replicated.acall_method(
+                            "infer", names, datatypes, *arrays)
         except InterpreterError as error:  # a type the host cannot re-create
             raise ModelError(f"model {name!r} raised {error.type_name}: {error.message}") from error
         except Exception as error:
@@ -164,6 +166,43 @@ class ServedModel:
         if self._batcher is not None:
             await self._batcher.drain()
 
+
+
+class _LoopThread(threading.local):
+    """What the event loop on this thread calls models with (class defaults: none yet)."""
+
+    #: one per interpreter: calls beyond them queue here, in arrival order
+    slots: asyncio.Semaphore | None = None
+    #: the loop's open connections, when it may call a model on its own thread
+    connections: set | None = None
+
+
+_here = _LoopThread()
+
+
+def serve_inline(connections: set) -> None:
+    """Lets the event loop on this thread call models on this thread, blocking itself,
+    whenever ``connections`` (its open connections) holds at most one: the request's
+    own.  For a loop with no batching and no per-request timeout only."""
+    _here.connections = connections
+
+
+class _Busy:
+    """One call of a model in the metrics: calls, the requests it answers, busy
+    interpreters while it runs."""
+
+    __slots__ = ("_series", "_requests")
+
+    def __init__(self, series: Any, requests: int) -> None:
+        self._series, self._requests = series, requests
+
+    def __enter__(self) -> None:
+        self._series.busy.inc()
+        self._series.calls.inc()
+        self._series.batched.observe(self._requests)
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._series.busy.dec()
 
 
 class _Place:

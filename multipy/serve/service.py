@@ -72,7 +72,6 @@ class Service:
         self.models: dict[str, ServedModel] = {}
         self.ready = False
         self.failure: BaseException | None = None
-        self._slots: asyncio.Semaphore | None = None
 
     # -- start-up: on its own thread --
 
@@ -140,10 +139,6 @@ class Service:
     async def infer(self, model: ServedModel, request: InferRequest) -> list[Tensor]:
         """model's outputs for request; ServiceTimeout past the per-request timeout (the
         call is cancelled inside)."""
-        if self._slots is None:  # made on the loop's thread, by its first request
-            self._slots = asyncio.Semaphore(self.interpreters)
-            for each in self.models.values():
-                each.use_slots(self._slots)
         if self.timeout is None:
             return await model.infer(request)
         try:

@@ -751,50 +751,53 @@ def test_each_connection_gets_a_loop_of_its_own_that_runs_its_calls(per_loop):
         threads_seen = [[], [], []]
 
 
-def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop):
-    seconds = np.array([1.0], np.float32)
+def _slow_requests(server: Server, seconds: float, count: int):
+    """count clients, each on a thread of its own, each sending the slow model one
+    request of seconds: (the threads, the answers, the errors), filled as they end."""
+    array = np.array([seconds], np.float32)
     answers, errors = [], []
 
     def slow() -> None:
         try:
-            result = per_loop.client().infer("slow", [_input("seconds", seconds, "FP32", True)])
+            result = server.client().infer("slow", [_input("seconds", array, "FP32", True)])
             answers.append(result.as_numpy("doubled"))
-        except BaseException as error:  # reported below
+        except BaseException as error:  # reported by _sigterm_answers_all
             errors.append(error)
 
-    threads = [threading.Thread(target=slow) for _ in range(3)]
+    threads = [threading.Thread(target=slow) for _ in range(count)]
     for thread in threads:
         thread.start()
+    return threads, answers, errors
+
+
+def _sigterm_answers_all(server: Server, requests, seconds: float) -> None:
+    """SIGTERM to server: every request in flight is answered, it stops accepting, and
+    it exits 0."""
+    threads, answers, errors = requests
+    server.process.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, (errors[0], server.output())
+    assert len(answers) == len(threads)
+    assert all(a[0] == np.float32(2 * seconds) for a in answers)
+    assert server.process.wait(timeout=60) == 0, server.output()
+    with pytest.raises(OSError):
+        _request(server, "GET", "/v2/health/live")  # it stopped accepting
+    assert "Shutting down" in server.output()
+
+
+def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop):
+    requests = _slow_requests(per_loop, 1.0, 3)
     deadline = time.monotonic() + 30
     while _metrics(per_loop)[("multipy_inference_requests_total", (("model", "slow"),))] < 3:
         assert time.monotonic() < deadline, per_loop.output()  # all three received
         time.sleep(0.01)
-    per_loop.process.send_signal(signal.SIGTERM)
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors, (errors[0], per_loop.output())
-    assert len(answers) == 3 and all(a[0] == np.float32(2.0) for a in answers)
-    assert per_loop.process.wait(timeout=60) == 0, per_loop.output()
-    with pytest.raises(OSError):
-        _request(per_loop, "GET", "/v2/health/live")  # it stopped accepting
-    output = per_loop.output()
-    assert output.count("Started server process") == 1 and "Shutting down" in output
+    _sigterm_answers_all(per_loop, requests, 1.0)
+    assert per_loop.output().count("Started server process") == 1  # one server's lines
 
 
 def test_sigterm_answers_requests_in_flight_and_exits_0(served):
-    seconds = np.array([1.2], np.float32)  # queued ones end after 2.4 s: within --timeout
-    answers, errors = [], []
-
-    def slow() -> None:
-        try:
-            result = served.client().infer("slow", [_input("seconds", seconds, "FP32", True)])
-            answers.append(result.as_numpy("doubled"))
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=slow) for _ in range(4)]
-    for thread in threads:
-        thread.start()
+    requests = _slow_requests(served, 1.2, 4)  # queued ones end after 2.4 s: within --timeout
     deadline = time.monotonic() + 30
     while True:  # 2 running (one per interpreter), 2 queued: all received
         metrics = _metrics(served)
@@ -803,15 +806,7 @@ def test_sigterm_answers_requests_in_flight_and_exits_0(served):
             break
         assert time.monotonic() < deadline, metrics
         time.sleep(0.01)
-    served.process.send_signal(signal.SIGTERM)
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors, (errors[0], served.output())
-    assert len(answers) == 4 and all(a[0] == np.float32(2.4) for a in answers)
-    assert served.process.wait(timeout=60) == 0, served.output()
-    with pytest.raises(OSError):
-        _request(served, "GET", "/v2/health/live")  # it stopped accepting
+    _sigterm_answers_all(served, requests, 1.2)
     with open(served.report) as f:
         imported = json.load(f)
     assert imported == {"torch": False, "numpy": True}, "the serving host imported torch"
-    assert "Shutting down" in served.output()

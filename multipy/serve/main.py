@@ -137,6 +137,11 @@ class _Server(uvicorn.Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        if self.force_exit:  # a second SIGINT: the loops stop at once too
+            self._loops.force()
+
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup([])  # the lifespan; the loops serve the connections
         if self.should_exit:
@@ -167,6 +172,7 @@ class _ConnectionLoops:
         self._started = threading.Barrier(count + 1)
         self._handing = [0] * count  # connections handed to each loop and not yet there
         self._lock = threading.Lock()
+        self._forced = False
 
     def __len__(self) -> int:
         return len(self._threads)
@@ -220,11 +226,20 @@ class _ConnectionLoops:
             self._handing[k] -= 1
 
     def stop(self) -> None:
-        """Stops every loop gracefully (each answers what it has received) and waits."""
+        """Stops every loop gracefully (each answers what it has received) and waits for
+        them, until ``force``."""
         for server in self._servers:
             server.should_exit = True
         for thread in self._threads:
-            thread.join()
+            while thread.is_alive() and not self._forced:
+                thread.join(0.1)
+
+    def force(self) -> None:
+        """Stops the loops at once, as uvicorn does on a second SIGINT (a call running
+        on a loop's thread still ends first), and ends ``stop``'s wait."""
+        self._forced = True
+        for server in self._servers:
+            server.force_exit = True
 
 
 class _LoopServer(uvicorn.Server):

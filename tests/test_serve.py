@@ -8,11 +8,15 @@ batching: one event loop), ``batching`` (1 interpreter, --max-batch-size 8: one 
 """
 from __future__ import annotations
 
+import asyncio
+import errno
 import gzip
 import http.client
 import importlib.util
 import json
+import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -562,6 +566,59 @@ def test_metrics(served):
     assert after[("multipy_interpreters", ())] == 2
 
 
+def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
+    """Turns(1): calls waiting on two loops on two threads get the turn in the order
+    they asked for it; one whose wait is cancelled takes none; try_take never jumps a
+    waiting call."""
+    from multipy.serve.models import Turns
+
+    turns = Turns(1)
+    assert turns.try_take() and not turns.try_take()
+    order: list[str] = []
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=loop.run_forever) for loop in loops]
+    for thread in threads:
+        thread.start()
+
+    async def call(name: str) -> None:
+        async with turns:
+            order.append(name)
+
+    def waiting() -> int:
+        with turns._lock:
+            return len(turns._waiting)
+
+    def until(count: int) -> None:
+        deadline = time.monotonic() + 10
+        while waiting() != count:
+            assert time.monotonic() < deadline, waiting()
+            time.sleep(0.001)
+
+    try:
+        first = asyncio.run_coroutine_threadsafe(call("first"), loops[1])
+        until(1)
+        cancelled = asyncio.run_coroutine_threadsafe(call("cancelled"), loops[0])
+        until(2)
+        second = asyncio.run_coroutine_threadsafe(call("second"), loops[0])
+        until(3)
+        cancelled.cancel()
+        until(2)
+        assert not turns.try_take()  # calls wait: the turn goes to them, not to this
+        turns.give()
+        first.result(timeout=10)
+        second.result(timeout=10)
+        assert order == ["first", "second"]
+        assert turns.try_take() and not turns.try_take()  # given back by second
+        turns.give()
+    finally:
+        for loop in loops:
+            loop.call_soon_threadsafe(loop.stop)
+        for thread in threads:
+            thread.join(timeout=10)
+        for loop in loops:
+            loop.close()
+
+
 # -- batching --
 
 def test_batching_answers_each_request_with_its_rows(batching, packages):
@@ -751,6 +808,63 @@ def test_each_connection_gets_a_loop_of_its_own_that_runs_its_calls(per_loop):
         threads_seen = [[], [], []]
 
 
+def test_at_most_one_call_per_interpreter_whatever_the_loop(per_loop):
+    """Four connections on two loops (two each, so their calls go to worker threads)
+    with two interpreters: two calls run at once, each alone in its interpreter, and
+    two wait; every one is answered."""
+    array = np.array([0.5], np.float32)
+    answers, errors = [], []
+    started = threading.Barrier(4)
+
+    def client() -> None:
+        try:
+            connection = per_loop.client()
+            connection.is_server_live()  # the connection is open, on its loop
+            started.wait(timeout=30)
+            answers.append(connection.infer("slow", [_input("seconds", array, "FP32", True)]))
+            connection.close()
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for thread in clients:
+        thread.start()
+    for thread in clients:
+        thread.join(timeout=60)
+    assert not errors, (errors[0], per_loop.output())
+    assert [a.as_numpy("doubled")[0] for a in answers] == [np.float32(1.0)] * 4
+    assert [a.as_numpy("together")[0] for a in answers] == [1] * 4
+
+
+def test_a_new_connection_goes_to_a_loop_that_is_not_in_a_call(per_loop):
+    """While one loop calls the slow model on its own thread (its one connection's
+    request), a new connection goes to the other loop, which serves another client's
+    idle connection, and is answered before the call ends."""
+    calling = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
+    idle = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
+    try:
+        for connection in (calling, idle):  # one on each loop, in this order
+            connection.request("GET", "/v2/health/live")
+            assert connection.getresponse().read() is not None
+        body = json.dumps({"inputs": [{"name": "seconds", "shape": [1], "datatype": "FP32",
+                                       "data": [3.0]}]}).encode()
+        calling.request("POST", "/v2/models/slow/infer", body=body)
+        time.sleep(0.5)  # the call has begun (if not, the health check below comes first)
+        assert _request(per_loop, "GET", "/v2/health/ready")[0] == 200
+        answered_meanwhile = calling.sock is not None and not _readable(calling.sock)
+        response = calling.getresponse()
+        assert response.status == 200 and json.loads(response.read())["outputs"][0]["data"] == [6.0]
+        assert answered_meanwhile, "the health check waited for the call"
+    finally:
+        calling.close()
+        idle.close()
+
+
+def _readable(sock: socket.socket) -> bool:
+    """Whether sock has something to read now (or is closed)."""
+    return bool(select.select([sock], [], [], 0)[0])
+
+
 def _slow_requests(server: Server, seconds: float, count: int):
     """count clients, each on a thread of its own, each sending the slow model one
     request of seconds: (the threads, the answers, the errors), filled as they end."""
@@ -787,13 +901,101 @@ def _sigterm_answers_all(server: Server, requests, seconds: float) -> None:
 
 
 def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop):
-    requests = _slow_requests(per_loop, 1.0, 3)
-    deadline = time.monotonic() + 30
-    while _metrics(per_loop)[("multipy_inference_requests_total", (("model", "slow"),))] < 3:
-        assert time.monotonic() < deadline, per_loop.output()  # all three received
-        time.sleep(0.01)
-    _sigterm_answers_all(per_loop, requests, 1.0)
+    """Each loop calls the slow model on its own thread when two new connections come,
+    so that they reach their loops only once the server is stopping: the one that sent
+    a request is answered, the idle one is closed, and the server exits."""
+    requests = _slow_requests(per_loop, 2.0, 2)
+    time.sleep(0.7)  # both calls have begun (if not, the new connections come in time)
+    late = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
+    idle = socket.create_connection(("127.0.0.1", per_loop.port), timeout=60)
+    try:
+        late.request("POST", "/v2/models/slow/infer", body=json.dumps({"inputs": [
+            {"name": "seconds", "shape": [1], "datatype": "FP32", "data": [0.5]}]}).encode())
+        time.sleep(0.1)  # accepted and handed to the loops
+        _sigterm_answers_all(per_loop, requests, 2.0)
+        response = late.getresponse()
+        assert response.status == 200
+        assert json.loads(response.read())["outputs"][0]["data"] == [1.0]
+        assert idle.recv(1) == b""  # closed by the server
+    finally:
+        late.close()
+        idle.close()
     assert per_loop.output().count("Started server process") == 1  # one server's lines
+
+
+class _FailsOnce(socket.socket):
+    """A listening socket whose first accept fails as when the process is out of file
+    descriptors."""
+
+    failed = False
+
+    def accept(self):
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+def test_accepting_goes_on_after_an_error(caplog):
+    """A connection loop's server (in this process, with a plain ASGI application)
+    answers a client although accepting its connection failed once: the error is
+    logged and accepting tries again."""
+    from multipy.serve.main import _ConnectionLoops
+
+    async def app(scope, receive, send):
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"answered"})
+
+    loops = _ConnectionLoops(app, 1, inline=False)
+    loops.start()
+    listener = _FailsOnce(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+
+    def get() -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            connection.request("GET", "/")
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    async def serve() -> tuple[int, bytes]:
+        accepting = asyncio.create_task(loops.accept(listener))
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(get), 60)
+        finally:
+            accepting.cancel()
+
+    try:
+        with caplog.at_level(logging.ERROR, logger="multipy.serve"):
+            assert asyncio.run(serve()) == (200, b"answered")
+    finally:
+        loops.stop()
+    assert listener.failed and "Too many open files" in caplog.text
+
+
+def test_the_loops_servers_say_only_what_a_stop_waits_for_once():
+    """uvicorn's information lines from the connection loops' servers are dropped,
+    but for what a graceful stop waits for, said once; their warnings stay."""
+    from multipy.serve.main import _LOOP_THREAD, _OneServerLines
+
+    lines = _OneServerLines()
+
+    def said(message: str, thread: str, level: int = logging.INFO) -> bool:
+        record = logging.LogRecord("uvicorn.error", level, __file__, 1, message, None, None)
+        record.threadName = thread
+        return lines.filter(record)
+
+    waiting = "Waiting for connections to close. (CTRL+C to force quit)"
+    assert said("Started server process [1]", "MainThread")
+    assert not said("Started server process [1]", f"{_LOOP_THREAD}0")
+    assert said(waiting, f"{_LOOP_THREAD}0") and not said(waiting, f"{_LOOP_THREAD}1")
+    assert said("Invalid HTTP request received.", f"{_LOOP_THREAD}1", logging.WARNING)
 
 
 def test_sigterm_answers_requests_in_flight_and_exits_0(served):

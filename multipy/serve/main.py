@@ -3,10 +3,11 @@
 The Starlette application (multipy.serve.app) runs on uvicorn, on event loops of their
 own: one per interpreter, each on its own thread (one loop when batching, or a
 per-request timeout, needs every request on one loop).  The main thread's loop accepts
-the connections and hands each to the loop with the fewest, so that N clients' keep-alive
+the connections and hands each to the least busy loop, so that N clients' keep-alive
 connections land on N loops; a loop that serves one connection runs its model calls on
 its own thread (multipy.serve.models.serve_inline), the way a worker process of other
-servers does, with no hand-over to a worker thread and back.  The main thread also
+servers does, with no hand-over to a worker thread and back.  However many loops call,
+one call per interpreter runs at a time (multipy.serve.models.Turns).  The main thread also
 catches the signals and runs the application's lifespan.  The models load on a thread of
 their own once the server listens, so that ``/v2/health/live`` answers at once and
 ``/v2/health/ready`` says when loading is done.  SIGTERM and SIGINT stop the server
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import importlib.util
@@ -41,7 +43,7 @@ from .._pool import capacity
 from ..manager import cores
 from .app import create_app
 from .archive import ArchiveError, check
-from .models import ModelSpec, serve_inline
+from .models import InlineLoop, ModelSpec, serve_inline
 from .service import Options, Service, default_interpreters
 
 logger = logging.getLogger("multipy.serve")
@@ -164,9 +166,11 @@ class _ConnectionLoops:
     of its own and with no socket of its own: ``accept`` hands them the connections."""
 
     def __init__(self, app: Any, count: int, inline: bool) -> None:
-        self._app, self._inline = app, inline
+        self._app = app
         self._servers: list[uvicorn.Server] = []
         self._loops: list[asyncio.AbstractEventLoop] = []
+        # with inline calls, what each loop's calls say of it (in the order of _servers)
+        self._inline: list[InlineLoop] | None = [] if inline else None
         self._threads = [threading.Thread(target=self._run, name=f"{_LOOP_THREAD}{k}",
                                           daemon=True) for k in range(count)]
         self._started = threading.Barrier(count + 1)
@@ -178,52 +182,74 @@ class _ConnectionLoops:
         return len(self._threads)
 
     def start(self) -> None:
+        """Starts the loops and waits for them; BrokenBarrierError if one failed."""
         for thread in self._threads:
             thread.start()
         self._started.wait()
 
     def _run(self) -> None:
-        server = _LoopServer(uvicorn.Config(self._app, lifespan="off", access_log=False,
-                                            log_config=None, timeout_graceful_shutdown=None),
-                             self._serving)
-        if self._inline:
-            serve_inline(server.server_state.connections)
-        server.run(sockets=[])
+        try:
+            server = _LoopServer(uvicorn.Config(self._app, lifespan="off", access_log=False,
+                                                log_config=None, timeout_graceful_shutdown=None),
+                                 self._serving)
+            server.run(sockets=[])
+        finally:
+            self._started.abort()  # (once started, a no-op: no one waits any more)
 
     def _serving(self, server: uvicorn.Server) -> None:
         """On each loop's thread, once its server runs."""
+        inline = None
+        if self._inline is not None:
+            inline = InlineLoop(server.server_state.connections)
+            serve_inline(inline)
         with self._lock:
             self._servers.append(server)
             self._loops.append(asyncio.get_running_loop())
+            if inline is not None:
+                self._inline.append(inline)
         self._started.wait()
 
+    def _load(self, k: int) -> int:
+        """How busy loop k is: its connections, those on their way there, and one more
+        while it calls a model on its own thread (it answers nothing else meanwhile)."""
+        calling = self._inline is not None and self._inline[k].calling
+        return len(self._servers[k].server_state.connections) + self._handing[k] + calling
+
     async def accept(self, listener: Any) -> None:
-        """Accepts connections on listener until cancelled, handing each to the loop
-        with the fewest (counting those on their way there)."""
+        """Accepts connections on listener until cancelled, handing each to the least
+        busy loop.  An error accepting one (too many open files, say) is logged, and
+        accepting goes on after a pause."""
         loop = asyncio.get_running_loop()
         try:
             while True:
-                connection, _ = await loop.sock_accept(listener)
+                try:
+                    connection, _ = await loop.sock_accept(listener)
+                except OSError as error:
+                    logger.error("accepting a connection failed, trying again in %s s: %s",
+                                 _ACCEPT_PAUSE, error)
+                    await asyncio.sleep(_ACCEPT_PAUSE)
+                    continue
                 with self._lock:
-                    k = min(range(len(self._servers)), key=lambda i: len(
-                        self._servers[i].server_state.connections) + self._handing[i])
+                    k = min(range(len(self._servers)), key=self._load)
                     self._handing[k] += 1
-                server, target = self._servers[k], self._loops[k]
-
-                def protocol(server: uvicorn.Server = server) -> asyncio.Protocol:
-                    return server.config.http_protocol_class(
-                        config=server.config, server_state=server.server_state,
-                        app_state=server.lifespan.state)
-
-                handed = asyncio.run_coroutine_threadsafe(
-                    target.connect_accepted_socket(protocol, connection), target)
-                handed.add_done_callback(lambda _, k=k: self._arrived(k))
+                try:
+                    handed = asyncio.run_coroutine_threadsafe(
+                        _connect(self._servers[k], connection), self._loops[k])
+                except RuntimeError as error:  # that loop's thread has ended
+                    handed = concurrent.futures.Future()
+                    handed.set_exception(error)
+                handed.add_done_callback(lambda done, k=k: self._connected(k, done, connection))
         finally:
             listener.close()
 
-    def _arrived(self, k: int) -> None:
+    def _connected(self, k: int, done: concurrent.futures.Future, connection: Any) -> None:
         with self._lock:
             self._handing[k] -= 1
+        if not done.cancelled() and done.exception() is not None:
+            logger.error("handing a connection to loop %d failed, closing it: %r",
+                         k, done.exception())
+        if done.cancelled() or done.exception() is not None:
+            connection.close()
 
     def stop(self) -> None:
         """Stops every loop gracefully (each answers what it has received) and waits for
@@ -242,6 +268,25 @@ class _ConnectionLoops:
             server.force_exit = True
 
 
+#: seconds between a failed accept and the next try
+_ACCEPT_PAUSE = 0.1
+
+
+async def _connect(server: uvicorn.Server, connection: Any) -> None:
+    """On server's loop: serves the accepted socket connection there.  One that arrives
+    once the server is stopping (it waited for a call on the loop's thread) is shut down
+    as the server shut down its others, which it may have done already: a request it
+    has received is answered, then it closes; with none, it closes."""
+    def protocol() -> asyncio.Protocol:
+        return server.config.http_protocol_class(
+            config=server.config, server_state=server.server_state,
+            app_state=server.lifespan.state)
+
+    _, served = await asyncio.get_running_loop().connect_accepted_socket(protocol, connection)
+    if server.should_exit:
+        served.shutdown()
+
+
 class _LoopServer(uvicorn.Server):
     """A server of _ConnectionLoops: calls serving(self) on its loop once it runs."""
 
@@ -257,10 +302,24 @@ class _LoopServer(uvicorn.Server):
 class _OneServerLines(logging.Filter):
     """Drops uvicorn's information lines (starting, stopping) of each connection loop's
     server: the process is one server, whose main thread says those once.  Warnings
-    and errors stay."""
+    and errors stay, and so do the lines of a graceful stop that say what it waits for
+    ("Waiting for connections to close"), once each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._said: set[str] = set()
+        self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno > logging.INFO or not record.threadName.startswith(_LOOP_THREAD)
+        if record.levelno > logging.INFO or not record.threadName.startswith(_LOOP_THREAD):
+            return True
+        message = record.getMessage()
+        if not message.startswith("Waiting for"):
+            return False
+        with self._lock:
+            said = message in self._said
+            self._said.add(message)
+        return not said
 
 
 _LOOP_THREAD = "multipy-serve-loop-"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,16 +47,19 @@ class ServedModel:
     ``materialise(interpreter)`` loads it there (and runs its example once, if the
     archive has one); ``ready`` is true once every interpreter has it.  ``infer(request)``
     runs a request on a free interpreter, through the batcher when batching is on, and
-    returns its outputs.  The calls an event loop makes share its slots: at most one
-    call per interpreter runs, the others queue (in arrival order).  On a loop that
-    serves one connection (see ``serve_inline``), the call runs on the loop's own thread.
+    returns its outputs.  Every call of every model takes a turn from ``turns``, which
+    the server's models share: at most one call per interpreter runs, the others wait
+    in arrival order, whatever event loop they come from.  On a loop that serves one
+    connection (see ``serve_inline``), a call that finds a turn free runs on the loop's
+    own thread.
     """
 
-    def __init__(self, spec: ModelSpec, manager: Any, metrics: Metrics,
+    def __init__(self, spec: ModelSpec, manager: Any, metrics: Metrics, turns: Turns,
                  max_batch_size: int = 1, batch_delay: float = 0.0) -> None:
         self.spec = spec
         self.name = spec.name
         self._manager = manager
+        self._turns = turns
         self._series = metrics.models[spec.name]
         self._storages: dict[str, Any] | None = None
         self._mapping = threading.Lock()
@@ -117,20 +121,25 @@ class ServedModel:
         names = self._names(inputs)
         datatypes = tuple(t.datatype for t in inputs)
         arrays = [t.array for t in inputs]
-        series, name, here = self._series, self.name, _here
+        series, name, turns, inline = self._series, self.name, self._turns, _here.inline
         try:
-            if here.connections is not None and len(here.connections) <= 1:
-                # This loop serves only the connection this request came on: the call
-                # runs here, blocking the loop (nothing else waits on it), with no
-                # hand-over to a worker thread and back.
+            if inline is not None and len(inline.connections) <= 1 and turns.try_take():
+                # This loop serves only the connection this request came on, and an
+                # interpreter is free: the call runs here, blocking the loop, with no
+                # hand-over to a worker thread and back.  The server hands new
+                # connections to loops not in such a call while there is one; a
+                # connection handed to this one meanwhile waits for the call to end.
                 for place in places:
                     place.leave()
-                with _Busy(series, len(places)):
-                    outputs = self.replicated.call_method("infer", names, datatypes, *arrays)
+                inline.calling = True
+                try:
+                    with _Busy(series, len(places)):
+                        outputs = self.replicated.call_method("infer", names, datatypes, *arrays)
+                finally:
+                    inline.calling = False
+                    turns.give()
             else:
-                if here.slots is None:  # made on this loop's thread, by its first call
-                    here.slots = asyncio.Semaphore(len(self._manager))
-                async with here.slots:
+                async with turns:
                     for place in places:
                         place.leave()
                     with _Busy(series, len(places)):
@@ -168,23 +177,92 @@ class ServedModel:
 
 
 
-class _LoopThread(threading.local):
-    """What the event loop on this thread calls models with (class defaults: none yet)."""
+class Turns:
+    """The interpreters' turns, shared by the models of a server and every event loop
+    that calls them: ``count`` calls run at once, the others wait in arrival order.
 
-    #: one per interpreter: calls beyond them queue here, in arrival order
-    slots: asyncio.Semaphore | None = None
-    #: the loop's open connections, when it may call a model on its own thread
-    connections: set | None = None
+    ``async with turns:`` waits for a turn (a cancelled wait takes none); ``try_take``
+    takes one only if one is free, for a call that must not wait; ``give`` returns one,
+    from any thread, handing it to the first call waiting.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._waiting: deque[tuple[asyncio.Future, asyncio.AbstractEventLoop]] = deque()
+        self._lock = threading.Lock()
+
+    def try_take(self) -> bool:
+        with self._lock:  # a turn is free only while no call waits: none is jumped
+            if self._free:
+                self._free -= 1
+                return True
+            return False
+
+    def give(self) -> None:
+        with self._lock:
+            while self._waiting:
+                waiter, loop = self._waiting.popleft()
+                try:
+                    loop.call_soon_threadsafe(self._hand, waiter)
+                    return
+                except RuntimeError:  # its loop is closed: no one waits there any more
+                    continue
+            self._free += 1
+
+    def _hand(self, waiter: asyncio.Future) -> None:
+        """On the waiter's loop: the turn is its, unless it stopped waiting meanwhile."""
+        if waiter.cancelled():
+            self.give()
+        else:
+            waiter.set_result(None)
+
+    async def __aenter__(self) -> None:
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._free:
+                self._free -= 1
+                return
+            waiter = loop.create_future()
+            self._waiting.append((waiter, loop))
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            with self._lock:
+                handed = (waiter, loop) not in self._waiting
+                if not handed:
+                    self._waiting.remove((waiter, loop))
+            if handed and waiter.done() and not waiter.cancelled():
+                self.give()  # handed, then cancelled before it ran: passed on
+            raise  # (handed but not yet there: _hand passes it on)
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self.give()
+
+
+class InlineLoop:
+    """An event loop that calls models on its own thread while it serves one connection
+    (see ``serve_inline``): ``connections``, its open connections (uvicorn's set), and
+    ``calling``, whether it is in such a call now, for whoever hands it connections."""
+
+    def __init__(self, connections: set) -> None:
+        self.connections = connections
+        self.calling = False
+
+
+class _LoopThread(threading.local):
+    """The inline loop on this thread, if there is one (class default: none)."""
+
+    inline: InlineLoop | None = None
 
 
 _here = _LoopThread()
 
 
-def serve_inline(connections: set) -> None:
-    """Lets the event loop on this thread call models on this thread, blocking itself,
-    whenever ``connections`` (its open connections) holds at most one: the request's
-    own.  For a loop with no batching and no per-request timeout only."""
-    _here.connections = connections
+def serve_inline(loop: InlineLoop) -> None:
+    """Lets the event loop on this thread, ``loop``, call models on this thread, blocking
+    itself, whenever its open connections are at most one: the request's own.  For a
+    loop with no batching and no per-request timeout only."""
+    _here.inline = loop
 
 
 class _Busy:

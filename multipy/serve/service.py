@@ -19,7 +19,7 @@ from .._pool import capacity
 from ..manager import InterpreterManager, cores
 from . import archive
 from .metrics import Metrics
-from .models import ModelSpec, ServedModel
+from .models import ModelSpec, ServedModel, Turns
 from .progress import Progress
 from .protocol import InferRequest, ProtocolError, Tensor
 
@@ -87,7 +87,8 @@ class Service:
                                               grad_enabled=False)
             progress.advance(n, "interpreters started")
             max_batch_size, delay = self._batching
-            models = [ServedModel(spec, self.manager, self.metrics, max_batch_size, delay)
+            turns = Turns(n)  # one call per interpreter, of whichever model
+            models = [ServedModel(spec, self.manager, self.metrics, turns, max_batch_size, delay)
                       for spec in self.specs.values()]
             progress.stage(f"materialising {m} model(s) on {n} interpreter(s): torch is "
                            f"imported and each archive loaded in every interpreter "

@@ -846,9 +846,7 @@ def test_a_new_connection_goes_to_a_loop_that_is_not_in_a_call(per_loop):
         for connection in (calling, idle):  # one on each loop, in this order
             connection.request("GET", "/v2/health/live")
             assert connection.getresponse().read() is not None
-        body = json.dumps({"inputs": [{"name": "seconds", "shape": [1], "datatype": "FP32",
-                                       "data": [3.0]}]}).encode()
-        calling.request("POST", "/v2/models/slow/infer", body=body)
+        _send_slow(per_loop, 3.0, calling)
         time.sleep(0.5)  # the call has begun (if not, the health check below comes first)
         assert _request(per_loop, "GET", "/v2/health/ready")[0] == 200
         answered_meanwhile = calling.sock is not None and not _readable(calling.sock)
@@ -903,24 +901,36 @@ def _sigterm_answers_all(server: Server, requests, seconds: float) -> None:
 def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop):
     """Each loop calls the slow model on its own thread when two new connections come,
     so that they reach their loops only once the server is stopping: the one that sent
-    a request is answered, the idle one is closed, and the server exits."""
-    requests = _slow_requests(per_loop, 2.0, 2)
-    time.sleep(0.7)  # both calls have begun (if not, the new connections come in time)
-    late = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
+    a request is answered, the idle one is closed, and the server exits 0."""
+    slow = [_send_slow(per_loop, 2.0) for _ in range(2)]
+    time.sleep(0.5)  # both calls have begun (if not, the new connections come in time)
+    late = _send_slow(per_loop, 0.5)
     idle = socket.create_connection(("127.0.0.1", per_loop.port), timeout=60)
     try:
-        late.request("POST", "/v2/models/slow/infer", body=json.dumps({"inputs": [
-            {"name": "seconds", "shape": [1], "datatype": "FP32", "data": [0.5]}]}).encode())
         time.sleep(0.1)  # accepted and handed to the loops
-        _sigterm_answers_all(per_loop, requests, 2.0)
-        response = late.getresponse()
-        assert response.status == 200
-        assert json.loads(response.read())["outputs"][0]["data"] == [1.0]
+        per_loop.process.send_signal(signal.SIGTERM)
+        for connection, seconds in zip(slow + [late], (2.0, 2.0, 0.5)):
+            response = connection.getresponse()
+            assert response.status == 200, per_loop.output()
+            assert json.loads(response.read())["outputs"][0]["data"] == [2 * seconds]
         assert idle.recv(1) == b""  # closed by the server
+        assert per_loop.process.wait(timeout=60) == 0, per_loop.output()
     finally:
-        late.close()
+        for connection in slow + [late]:
+            connection.close()
         idle.close()
     assert per_loop.output().count("Started server process") == 1  # one server's lines
+
+
+def _send_slow(server: Server, seconds: float,
+               connection: http.client.HTTPConnection | None = None) -> http.client.HTTPConnection:
+    """connection (default: a new one) once it has sent the slow model a request of
+    seconds, in JSON."""
+    if connection is None:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v2/models/slow/infer", body=json.dumps({"inputs": [
+        {"name": "seconds", "shape": [1], "datatype": "FP32", "data": [seconds]}]}).encode())
+    return connection
 
 
 class _FailsOnce(socket.socket):

@@ -27,12 +27,13 @@ import contextlib
 import copy
 import importlib.util
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import uvicorn
 from uvicorn.config import LOGGING_CONFIG
@@ -43,7 +44,7 @@ from .._pool import capacity
 from ..manager import cores
 from .app import create_app
 from .archive import ArchiveError, check
-from .models import InlineLoop, ModelSpec, serve_inline
+from .models import ModelSpec, ServingLoop, serve_inline
 from .service import Options, Service, default_interpreters
 
 logger = logging.getLogger("multipy.serve")
@@ -153,6 +154,12 @@ class _Server(uvicorn.Server):
         listener.setblocking(False)
         self._loops.start()
         self._accepting = asyncio.get_running_loop().create_task(self._loops.accept(listener))
+        self._accepting.add_done_callback(self._accepted)
+
+    def _accepted(self, accepting: asyncio.Task) -> None:
+        """When accepting ends: by itself (every loop has stopped), the server stops."""
+        if not accepting.cancelled():
+            self.should_exit = True
 
     async def shutdown(self, sockets: list | None = None) -> None:
         if self._accepting is not None:  # stop accepting, then answer what was received
@@ -166,15 +173,14 @@ class _ConnectionLoops:
     of its own and with no socket of its own: ``accept`` hands them the connections."""
 
     def __init__(self, app: Any, count: int, inline: bool) -> None:
-        self._app = app
+        self._app, self._inline = app, inline
+        # in the order their loops started
         self._servers: list[uvicorn.Server] = []
         self._loops: list[asyncio.AbstractEventLoop] = []
-        # with inline calls, what each loop's calls say of it (in the order of _servers)
-        self._inline: list[InlineLoop] | None = [] if inline else None
+        self._serving: list[ServingLoop] = []
         self._threads = [threading.Thread(target=self._run, name=f"{_LOOP_THREAD}{k}",
                                           daemon=True) for k in range(count)]
         self._started = threading.Barrier(count + 1)
-        self._handing = [0] * count  # connections handed to each loop and not yet there
         self._lock = threading.Lock()
         self._forced = False
 
@@ -191,34 +197,36 @@ class _ConnectionLoops:
         try:
             server = _LoopServer(uvicorn.Config(self._app, lifespan="off", access_log=False,
                                                 log_config=None, timeout_graceful_shutdown=None),
-                                 self._serving)
+                                 self._started_serving)
             server.run(sockets=[])
         finally:
             self._started.abort()  # (once started, a no-op: no one waits any more)
 
-    def _serving(self, server: uvicorn.Server) -> None:
+    def _started_serving(self, server: uvicorn.Server) -> None:
         """On each loop's thread, once its server runs."""
-        inline = None
-        if self._inline is not None:
-            inline = InlineLoop(server.server_state.connections)
-            serve_inline(inline)
+        serving = ServingLoop(server.server_state.connections)
+        if self._inline:
+            serve_inline(serving)
         with self._lock:
             self._servers.append(server)
             self._loops.append(asyncio.get_running_loop())
-            if inline is not None:
-                self._inline.append(inline)
+            self._serving.append(serving)
         self._started.wait()
 
-    def _load(self, k: int) -> int:
-        """How busy loop k is: its connections, those on their way there, and one more
-        while it calls a model on its own thread (it answers nothing else meanwhile)."""
-        calling = self._inline is not None and self._inline[k].calling
-        return len(self._servers[k].server_state.connections) + self._handing[k] + calling
+    def _load(self, k: int) -> float:
+        """How busy loop k is: its connections, open and arriving, and one more while it
+        calls a model on its own thread (it answers nothing else meanwhile); a loop
+        that has stopped running takes none."""
+        if not self._loops[k].is_running():
+            return math.inf
+        serving = self._serving[k]
+        return len(serving.connections) + serving.arriving + serving.calling
 
     async def accept(self, listener: Any) -> None:
         """Accepts connections on listener until cancelled, handing each to the least
         busy loop.  An error accepting one (too many open files, say) is logged, and
-        accepting goes on after a pause."""
+        accepting goes on after a pause.  Returns, with an error logged, if every loop
+        has stopped (they stop only when this is cancelled, unless one fails)."""
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -229,26 +237,53 @@ class _ConnectionLoops:
                                  _ACCEPT_PAUSE, error)
                     await asyncio.sleep(_ACCEPT_PAUSE)
                     continue
-                with self._lock:
-                    k = min(range(len(self._servers)), key=self._load)
-                    self._handing[k] += 1
-                try:
-                    handed = asyncio.run_coroutine_threadsafe(
-                        _connect(self._servers[k], connection), self._loops[k])
-                except RuntimeError as error:  # that loop's thread has ended
-                    handed = concurrent.futures.Future()
-                    handed.set_exception(error)
-                handed.add_done_callback(lambda done, k=k: self._connected(k, done, connection))
+                if not self._hand(connection):
+                    connection.close()
+                    logger.error("every connection loop has stopped: the server stops")
+                    return
         finally:
             listener.close()
 
-    def _connected(self, k: int, done: concurrent.futures.Future, connection: Any) -> None:
-        with self._lock:
-            self._handing[k] -= 1
-        if not done.cancelled() and done.exception() is not None:
+    def _hand(self, connection: Any) -> bool:
+        """Hands connection to the least busy loop that runs; False if none does."""
+        while True:
+            with self._lock:
+                k = min(range(len(self._servers)), key=self._load)
+                if self._load(k) == math.inf:
+                    return False
+                self._serving[k].arriving += 1
+            arrived = self._arrival(k)
+            try:
+                handed = asyncio.run_coroutine_threadsafe(
+                    _connect(self._servers[k], connection, arrived), self._loops[k])
+            except RuntimeError:  # that loop closed meanwhile: another one
+                arrived()
+                continue
+            handed.add_done_callback(lambda done, k=k, connection=connection, arrived=arrived:
+                                     self._handed(k, done, connection, arrived))
+            return True
+
+    def _arrival(self, k: int) -> Callable[[], None]:
+        """What to call when a connection handed to loop k is there (it is one of the
+        loop's connections) or will never be: it is no longer arriving.  Once."""
+        arriving = [True]
+
+        def arrived() -> None:
+            with self._lock:
+                if arriving:
+                    arriving.clear()
+                    self._serving[k].arriving -= 1
+        return arrived
+
+    def _handed(self, k: int, done: concurrent.futures.Future, connection: Any,
+                arrived: Callable[[], None]) -> None:
+        """Once the hand-over of connection to loop k has ended, well or not."""
+        arrived()
+        if done.cancelled():  # the loop ended first
+            connection.close()
+        elif done.exception() is not None:
             logger.error("handing a connection to loop %d failed, closing it: %r",
                          k, done.exception())
-        if done.cancelled() or done.exception() is not None:
             connection.close()
 
     def stop(self) -> None:
@@ -272,31 +307,34 @@ class _ConnectionLoops:
 _ACCEPT_PAUSE = 0.1
 
 
-async def _connect(server: uvicorn.Server, connection: Any) -> None:
-    """On server's loop: serves the accepted socket connection there.  One that arrives
-    once the server is stopping (it waited for a call on the loop's thread) is shut down
-    as the server shut down its others, which it may have done already: a request it
-    has received is answered, then it closes; with none, it closes."""
+async def _connect(server: uvicorn.Server, connection: Any, arrived: Callable[[], None]) -> None:
+    """On server's loop: serves the accepted socket connection there, calling arrived
+    as it becomes one of the server's connections.  One that arrives once the server is
+    stopping (it waited for a call on the loop's thread) is shut down as the server shut
+    down its others, which it may have done already: a request it has received is
+    answered, then it closes; with none, it closes."""
     def protocol() -> asyncio.Protocol:
+        arrived()
         return server.config.http_protocol_class(
             config=server.config, server_state=server.server_state,
             app_state=server.lifespan.state)
 
     _, served = await asyncio.get_running_loop().connect_accepted_socket(protocol, connection)
     if server.should_exit:
+        await asyncio.sleep(0)  # a turn of the loop, which reads what the socket holds
         served.shutdown()
 
 
 class _LoopServer(uvicorn.Server):
-    """A server of _ConnectionLoops: calls serving(self) on its loop once it runs."""
+    """A server of _ConnectionLoops: calls started(self) on its loop once it runs."""
 
-    def __init__(self, config: uvicorn.Config, serving: Any) -> None:
+    def __init__(self, config: uvicorn.Config, started: Any) -> None:
         super().__init__(config)
-        self._serving = serving
+        self._started = started
 
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
-        self._serving(self)
+        self._started(self)
 
 
 class _OneServerLines(logging.Filter):

@@ -123,7 +123,8 @@ class ServedModel:
         arrays = [t.array for t in inputs]
         series, name, turns, inline = self._series, self.name, self._turns, _here.inline
         try:
-            if inline is not None and len(inline.connections) <= 1 and turns.try_take():
+            if (inline is not None and len(inline.connections) + inline.arriving <= 1
+                    and turns.try_take()):
                 # This loop serves only the connection this request came on, and an
                 # interpreter is free: the call runs here, blocking the loop, with no
                 # hand-over to a worker thread and back.  The server hands new
@@ -239,29 +240,31 @@ class Turns:
         self.give()
 
 
-class InlineLoop:
-    """An event loop that calls models on its own thread while it serves one connection
-    (see ``serve_inline``): ``connections``, its open connections (uvicorn's set), and
-    ``calling``, whether it is in such a call now, for whoever hands it connections."""
+class ServingLoop:
+    """An event loop that serves connections, as whoever hands it connections and its
+    calls see it: ``connections``, its open ones (uvicorn's set); ``arriving``, those
+    handed to it and not there yet; ``calling``, whether it is in a call on its own
+    thread (see ``serve_inline``)."""
 
     def __init__(self, connections: set) -> None:
         self.connections = connections
+        self.arriving = 0
         self.calling = False
 
 
 class _LoopThread(threading.local):
     """The inline loop on this thread, if there is one (class default: none)."""
 
-    inline: InlineLoop | None = None
+    inline: ServingLoop | None = None
 
 
 _here = _LoopThread()
 
 
-def serve_inline(loop: InlineLoop) -> None:
+def serve_inline(loop: ServingLoop) -> None:
     """Lets the event loop on this thread, ``loop``, call models on this thread, blocking
-    itself, whenever its open connections are at most one: the request's own.  For a
-    loop with no batching and no per-request timeout only."""
+    itself, whenever its connections, open and arriving, are at most one: the request's
+    own.  For a loop with no batching and no per-request timeout only."""
     _here.inline = loop
 
 

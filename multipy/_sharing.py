@@ -207,6 +207,8 @@ def is_plain(value: Any) -> bool:
     kind = type(value)
     if kind in _SCALARS:
         return True
+    if (kind is tuple or kind is dict) and not value:  # the empty arguments of most calls
+        return True
     if kind is tuple or kind is list:
         for item in value:
             if type(item) not in _SCALARS:

@@ -200,7 +200,7 @@ class _Interpreter:
         applies the host's releases to the tables before, and sends back the host
         tokens that aliases here gave back after: a cancel's exception loses neither."""
         aliased: list[int] | None = []  # the host's tokens aliased until the request is read
-        lent = _sharing.Lent(self.exports)  # what the reply lends: taken back if it fails
+        lent = None  # what the reply lends, if it lends: taken back if it fails
         try:
             if request[1] == _sharing.PLAIN_PROTOCOL:
                 op, handle, args, epoch = pickle.loads(request)
@@ -224,9 +224,11 @@ class _Interpreter:
                     target = _object(self.objects, handle)  # raises what to say
             name = self._names.get(handle if op != GLOBAL else args)
             _multipy_bootstrap.note(_OP_TEXTS[op], name or self._crash_name(op, handle, args))
-            self.apply_torch_settings()
+            if self._thread.torch is not self.torch_settings:  # (the method's first check)
+                self.apply_torch_settings()
             result = self._ops[op](target, *args)
-            self.apply_torch_settings()  # this call may have imported torch
+            if self._thread.torch is not self.torch_settings:  # the call may have imported torch
+                self.apply_torch_settings()
             if op in _NEW_OBJECT:
                 number = next(self._ids)
                 self.objects[number] = result
@@ -235,13 +237,16 @@ class _Interpreter:
                 status, number, payload = OK, 0, _NONE
             elif _sharing.is_plain(result):
                 status, number, payload = OK, 0, pickle.dumps(result, _sharing.PLAIN_PROTOCOL)
-            elif (flat := _sharing.lend_result(result, lent)) is not None:
-                status, number, payload = LENT, 0, pickle.dumps(flat, _sharing.PLAIN_PROTOCOL)
             else:
-                status, number, payload = OK, 0, _sharing.LendingPickler(lent).dumps(result)
+                lent = _sharing.Lent(self.exports)
+                if (flat := _sharing.lend_result(result, lent)) is not None:
+                    status, number, payload = LENT, 0, pickle.dumps(flat, _sharing.PLAIN_PROTOCOL)
+                else:
+                    status, number, payload = OK, 0, _sharing.LendingPickler(lent).dumps(result)
             return status, number, payload
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
-            lent.take_back()
+            if lent is not None:
+                lent.take_back()
             return ERROR, 0, _error_record(exc, None if aliased is None else tuple(aliased))
 
     def _crash_name(self, op: int, handle: int, args: tuple) -> bytes:

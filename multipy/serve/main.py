@@ -149,7 +149,11 @@ class _Server(uvicorn.Server):
         await super().startup([])  # the lifespan; the loops serve the connections
         if self.should_exit:
             return
-        listener = self.config.bind_socket()
+        try:
+            listener = self.config.bind_socket()  # says why it cannot, and exits
+        except SystemExit:  # (the port is taken, say): the lifespan ends first, as uvicorn's
+            await self.lifespan.shutdown()
+            raise
         listener.listen(self.config.backlog)
         listener.setblocking(False)
         self._loops.start()
@@ -408,7 +412,8 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the server until SIGTERM or SIGINT; returns the exit status (0 after a
-    graceful stop, 1 if the models failed to load)."""
+    graceful stop, 1 if the models failed to load).  SystemExit(3), with uvicorn's one
+    error line, if it cannot listen (the port is taken, say)."""
     make_room()  # re-executes this process with room for 15 interpreters if it lacks it
     parse = parser()
     args = parse.parse_args(argv)

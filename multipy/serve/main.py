@@ -154,6 +154,7 @@ class _Server(uvicorn.Server):
         except SystemExit:  # (the port is taken, say): the lifespan ends first, as uvicorn's
             await self.lifespan.shutdown()
             raise
+        self.config.port = listener.getsockname()[1]  # the port --port 0 got, for the ready line
         listener.listen(self.config.backlog)
         listener.setblocking(False)
         self._loops.start()

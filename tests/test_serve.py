@@ -745,17 +745,15 @@ def _cli(*args: str, patch: str = "", timeout: float = 60) -> subprocess.Complet
                           timeout=timeout)
 
 
-def test_a_port_in_use_is_said_in_one_line(packages, tmp_path):
+def test_a_port_in_use_is_said_in_one_line(packages):
     """The server exits with uvicorn's start-up failure status and its one error line,
     no traceback, when its port is taken."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-        done = subprocess.run([sys.executable, "-m", "multipy.serve", packages["cast"],
-                               "--interpreters", "1", "--port", str(port)],
-                              capture_output=True, text=True, timeout=120, env=env)
+        done = _cli("serve", packages["cast"], "--interpreters", "1", "--port", str(port),
+                    timeout=120)
     assert done.returncode == 3, done.stderr
     assert "Address already in use" in done.stderr and "Traceback" not in done.stderr, done.stderr
 

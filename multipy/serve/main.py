@@ -254,7 +254,7 @@ class _ConnectionLoops:
         while True:
             with self._lock:
                 k = min(range(len(self._servers)), key=self._load)
-                if self._load(k) == math.inf:
+                if not self._loops[k].is_running():  # the least busy has stopped: all have
                     return False
                 self._serving[k].arriving += 1
             arrived = self._arrival(k)

@@ -193,11 +193,16 @@ class Turns:
         self._lock = threading.Lock()
 
     def try_take(self) -> bool:
-        with self._lock:  # a turn is free only while no call waits: none is jumped
-            if self._free:
-                self._free -= 1
-                return True
-            return False
+        with self._lock:
+            return self._take()
+
+    def _take(self) -> bool:
+        """Under the lock: takes a free turn, if there is one (a turn is free only while
+        no call waits: none is jumped)."""
+        if self._free:
+            self._free -= 1
+            return True
+        return False
 
     def give(self) -> None:
         with self._lock:
@@ -220,8 +225,7 @@ class Turns:
     async def __aenter__(self) -> None:
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self._free:
-                self._free -= 1
+            if self._take():
                 return
             waiter = loop.create_future()
             self._waiting.append((waiter, loop))

@@ -3,12 +3,14 @@ import platform
 
 from setuptools import Extension, setup
 
+HEADERS = ["multipy/_entry.h", "multipy/_dlpack.h", "multipy/_plain.h"]  # shared by both
+
 extensions = [
     # The host's side: an ordinary extension module (multipy._host).
-    Extension("multipy._host", ["multipy/_host.c"], depends=["multipy/_entry.h", "multipy/_dlpack.h"]),
+    Extension("multipy._host", ["multipy/_host.c"], depends=HEADERS),
     # A plain shared library loaded into each interpreter's namespace with dlmopen,
     # never imported: it resolves Py* symbols from that namespace's libpython.
-    Extension("multipy._bootstrap", ["multipy/_bootstrap.c"], depends=["multipy/_entry.h", "multipy/_dlpack.h"]),
+    Extension("multipy._bootstrap", ["multipy/_bootstrap.c"], depends=HEADERS),
 ]
 if platform.machine() == "x86_64":
     # The CUDA driver each interpreter sees (docs/design.md, "CUDA"): a plain shared

@@ -26,6 +26,7 @@
 
 #include "_dlpack.h"
 #include "_entry.h"
+#include "_plain.h"
 
 enum { STARTING, SERVING, STOPPING };
 #define EARLY_CANCELS 64
@@ -45,7 +46,7 @@ struct runtime {
     int status_fd;     /* gets "ready", or why the interpreter could not start */
     int stop_fd;       /* the thread waits on it, then finalises */
     pthread_t thread;
-    PyObject *handler; /* handler(request) -> (status, handle, payload) */
+    PyObject *handler; /* handler(op, handle, epoch, body) -> (status, handle, payload) */
     /* The handler's tables, where releases are applied in C, before any Python runs:
      * handle -> object, token -> object lent to the host, handle -> crash-report name.
      * Never released: what was lent to the host stays alive through finalisation,
@@ -119,6 +120,7 @@ static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize
 
 static PyMethodDef methods[] = {
     LENT_ADDRESS_METHOD,
+    PLAIN_METHOD,
     {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
      "alias_capsule(address, token, source=0, versioned=False) -> capsule: the tensor or "
      "array the host lent at address, for torch.from_dlpack (numpy's, versioned); the "
@@ -428,9 +430,27 @@ static void release_view(PyObject *view)
     Py_XDECREF(view);
 }
 
-int multipy_enter(void *runtime, const char *request, size_t size, const uint64_t *releases,
-                  size_t n_releases, uint64_t serial, struct multipy_record *line,
-                  struct multipy_reply *reply)
+/* handler(op, handle, epoch, body): the body as a memoryview over the host's bytes. */
+static PyObject *run_handler(struct runtime *rt, const struct multipy_request *request,
+                             PyObject **view)
+{
+    PyObject *args[4] = {PyLong_FromLong(request->op),
+                         PyLong_FromUnsignedLongLong(request->handle),
+                         PyLong_FromUnsignedLongLong(request->epoch),
+                         PyMemoryView_FromMemory((char *)request->body,
+                                                 (Py_ssize_t)request->size, PyBUF_READ)};
+    *view = args[3];
+    PyObject *result = NULL;
+    if (args[0] && args[1] && args[2] && args[3])
+        result = PyObject_Vectorcall(rt->handler, args, 4, NULL);
+    Py_XDECREF(args[0]);
+    Py_XDECREF(args[1]);
+    Py_XDECREF(args[2]);
+    return result;
+}
+
+int multipy_enter(void *runtime, const struct multipy_request *request,
+                  struct multipy_record *line, struct multipy_reply *reply)
 {
     struct runtime *rt = runtime;
     memset(reply, 0, sizeof *reply);
@@ -440,15 +460,16 @@ int multipy_enter(void *runtime, const char *request, size_t size, const uint64_
     }
     take_gil(rt);
     record = line;
+    uint64_t serial = request->serial;
     struct call call = {rt->calls, (unsigned long)pthread_self(), serial, 0};
     call.cancelled = cancelled_early(rt, call.thread, serial);
     rt->calls = &call;
-    apply_releases(rt, releases, n_releases);
+    apply_releases(rt, request->releases, request->n_releases);
 
     PyObject *result = NULL;
     if (!call.cancelled) {
-        PyObject *view = PyMemoryView_FromMemory((char *)request, (Py_ssize_t)size, PyBUF_READ);
-        result = view ? PyObject_CallOneArg(rt->handler, view) : NULL;
+        PyObject *view = NULL;
+        result = run_handler(rt, request, &view);
         release_view(view);
     }
     for (struct call **at = &rt->calls; *at; at = &(*at)->next)

@@ -19,12 +19,13 @@
 
 /* Statuses of a reply (multipy/_protocol.py has the same numbers). */
 enum {
-    MULTIPY_OK = 0,     /* payload: the value, or nothing when handle names a new object */
-    MULTIPY_ERROR = 1,  /* payload: the pickled remote error record */
+    MULTIPY_OK = 0,     /* payload: the value (marshal, or a pickle: first byte 0x80), or
+                           nothing when handle names a new object */
+    MULTIPY_ERROR = 1,  /* payload: the remote error record, by marshal */
     MULTIPY_CLOSED = 2, /* the interpreter is stopped: nothing ran */
     MULTIPY_BROKEN = 3, /* multipy's own code inside raised; payload: "type: message" */
     MULTIPY_CANCELLED = 4, /* cancelled before it started: nothing ran */
-    MULTIPY_LENT = 5,   /* payload: the value, with the tensors in it lent */
+    MULTIPY_LENT = 5,   /* payload: the value, with the tensors in it lent, by marshal */
 };
 
 /* What a cancel raises in the call (multipy/_protocol.py has the same numbers). */
@@ -50,10 +51,23 @@ struct multipy_record {
     const char *volatile target;
 };
 
+/* A request (multipy/_protocol.py): the operation, the handle of its target (0 for
+ * none), the epoch of the manager that sends it, and the body holding its arguments:
+ * a marshal of them, or a pickle (the first byte is pickle's PROTO opcode, 0x80). */
+struct multipy_request {
+    int op;
+    uint64_t handle;
+    uint64_t epoch;
+    const char *body;
+    size_t size;
+    const uint64_t *releases;  /* handles and tokens the host dropped: dropped first */
+    size_t n_releases;
+    uint64_t serial;           /* numbers the call, for cancelling it */
+};
+
 /* Runs one request on the calling thread: 0, and multipy_leave must follow once the
  * reply is copied; or -1 (status MULTIPY_CLOSED), the interpreter is stopped. */
-typedef int multipy_enter_fn(void *runtime, const char *request, size_t size,
-                             const uint64_t *releases, size_t n_releases, uint64_t serial,
+typedef int multipy_enter_fn(void *runtime, const struct multipy_request *request,
                              struct multipy_record *record, struct multipy_reply *reply);
 typedef void multipy_leave_fn(void *runtime);
 /* Raises an exception in call `serial` if thread `thread` still runs it; 1 if it did. */

@@ -21,6 +21,7 @@
 
 #include "_dlpack.h"
 #include "_entry.h"
+#include "_plain.h"
 
 /* -- threads that enter interpreters -- */
 
@@ -208,28 +209,55 @@ static void give_back(Entry *self, int status, uint64_t handle, PyObject *payloa
     PyErr_Restore(type, value, traceback);
 }
 
+/* (status, handle, payload), stealing payload (Py_BuildValue parses a format each call). */
+static PyObject *reply_tuple(int status, uint64_t handle, PyObject *payload)
+{
+    PyObject *reply = PyTuple_New(3);
+    PyObject *number = PyLong_FromUnsignedLongLong(handle);
+    if (!reply || !number) {
+        Py_XDECREF(reply);
+        Py_XDECREF(number);
+        Py_DECREF(payload);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(reply, 0, PyLong_FromLong(status)); /* a small int: never fails */
+    PyTuple_SET_ITEM(reply, 1, number);
+    PyTuple_SET_ITEM(reply, 2, payload);
+    return reply;
+}
+
 PyDoc_STRVAR(Entry_call_doc,
-"call(request: bytes, serial: int = 0, unread=None) -> (status, handle, payload)\n\n"
-"Runs request in the interpreter on this thread, without the host's GIL (serial 0: a\n"
-"new number).  Takes every number out of the releases list and sends them along;\n"
-"removes from the exports dict the tokens the interpreter gave back.  On the main\n"
-"thread, interrupt_main() cancels the call; if Ctrl-C then raises before the reply is\n"
-"returned, unread(status, payload) runs for a reply that did not run the request.");
+"call(op: int, handle: int, epoch: int, body: bytes, serial: int = 0, unread=None)\n"
+"-> (status, handle, payload)\n\n"
+"Runs a request (multipy._protocol) in the interpreter on this thread, without the host's\n"
+"GIL (serial 0: a new number).  Takes every number out of the releases list and sends\n"
+"them along; removes from the exports dict the tokens the interpreter gave back.  On the\n"
+"main thread, interrupt_main() cancels the call; if Ctrl-C then raises before the reply\n"
+"is returned, unread(status, payload) runs for a reply that did not run the request.");
 
 static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 3 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "call(request: bytes, serial: int = 0, unread=None)");
+    if (nargs < 4 || nargs > 6 || !PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "call(op: int, handle: int, epoch: int, body: bytes, "
+                                         "serial: int = 0, unread=None)");
         return NULL;
     }
-    PyObject *unread = nargs == 3 && args[2] != Py_None ? args[2] : NULL;
-    uint64_t serial = nargs >= 2 ? PyLong_AsUnsignedLongLong(args[1]) : 0;
-    if (serial == (uint64_t)-1 && PyErr_Occurred())
+    struct multipy_request request = {
+        .op = (int)PyLong_AsLong(args[0]),
+        .handle = PyLong_AsUnsignedLongLong(args[1]),
+        .epoch = PyLong_AsUnsignedLongLong(args[2]),
+        .body = PyBytes_AS_STRING(args[3]),
+        .size = (size_t)PyBytes_GET_SIZE(args[3]),
+        .serial = nargs >= 5 ? PyLong_AsUnsignedLongLong(args[4]) : 0,
+    };
+    if (PyErr_Occurred())
         return NULL;
+    PyObject *unread = nargs == 6 && args[5] != Py_None ? args[5] : NULL;
+    uint64_t serial = request.serial;
     if (self->closed)
         return Py_BuildValue("(iKy)", MULTIPY_CLOSED, 0ULL, "");
     if (!serial)
-        serial = ++serials;
+        serial = request.serial = ++serials;
     int on_main = (unsigned long)pthread_self() == main_thread;
     PyObject *releases = self->releases;
     Py_ssize_t listed = PyList_GET_SIZE(releases);
@@ -244,6 +272,8 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     if (listed && PyList_SetSlice(releases, 0, listed, NULL) < 0)
         PyErr_Clear();
     n = (size_t)listed + queue_take(queue, numbers + listed, n - (size_t)listed);
+    request.releases = numbers;
+    request.n_releases = n;
 
     struct multipy_record *record = prepare(self->ordinal);
     if (record) {
@@ -257,9 +287,7 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         main_call.serial = serial;
     }
     Py_BEGIN_ALLOW_THREADS
-    entered = self->enter(self->runtime, PyBytes_AS_STRING(args[0]),
-                          (size_t)PyBytes_GET_SIZE(args[0]), numbers, n, serial,
-                          record, &reply);
+    entered = self->enter(self->runtime, &request, record, &reply);
     Py_END_ALLOW_THREADS
     if (on_main)
         main_call.entry = NULL;
@@ -289,7 +317,7 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         Py_DECREF(payload);
         return NULL;
     }
-    return Py_BuildValue("(iKN)", reply.status, (unsigned long long)reply.handle, payload);
+    return reply_tuple(reply.status, reply.handle, payload);
 }
 
 /* Cancels call serial of thread in entry's interpreter, without the host's GIL (it waits
@@ -489,6 +517,7 @@ static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize
 
 static PyMethodDef module_methods[] = {
     LENT_ADDRESS_METHOD,
+    PLAIN_METHOD,
     {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
      "alias_capsule(address, token, interpreter, versioned=False) -> capsule: the tensor "
      "or array that interpreter lent at address, for torch.from_dlpack (numpy's, "

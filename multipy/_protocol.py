@@ -1,11 +1,13 @@
 """What the host and the code inside interpreters agree on: operations, statuses, and
 the record of an error raised inside.  Standard library only: both sides import it.
 
-A request is ``pickle((op, target, args, epoch))``: ``target`` is the handle of the
-object the operation acts on (0 for none); ``epoch`` counts the resets of the
-interpreter, and a request of an earlier epoch (from a manager that closed) is refused
-with CLOSED.  The reply is (status, handle, payload); the C that
-carries both is in ``_entry.h``, whose numbers these mirror.
+A request is (op, target, epoch, body): ``target`` is the handle of the object the
+operation acts on (0 for none); ``epoch`` counts the resets of the interpreter, and a
+request of an earlier epoch (from a manager that closed) is refused with CLOSED;
+``body`` holds the operation's arguments, by marshal when they are plain, else by
+pickle (``multipy._sharing``: the first byte tells which).  The reply is (status,
+handle, payload).  The C that carries both is in ``_entry.h``, whose numbers these
+mirror.
 """
 from __future__ import annotations
 
@@ -27,13 +29,13 @@ CALL_LENT = 7   #: args (method or None, args, positions, kwargs): CALL_VALUE wh
 OP_NAMES = ("import", "call", "call", "getattr", "hasattr", "deref", "reset", "call")
 
 # -- statuses of a reply --
-OK = 0       #: payload: the pickled value, or empty when handle names a new object
-ERROR = 1    #: payload: a pickled RemoteError
+OK = 0       #: payload: the value (marshal or pickle), or empty when handle names a new object
+ERROR = 1    #: payload: a RemoteError, by marshal
 CLOSED = 2   #: the interpreter is stopped; nothing ran
 BROKEN = 3   #: multipy's own code inside raised; payload: "Type: message", UTF-8
 CANCELLED = 4  #: cancelled before it started: nothing ran
-LENT = 5     #: payload: plainly pickled (values, positions, single), the value (values[0]
-             #: if single, else the tuple) with a tensor's record at each of positions
+LENT = 5     #: payload: (values, positions, single) by marshal, the value (values[0] if
+             #: single, else the tuple) with a tensor's record at each of positions
 
 # -- what a cancel raises in the call --
 CANCEL_TIMEOUT = 0    #: the interpreter's _multipy_bootstrap.CallCancelled

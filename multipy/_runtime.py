@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-import pickle
 import queue
 import signal
 import sys
@@ -71,8 +70,9 @@ def prepare_process() -> None:
 class Runtime:
     """A started interpreter; see the module's docstring.
 
-    ``call(request)`` runs request on the calling thread and returns (status, new object
-    handle, payload): the C entry itself, which sends ``releases`` along.  On the main
+    ``call(op, handle, epoch, body)`` runs a request (multipy._protocol) on the calling
+    thread and returns (status, new object handle, payload): the C entry itself, which
+    sends ``releases`` along.  On the main
     thread, Ctrl-C raises KeyboardInterrupt inside the call at its next bytecode (and
     then in the host, as usual).
     """
@@ -130,9 +130,9 @@ class Runtime:
         self.closed_because = reason
         self.entry.close()
 
-    def start(self, request: bytes, finish: Callable[[tuple], Any],
+    def start(self, request: tuple[int, int, int, bytes], finish: Callable[[tuple], Any],
               unsent: Callable[[], None]) -> _Job:
-        """Runs request on a worker thread and returns at once: the job, whose end its
+        """Runs request (call's first four arguments) on a worker thread and returns at once: the job, whose end its
         ``wait``, ``add_done_callback`` and ``result`` tell (finish(reply) is its value).
 
         A caller that gives up on it (``wait`` past its deadline: TimeoutError, or
@@ -151,7 +151,7 @@ class Runtime:
         if self.abandoned:
             return False
         self.epoch += 1  # requests of the managers before are refused from now on
-        status, _, _ = self.call(pickle.dumps((RESET, 0, (), self.epoch), _sharing.PLAIN_PROTOCOL))
+        status, _, _ = self.call(RESET, 0, self.epoch, _sharing.plain(()))
         return status == OK
 
     @property
@@ -187,7 +187,8 @@ class _Job:
     """One call of start: run by a worker, waited for by its caller
     (``wait``) or reported to it (``add_done_callback``)."""
 
-    def __init__(self, runtime: Runtime, request: bytes, finish: Callable, unsent: Callable) -> None:
+    def __init__(self, runtime: Runtime, request: tuple[int, int, int, bytes], finish: Callable,
+                 unsent: Callable) -> None:
         self._runtime = runtime
         self._request = request
         self._finish = finish
@@ -209,7 +210,7 @@ class _Job:
             self._thread = threading.get_ident()
         runtime = self._runtime
         try:
-            outcome = (self._finish(runtime.entry.call(self._request, self._serial)), None)
+            outcome = (self._finish(runtime.entry.call(*self._request, self._serial)), None)
         except BaseException as error:
             outcome = (None, error)
         with self._lock:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import io
 import itertools
+import marshal
 import pickle
 import sys
 import threading
@@ -54,7 +55,7 @@ class Lent:
         if status == _protocol.CANCELLED or status == _protocol.CLOSED:
             self.take_back()
         elif status == _protocol.ERROR:
-            aliased = _protocol.RemoteError(*pickle.loads(payload)).aliased
+            aliased = _protocol.RemoteError(*marshal.loads(payload)).aliased
             if aliased is not None:
                 self.take_back(aliased)
 
@@ -144,9 +145,9 @@ def _array_record(array: Any, lent: Lent) -> tuple | None:
 
 def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]] | None:
     """The fast path for a flat sequence of scalars, tuples of scalars, tensors and
-    arrays: values as a tuple that pickles plainly, with each tensor's or array's record
-    in its place (one record for one met twice, as pickle's memo would), and those
-    places; lent notes the tokens.  None, with nothing lent, if a value is anything
+    arrays: values as a plain tuple (marshal takes it), with each tensor's or array's
+    record in its place (one record for one met twice, as pickle's memo would), and
+    those places; lent notes the tokens.  None, with nothing lent, if a value is anything
     else or one that describe would not lend; whatever this raises, nothing stays lent."""
     flat, positions, records = None, [], {}
     try:
@@ -192,18 +193,23 @@ def alias_flat(values: tuple, positions: tuple[int, ...], source: int,
     return values
 
 
-#: A message with nothing lent and no handle in it is pickled with PLAIN_PROTOCOL and
-#: read by pickle.loads, the fast path; any other with MESSAGE_PROTOCOL and read by an
-#: AliasingUnpickler.  The protocol byte (data[1]) tells a reader which it has.
-PLAIN_PROTOCOL = 4
+#: A message is a marshal when its values are plain (``plain``), and lent records are
+#: (``lend_flat``): the fast path; any other is a pickle, written by a LendingPickler
+#: (MESSAGE_PROTOCOL) and read by an AliasingUnpickler.  A pickle's first byte is always
+#: PICKLED (its PROTO opcode), which a marshal's never is: the first byte tells them apart.
+PICKLED = 0x80
 MESSAGE_PROTOCOL = pickle.HIGHEST_PROTOCOL  # 5: numpy keeps read-only arrays read-only
+
+#: plain(value) -> bytes | None: value marshalled if it is plain (scalars, and tuples,
+#: lists and dicts of plain values, of exact types, nested a little), else None.
+plain = _c.plain
 
 _SCALARS = frozenset({type(None), bool, int, float, complex, str, bytes})
 
 
 def is_plain(value: Any) -> bool:
-    """Whether value certainly pickles with nothing to lend: a scalar, or a tuple, list
-    or dict of scalars.  A quick test, not a walk: deeper values take the general path."""
+    """Whether value is certainly plain (see ``plain``): a scalar, or a tuple, list or
+    dict of scalars.  A quick test, not a walk: deeper values take the general path."""
     kind = type(value)
     if kind in _SCALARS:
         return True
@@ -332,8 +338,10 @@ def lent_tokens(data: bytes, status: int = _protocol.OK) -> list[int]:
     can be read without the classes it names: what to give back when the message itself
     cannot be read."""
     if status == _protocol.LENT:
-        values, positions, _ = pickle.loads(data)
+        values, positions, _ = marshal.loads(data)
         return [values[position][1] for position in positions]
+    if not data or data[0] != PICKLED:  # a plain value lends nothing
+        return []
     reader = _TokenReader(data)
     try:
         reader.load()

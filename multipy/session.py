@@ -5,6 +5,7 @@ object inside one; every call into an interpreter goes through ``Interpreter.req
 from __future__ import annotations
 
 import contextlib
+import marshal
 import pickle
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
@@ -103,9 +104,10 @@ class Obj:
 
     def __del__(self) -> None:
         # No I/O and no lock: the release goes in with the interpreter's next request.
-        interpreter = getattr(self, "_interpreter", None)
-        if interpreter is not None:
-            interpreter._runtime.releases.append(self._handle)
+        try:
+            self._interpreter._runtime.releases.append(self._handle)
+        except AttributeError:  # __init__ did not run
+            pass
 
 
 class _Pickler(_sharing.LendingPickler):
@@ -212,10 +214,15 @@ class Interpreter:
         seconds = _thread.timeout
         if seconds is not None:
             return self.start(op, target, *args).wait(seconds)
-        request, lent = self._encode(op, target, args)
+        handle = self._handle(target)
+        body = _sharing.plain(args)  # plain arguments: nothing to lend, the fastest path
+        lent = None
+        if body is None:
+            op, body, lent = self._encode(op, args)
         # Ctrl-C may raise in the host before _finish reads the reply: then the entry
         # gives back what the request lent and the interpreter did not alias
-        reply = self._runtime.call(request, 0, lent.unread if lent is not None else None)
+        reply = self._runtime.call(op, handle, self._epoch, body, 0,
+                                   lent.unread if lent is not None else None)
         if reply[1]:  # a new object: the common case, first
             return Obj(self, reply[1])
         return self._finish(reply, lent)
@@ -225,37 +232,40 @@ class Interpreter:
         at once: the running call, whose ``add_done_callback``, ``result`` (what request
         would return or raise) and ``cancel`` (as at a ``multipy.timeout`` deadline) an
         asynchronous caller uses.  Raises InterpreterClosedError at once."""
-        request, lent = self._encode(op, target, args)
-        return self._runtime.start(request, lambda reply: self._finish(reply, lent),
+        handle = self._handle(target)
+        body = _sharing.plain(args)
+        lent = None
+        if body is None:
+            op, body, lent = self._encode(op, args)
+        return self._runtime.start((op, handle, self._epoch, body),
+                                   lambda reply: self._finish(reply, lent),
                                    lent.take_back if lent else _nothing)
 
-    def _encode(self, op: int, target: Obj | None, args: tuple) -> tuple[bytes, _sharing.Lent | None]:
-        """The request for an operation, and what it lent (None when nothing is lent and
-        no handle is in it: the fastest path)."""
+    def _handle(self, target: Obj | None) -> int:
+        """The handle of a request's target (0 for none); InterpreterClosedError once
+        this interpreter's manager is closed, WrongInterpreterError for another's Obj."""
         if self._closed:
             raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
-        handle = 0
-        if target is not None:
-            if target._interpreter is not self:
-                self._check_owns(target)
-            handle = target._handle
-        for arg in args:
-            if not _sharing.is_plain(arg):
-                break
-        else:  # nothing to lend, no handle: the fastest path
-            return pickle.dumps((op, handle, args, self._epoch), _sharing.PLAIN_PROTOCOL), None
+        if target is None:
+            return 0
+        if target._interpreter is not self:
+            self._check_owns(target)
+        return target._handle
+
+    def _encode(self, op: int, args: tuple) -> tuple[int, bytes, _sharing.Lent]:
+        """(op, body, what it lent) for arguments that are not plain (multipy._protocol):
+        scalars and tensors of a call by the fast path, the rest by pickle."""
         if op == CALL_VALUE and _sharing.is_plain(args[0]) and _sharing.is_plain(args[2]):
             lent = _sharing.Lent(exports)  # a call with scalars and tensors: the fast path
             try:
                 flat = _sharing.lend_flat(args[1], lent)
                 if flat is not None:
-                    return pickle.dumps((CALL_LENT, handle, (args[0], *flat, args[2]),
-                                         self._epoch), _sharing.PLAIN_PROTOCOL), lent
+                    return CALL_LENT, _sharing.plain((args[0], *flat, args[2])), lent
             except BaseException:
                 lent.take_back()
                 raise
         pickler = _Pickler(self)
-        return pickler.dumps((op, handle, args, self._epoch)), pickler.lent
+        return op, pickler.dumps(args), pickler.lent
 
     def _finish(self, reply: tuple[int, int, bytes], lent: _sharing.Lent | None) -> Any:
         """The result of a reply, or the exception it carries."""
@@ -263,7 +273,7 @@ class Interpreter:
         if status == _protocol.LENT:
             aliased: list[int] = []
             try:
-                values, positions, single = pickle.loads(payload)
+                values, positions, single = marshal.loads(payload)
                 values = _sharing.alias_flat(values, positions, self._runtime.ordinal,
                                              aliased.append)
             except BaseException:  # Ctrl-C, say
@@ -273,8 +283,8 @@ class Interpreter:
         if status == _protocol.OK:
             if handle:
                 return Obj(self, handle)
-            if payload[1] == _sharing.PLAIN_PROTOCOL:
-                return pickle.loads(payload)
+            if payload[0] != _sharing.PICKLED:
+                return marshal.loads(payload)
             reader = _sharing.AliasingUnpickler(payload, self._runtime.ordinal)
             try:
                 return reader.load()
@@ -289,7 +299,7 @@ class Interpreter:
         if status == _protocol.ERROR:
             if lent is not None:
                 lent.unread(status, payload)  # reading the request may have failed midway
-            record = _protocol.RemoteError(*pickle.loads(payload))
+            record = _protocol.RemoteError(*marshal.loads(payload))
             error = _remote_error(record)
             if isinstance(error, InterpreterLimitError):
                 self._runtime.out_of_room = str(error)

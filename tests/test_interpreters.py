@@ -1,6 +1,9 @@
 """Interpreters are isolated, callable through Obj, and report errors faithfully."""
 from __future__ import annotations
 
+import collections
+import decimal
+import enum
 import threading
 
 import pytest
@@ -35,6 +38,38 @@ def test_call_forms(sessions):
     assert text.attr("upper")().deref() == "MULTIPY"
     assert text.hasattr("upper") and not text.hasattr("make_prediction")
     assert s.global_("collections", "OrderedDict.fromkeys")("ab").deref() == {"a": None, "b": None}
+
+
+class _Flag(enum.IntEnum):
+    ON = 1
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_values_cross_with_their_types_whatever_the_path(sessions):
+    """Plain values cross by marshal, the rest by pickle: both ways, every value comes
+    back equal and of its own type (marshal would make a bytearray bytes, an IntEnum an
+    int), however deep, and a list that contains itself too."""
+    s = sessions[0]
+    echo = s.global_("builtins", "tuple")
+    cyclic: list = [1]
+    cyclic.append(cyclic)
+    values = [None, True, -(2**70), 1.5, float("inf"), 2j, "é\ud800", b"\x80", (), [], {},
+              ((1, "a"), [b"b", None]), {"k": [1, {2: (3.0,)}]}, bytearray(b"x"), _Flag.ON,
+              collections.OrderedDict(a=1), {1, 2}, frozenset({"a"}), _nested(15),
+              _nested(40), decimal.Decimal("1.1")]
+    for value in values:
+        for back in (echo((value,)).deref()[0], echo.call_value(None, ((value,),))[0]):
+            assert back == value and type(back) is type(value), value
+    for back in (echo((cyclic,)).deref()[0], echo.call_value(None, ((cyclic,),))[0]):
+        assert back[0] == 1 and back[1] is back
+    assert multipy._sharing.plain(bytearray(b"x")) is None  # not taken for bytes
+    assert multipy._sharing.plain(_nested(40)) is None  # deep: the general path
 
 
 def test_obj_arguments_stay_inside(sessions):

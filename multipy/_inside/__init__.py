@@ -16,6 +16,7 @@ import importlib.abc
 import importlib.util
 import itertools
 import linecache
+import marshal
 import os
 import pickle
 import sys
@@ -25,10 +26,11 @@ import traceback
 import _multipy_bootstrap
 
 from .. import _protocol, _sharing
-from .._protocol import CALL, CALL_LENT, CALL_VALUE, CLOSED, ERROR, GETATTR, GLOBAL, LENT, OK, RESET
+from .._protocol import (CALL, CALL_LENT, CALL_VALUE, CLOSED, DEREF, ERROR, GETATTR, GLOBAL,
+                         HASATTR, LENT, OK, RESET)
 
 _NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
-_NONE = pickle.dumps(None, _sharing.PLAIN_PROTOCOL)  #: the most common value's payload
+_NONE = _sharing.plain(None)  #: the most common value's payload
 _OP_TEXTS = tuple(name.encode() for name in _protocol.OP_NAMES)  #: for crash reports
 
 
@@ -143,8 +145,9 @@ class _Interpreter:
         #: both per thread, so each thread gets them on its first call once torch is in
         self.torch_settings: tuple[int, bool] | None = None
         self._thread = _ThreadTorch()
-        self._ops = (self._global, self._call, self._call_value, self._getattr,
-                     self._hasattr, self._deref, self._reset)
+        #: the operations but the calls, which handle() makes itself (the hot path)
+        self._ops = {GLOBAL: self._global, GETATTR: self._getattr, HASATTR: self._hasattr,
+                     DEREF: self._deref, RESET: self._reset}
 
     # -- the operations: a result of GLOBAL, CALL or GETATTR stays here (a new handle) --
 
@@ -153,12 +156,6 @@ class _Interpreter:
         for part in name.split("."):
             value = getattr(value, part)
         return value
-
-    def _call(self, target, args, kwargs):
-        return target(*args, **kwargs)
-
-    def _call_value(self, target, method, args, kwargs):
-        return (target if method is None else getattr(target, method))(*args, **kwargs)
 
     def _getattr(self, target, name: str):
         return getattr(target, name)
@@ -195,22 +192,23 @@ class _Interpreter:
 
     # -- plumbing --
 
-    def handle(self, request: memoryview) -> tuple:
-        """Runs one request: (status, new object handle or 0, payload).  The C entry
-        applies the host's releases to the tables before, and sends back the host
-        tokens that aliases here gave back after: a cancel's exception loses neither."""
+    def handle(self, op: int, handle: int, epoch: int, body: memoryview) -> tuple:
+        """Runs one request (multipy._protocol): (status, new object handle or 0,
+        payload).  The C entry applies the host's releases to the tables before, and
+        sends back the host tokens that aliases here gave back after: a cancel's
+        exception loses neither."""
         aliased: list[int] | None = []  # the host's tokens aliased until the request is read
         lent = None  # what the reply lends, if it lends: taken back if it fails
         try:
-            if request[1] == _sharing.PLAIN_PROTOCOL:
-                op, handle, args, epoch = pickle.loads(request)
+            if body[0] != _sharing.PICKLED:
+                args = marshal.loads(body)
                 if op == CALL_LENT:
                     method, values, positions, kwargs = args
                     args = (method, _sharing.alias_flat(values, positions, 0, aliased.append),
                             kwargs)
                     op = CALL_VALUE
             else:
-                op, handle, args, epoch = _Unpickler(request, self.objects, aliased).load()
+                args = _Unpickler(body, self.objects, aliased).load()
             aliased = None
             if epoch != self.epoch:
                 if op != RESET:  # a request of a manager that closed: refused
@@ -226,7 +224,14 @@ class _Interpreter:
             _multipy_bootstrap.note(_OP_TEXTS[op], name or self._crash_name(op, handle, args))
             if self._thread.torch is not self.torch_settings:  # (the method's first check)
                 self.apply_torch_settings()
-            result = self._ops[op](target, *args)
+            if op == CALL:
+                result = target(*args[0], **args[1])
+            elif op == CALL_VALUE:
+                method, call_args, kwargs = args
+                result = (target if method is None else getattr(target, method))(*call_args,
+                                                                                  **kwargs)
+            else:
+                result = self._ops[op](target, *args)
             if self._thread.torch is not self.torch_settings:  # the call may have imported torch
                 self.apply_torch_settings()
             if op in _NEW_OBJECT:
@@ -235,12 +240,12 @@ class _Interpreter:
                 status, number, payload = OK, number, b""
             elif result is None:
                 status, number, payload = OK, 0, _NONE
-            elif _sharing.is_plain(result):
-                status, number, payload = OK, 0, pickle.dumps(result, _sharing.PLAIN_PROTOCOL)
+            elif (payload := _sharing.plain(result)) is not None:
+                status, number = OK, 0
             else:
                 lent = _sharing.Lent(self.exports)
                 if (flat := _sharing.lend_result(result, lent)) is not None:
-                    status, number, payload = LENT, 0, pickle.dumps(flat, _sharing.PLAIN_PROTOCOL)
+                    status, number, payload = LENT, 0, _sharing.plain(flat)
                 else:
                     status, number, payload = OK, 0, _sharing.LendingPickler(lent).dumps(result)
             return status, number, payload
@@ -267,7 +272,7 @@ class _Interpreter:
 
 
 def _error_record(exc: BaseException, aliased: tuple[int, ...] | None) -> bytes:
-    """An ERROR reply's payload: the pickled RemoteError for exc (see its ``aliased``)."""
+    """An ERROR reply's payload: the RemoteError for exc (see its ``aliased``), by marshal."""
     try:
         kind = type(exc)
         try:
@@ -287,7 +292,12 @@ def _error_record(exc: BaseException, aliased: tuple[int, ...] | None) -> bytes:
         record = _protocol.RemoteError(None, "multipy.InterpreterError", "an exception was "
                                        "raised inside the interpreter, and describing it "
                                        "failed too", "", aliased)
-    return pickle.dumps(tuple(record), protocol=pickle.HIGHEST_PROTOCOL)
+    payload = _sharing.plain(tuple(record))
+    if payload is None:  # a str subclass from a __str__, say: plain text instead
+        payload = _sharing.plain((record.pickled, str.__str__(record.type_name),
+                                  str.__str__(record.message), str.__str__(record.traceback),
+                                  aliased))
+    return payload
 
 
 #: multipy's own files (the handler, _inside, _sharing): no frame of theirs is shown

@@ -16,12 +16,15 @@
 - ceiling:   the python_heavy model looped inside n interpreters at once, no calls
   crossing, against a loop in one host thread: the most any call path could reach;
   and the same model called from n host threads through calls, against that ceiling.
+- small:     the `simple` model (a 3x10 input), each call against a plain host thread's:
+  looped inside an interpreter, one entry per call with its input already inside (no
+  tensor crossing), through Obj.call_value (a tensor each way), through a ReplicatedObj.
 - defaults:  ResNet-18 (64x64) from n host threads on n interpreters with the manager's
   torch defaults, against the same with torch.set_num_threads(1) set by hand in every
   calling thread, torch's own thread count (cores per interpreter), and n plain host
   threads (grad off everywhere).
 
-    multipy run benchmarks/micro.py [roundtrip lending transfer threads startup memory ceiling defaults]
+    multipy run benchmarks/micro.py [roundtrip lending transfer threads startup memory ceiling small defaults]
 """
 from __future__ import annotations
 
@@ -376,6 +379,59 @@ def ceiling(counts: list[int], seconds: float = 2.0) -> None:
                   f"({through / looped:.2f}x looped inside)")
 
 
+_SMALL = """
+import statistics, time
+held = {}
+def hold(model, x):
+    held["model"], held["x"] = model, x.clone()
+def one():
+    held["model"](held["x"])
+def loop(count):
+    model, x, samples = held["model"], held["x"], []
+    for _ in range(count):
+        start = time.perf_counter()
+        model(x)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+"""
+
+
+def small(count: int) -> None:
+    import torch
+
+    sys.path.insert(0, EXAMPLES)
+    from generate_examples import generate
+
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    print(f"\nthe simple model (relu(x @ w + b), a 3x10 input), medians of {count} calls taking "
+          f"turns: the time of a call, and its throughput against a plain host thread's")
+    with tempfile.TemporaryDirectory() as directory, \
+            multipy.InterpreterManager(1, torch_threads=1, grad_enabled=False) as manager:
+        path = generate(directory, ["simple"])["simple"]
+        importer = torch.package.PackageImporter(path)
+        model = importer.load_pickle("model", "model.pkl")
+        inputs = importer.load_pickle("model", "example.pkl")
+        replicated = manager.load_package(path).load_pickle("model", "model.pkl")
+        replicated.warm_up(*inputs)
+        manager.register_module_source("micro_small", _SMALL)
+        with replicated.acquire_session(manager[0]) as s:
+            s.global_("micro_small", "hold")(s.self, inputs[0])
+            loop, one = (s.global_("micro_small", name) for name in ("loop", "one"))
+            instance = s.self
+        calls = {"a plain host thread": lambda: model(*inputs),
+                 "one entry a call, its input inside": lambda: one.call_value(None),
+                 "Obj.call_value, a tensor each way": lambda: instance.call_value(None, inputs),
+                 "a ReplicatedObj's call": lambda: replicated(*inputs)}
+        _interleaved_medians(list(calls.values()), 2000)  # warm-up
+        medians = _interleaved_medians(list(calls.values()), count)
+        looped = loop.call_value(None, (count,))
+    host = medians[0]
+    print(f"  {'looped inside the interpreter':36s} {looped * 1e6:7.1f} us   {host / looped:5.2f}x")
+    for label, median in zip(calls, medians):
+        print(f"  {label:36s} {median * 1e6:7.1f} us   {host / median:5.2f}x")
+
+
 def defaults(counts: list[int], seconds: float = 2.0, rounds: int = 3) -> None:
     import contextlib
 
@@ -437,7 +493,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("benchmarks", nargs="*",
                         default=["roundtrip", "lending", "transfer", "threads", "startup",
-                                 "memory", "ceiling", "defaults"])
+                                 "memory", "ceiling", "small", "defaults"])
     parser.add_argument("--calls", type=int, default=20_000, help="round trips to time (20000)")
     parser.add_argument("--counts", default="1,2,4",
                         help="n for threads, startup, memory and ceiling (1,2,4)")
@@ -448,7 +504,8 @@ def main() -> None:
          "transfer": lambda: transfer(50),
          "threads": lambda: threads(counts),
          "startup": lambda: startup(counts), "memory": lambda: memory(counts),
-         "ceiling": lambda: ceiling(counts), "defaults": lambda: defaults(counts)}[name]()
+         "ceiling": lambda: ceiling(counts), "small": lambda: small(args.calls // 4),
+         "defaults": lambda: defaults(counts)}[name]()
 
 
 if __name__ == "__main__":

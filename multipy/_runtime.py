@@ -331,11 +331,10 @@ _workers = _Workers()
 
 
 def _after_fork_in_child() -> None:
-    """The workers are threads, which a forked child does not have; a lock may have
+    """The workers are threads, which a forked child does not have; their lock may have
     been held by another thread at the fork."""
     global _workers
     _workers = _Workers()
-    exports.after_fork()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -18,7 +18,6 @@ import itertools
 import marshal
 import pickle
 import sys
-import threading
 import types
 from typing import Any, Callable, Iterable, Iterator
 
@@ -69,34 +68,31 @@ class Lent:
 
 
 class Exports:
-    """Objects this side lent out, by token, until the other side releases them."""
+    """Objects this side lent out, by token, until the other side releases them.
+
+    No lock: each step is one operation on a dict, list or counter, which the GIL makes
+    atomic (and a lock would deadlock a signal handler that lends while its thread
+    holds it)."""
 
     def __init__(self, tokens: Iterator[int] | None = None) -> None:
         """tokens: where tokens come from, to share a numbering with other ids."""
         #: token -> object; the host's C entry drops the tokens an interpreter gives back
         self.objects: dict[int, Any] = {}
         self._tokens = itertools.count(1) if tokens is None else tokens
-        self._lock = threading.Lock()
 
     def export(self, obj: Any, noted: list[int]) -> int:
         """Keeps obj under a new token, appended to noted before obj is kept: an
         exception at any point leaves nothing kept that noted does not name."""
-        with self._lock:
-            token = next(self._tokens)
-            noted.append(token)
-            self.objects[token] = obj
+        token = next(self._tokens)
+        noted.append(token)
+        self.objects[token] = obj
         return token
 
     def release(self, token: int) -> None:
-        with self._lock:
-            self.objects.pop(token, None)
+        self.objects.pop(token, None)
 
     def __len__(self) -> int:
         return len(self.objects)
-
-    def after_fork(self) -> None:
-        """In a forked child: the lock may have been held by a thread that is gone."""
-        self._lock = threading.Lock()
 
 
 def describe(obj: Any, lent: Lent) -> tuple | None:
@@ -111,19 +107,33 @@ def describe(obj: Any, lent: Lent) -> tuple | None:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and kind is torch.Tensor:  # subclasses (Parameter) are copied
-        return _tensor_record(obj, torch, lent)
+        return _tensor_record(obj, lent)
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
         return _array_record(obj, lent)
     return None
 
 
-def _tensor_record(tensor: Any, torch: Any, lent: Lent) -> tuple | None:
+#: (to_dlpack, from_dlpack) of this side's torch, once it is imported: torch's C
+#: functions (torch.from_dlpack first asks a capsule for __dlpack__, and so on).
+_dlpack: tuple[Callable, Callable] | None = None
+
+
+def _torch_dlpack() -> tuple[Callable, Callable]:
+    global _dlpack
+    import torch
+
+    _dlpack = (torch.utils.dlpack.to_dlpack,
+               getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack)
+    return _dlpack
+
+
+def _tensor_record(tensor: Any, lent: Lent) -> tuple | None:
     """describe for a torch.Tensor: lent by DLPack (multipy/_dlpack.h)."""
     if tensor.is_conj() or tensor.is_neg():  # DLPack would drop the lazy bit
         return None
     try:  # a view of its own, so that set_() on the tensor cannot free what is lent
-        capsule = torch.utils.dlpack.to_dlpack(tensor.detach())
+        capsule = (_dlpack or _torch_dlpack())[0](tensor.detach())
     except (RuntimeError, BufferError, TypeError):  # sparse, quantized, nested...
         return None
     address = _c.lent_address(capsule)
@@ -381,9 +391,7 @@ def alias(record: tuple, source: int = 0,
     if kind == TORCH:
         capsule = _c.alias_capsule(address, token, source)  # gives the token back if unused
         on_alias(token)
-        import torch
-
-        return torch.from_dlpack(capsule)
+        return (_dlpack or _torch_dlpack())[1](capsule)
     import numpy
 
     global _numpy_reads_versioned

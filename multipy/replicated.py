@@ -22,6 +22,9 @@ class PerInterpreter:
         self._lock = threading.Lock()
 
     def get(self, interpreter: Interpreter) -> Obj:
+        value = self._values.get(interpreter)  # made already: the path of every call
+        if value is not None:
+            return value
         with self._lock:
             value = self._values.get(interpreter)
             if value is not None:

@@ -3,7 +3,7 @@ picking an interpreter without blocking the event loop.
 
 A call awaited here runs as a ``multipy.timeout`` call does (``Interpreter.start``): on a
 worker thread, whose end is handed to the loop with ``call_soon_threadsafe``.  The loop
-only pickles the request and reads the reply.  When the awaiting task is cancelled
+only encodes the request and reads the reply.  When the awaiting task is cancelled
 (``task.cancel()``, ``asyncio.wait_for``, ``asyncio.timeout``), the call is given up as at
 a deadline: cancelled inside (``CallCancelled`` at its next bytecode) if it runs, never
 run if it has not started, and its interpreter handed to no one until it ends.

@@ -10,6 +10,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -226,6 +227,13 @@ static PyObject *reply_tuple(int status, uint64_t handle, PyObject *payload)
     return reply;
 }
 
+/* *out = value as a uint64; -1 with an exception set if it is not one. */
+static int read_number(PyObject *value, uint64_t *out)
+{
+    *out = PyLong_AsUnsignedLongLong(value);
+    return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
+}
+
 PyDoc_STRVAR(Entry_call_doc,
 "call(op: int, handle: int, epoch: int, body: bytes, serial: int = 0, unread=None)\n"
 "-> (status, handle, payload)\n\n"
@@ -243,15 +251,19 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     struct multipy_request request = {
-        .op = (int)PyLong_AsLong(args[0]),
-        .handle = PyLong_AsUnsignedLongLong(args[1]),
-        .epoch = PyLong_AsUnsignedLongLong(args[2]),
         .body = PyBytes_AS_STRING(args[3]),
         .size = (size_t)PyBytes_GET_SIZE(args[3]),
-        .serial = nargs >= 5 ? PyLong_AsUnsignedLongLong(args[4]) : 0,
     };
-    if (PyErr_Occurred())
+    long op = PyLong_AsLong(args[0]);
+    if ((op == -1 && PyErr_Occurred()) || read_number(args[1], &request.handle) < 0
+        || read_number(args[2], &request.epoch) < 0
+        || (nargs >= 5 && read_number(args[4], &request.serial) < 0))
         return NULL;
+    if (op < 0 || op > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "no such operation");
+        return NULL;
+    }
+    request.op = (int)op;
     PyObject *unread = nargs == 6 && args[5] != Py_None ? args[5] : NULL;
     uint64_t serial = request.serial;
     if (self->closed)

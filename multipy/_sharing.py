@@ -155,10 +155,10 @@ def _array_record(array: Any, lent: Lent) -> tuple | None:
 
 def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]] | None:
     """The fast path for a flat sequence of scalars, tuples of scalars, tensors and
-    arrays: values as a plain tuple (marshal takes it), with each tensor's or array's
-    record in its place (one record for one met twice, as pickle's memo would), and
-    those places; lent notes the tokens.  None, with nothing lent, if a value is anything
-    else or one that describe would not lend; whatever this raises, nothing stays lent."""
+    arrays: values as a tuple, with each tensor's or array's record in its place (one
+    token for one met twice, as pickle's memo would), and those places; lent notes the
+    tokens.  None, with nothing lent, if a value is anything else or one that describe
+    would not lend; whatever this raises, nothing stays lent."""
     flat, positions, records = None, [], {}
     try:
         for position, value in enumerate(values):
@@ -166,11 +166,13 @@ def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]]
             if kind in _SCALARS or (kind is tuple and is_plain(value)):
                 continue
             record = records.get(id(value))
-            if record is None:
+            if record is not None:  # met again: an equal copy (plain values share nothing)
+                record = (*record,)
+            else:
                 record = records[id(value)] = describe(value, lent)
-            if record is None:
-                lent.take_back()
-                return None
+                if record is None:
+                    lent.take_back()
+                    return None
             if flat is None:
                 flat = list(values)
             flat[position] = record

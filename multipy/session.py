@@ -111,8 +111,8 @@ class Obj:
 
 
 class _Pickler(_sharing.LendingPickler):
-    """Pickles a request: an Obj becomes a reference to the object it stands for, a CPU
-    tensor or array is lent (see _sharing), not copied."""
+    """Pickles a request's arguments: an Obj becomes a reference to the object it stands
+    for, a CPU tensor or array is lent (see _sharing), not copied."""
 
     def __init__(self, interpreter: Interpreter) -> None:
         super().__init__(_sharing.Lent(exports))
@@ -260,7 +260,10 @@ class Interpreter:
             try:
                 flat = _sharing.lend_flat(args[1], lent)
                 if flat is not None:
-                    return CALL_LENT, _sharing.plain((args[0], *flat, args[2])), lent
+                    body = _sharing.plain((args[0], *flat, args[2]))
+                    if body is not None:
+                        return CALL_LENT, body, lent
+                    lent.take_back()  # a tuple or long text met twice: pickle keeps it so
             except BaseException:
                 lent.take_back()
                 raise

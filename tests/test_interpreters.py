@@ -68,8 +68,33 @@ def test_values_cross_with_their_types_whatever_the_path(sessions):
             assert back == value and type(back) is type(value), value
     for back in (echo((cyclic,)).deref()[0], echo.call_value(None, ((cyclic,),))[0]):
         assert back[0] == 1 and back[1] is back
-    assert multipy._sharing.plain(bytearray(b"x")) is None  # not taken for bytes
-    assert multipy._sharing.plain(_nested(40)) is None  # deep: the general path
+    plain = multipy._sharing.plain
+    assert plain(_nested(15)) is not None and plain(_nested(40)) is None  # deep: pickle
+    assert plain(bytearray(b"x")) is None  # marshal would make it bytes
+
+
+def test_objects_met_twice_stay_shared(sessions):
+    """A list, dict or long text met twice in a value crosses once and comes back
+    shared, both ways (marshal would copy it, and a value that nests such sharing would
+    grow exponentially: pickle takes it)."""
+    s = sessions[0]
+    echo = s.global_("builtins", "tuple")
+    row, text, empty = [0, 1], "x" * 300, []
+    config = {"k": 1}
+    for value in ([row, row], {"a": config, "b": config}, [text, text], [empty, empty]):
+        for back in (echo((value,)).deref()[0], echo.call_value(None, ((value,),))[0]):
+            first, second = back.values() if isinstance(back, dict) else back
+            assert back == value and first is second
+    huge = [0] * 10
+    for _ in range(12):  # 10 ** 13 leaves, each list met ten times
+        huge = [huge] * 10
+    assert multipy._sharing.plain(huge) is None
+    back = echo.call_value(None, ((huge,),))[0]
+    assert back[0] is back[9]
+    for _ in range(12):
+        back = back[9]
+    assert back == [0] * 10
+    assert multipy._sharing.plain([(), (), "ab", "ab", 0, 0]) is not None  # nothing to share
 
 
 def test_obj_arguments_stay_inside(sessions):

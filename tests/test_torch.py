@@ -470,9 +470,15 @@ def test_calls_with_tensors_and_scalars_lend_both_ways(torch_manager):
         assert torch.equal(as_tuple.call_value(None, ((conj, base),))[0], conj.resolve_conj())
         args, kwargs = echo.call_value(None, (torch.tensor(3.0), 2), {"k": 1})
         assert args[0].item() == 3.0 and args[1] == 2 and kwargs == {"k": 1}
+        pair = (1, 2)  # met twice: not plain, so the pickler takes the call, sharing kept
+        args, _ = echo.call_value(None, (base, pair, pair))
+        assert args[1] == pair and args[1] is args[2] and args[0].data_ptr() == base.data_ptr()
+        row = base[0]
+        both = as_tuple.call_value(None, ((row, row, pair, pair),))
+        assert both[0] is both[1] and both[2] is both[3] and both[0].data_ptr() == base.data_ptr()
         made = s.global_("tensor_tools", "make").call_value(None, (5,))
         assert made.tolist() == [0, 1, 2, 3, 4] and stats.call_value(None)["lent"] > lent_inside
-        del back, single, made, args
+        del back, single, made, args, both
         assert _lent_after_settling(torch_manager) == baseline
         assert stats.call_value(None)["lent"] == lent_inside
 

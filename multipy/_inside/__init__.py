@@ -99,8 +99,8 @@ class _SourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 class _Unpickler(_sharing.AliasingUnpickler):
-    """Unpickles a request: a handle becomes the object the host holds, a lent tensor or
-    array becomes an alias of the host's memory."""
+    """Unpickles a request's arguments: a handle becomes the object the host holds, a
+    lent tensor or array becomes an alias of the host's memory."""
 
     def __init__(self, data, objects: dict[int, object], aliased: list[int]) -> None:
         super().__init__(data, aliased=aliased)
@@ -244,9 +244,11 @@ class _Interpreter:
                 status, number = OK, 0
             else:
                 lent = _sharing.Lent(self.exports)
-                if (flat := _sharing.lend_result(result, lent)) is not None:
-                    status, number, payload = LENT, 0, _sharing.plain(flat)
-                else:
+                flat = _sharing.lend_result(result, lent)
+                if flat is not None and (payload := _sharing.plain(flat)) is not None:
+                    status, number = LENT, 0
+                else:  # not flat, or something in it met twice (pickle keeps it shared)
+                    lent.take_back()
                     status, number, payload = OK, 0, _sharing.LendingPickler(lent).dumps(result)
             return status, number, payload
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter

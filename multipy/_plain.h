@@ -11,7 +11,7 @@
 #include <Python.h>
 #include <marshal.h>
 
-#define PLAIN_DEPTH 16 /* deeper values (and cycles) take the general path */
+#define PLAIN_DEPTH 16 /* deeper values take the general path */
 #define PLAIN_SHARED 64 /* at most this many objects that may be met twice, see below */
 #define PLAIN_LONG_TEXT 256 /* str and bytes from this length count as shared objects */
 /* Version 2: no table of references between objects (version 3 and later allocate one
@@ -59,7 +59,6 @@ static int is_plain_value(PyObject *value, int depth, struct plain_walk *walk)
             return 1;
         if (!first_meeting(walk, value))
             return 0;
-        /* a list may change while it is walked: read its size at every step */
         for (Py_ssize_t i = 0; i < Py_SIZE(value); i++) {
             PyObject *item = type == &PyTuple_Type ? PyTuple_GET_ITEM(value, i)
                                                    : PyList_GET_ITEM(value, i);
@@ -90,9 +89,8 @@ static PyObject *plain(PyObject *module, PyObject *value)
     if (!is_plain_value(value, 0, &walk))
         Py_RETURN_NONE;
     PyObject *data = PyMarshal_WriteObjectToString(value, PLAIN_MARSHAL_VERSION);
-    if (!data && PyErr_ExceptionMatches(PyExc_ValueError)) { /* a str or bytes of 2 GiB
-                                                                 or more: pickle takes it */
-        PyErr_Clear();
+    if (!data && PyErr_ExceptionMatches(PyExc_ValueError)) {
+        PyErr_Clear(); /* a str or bytes of 2 GiB or more, which marshal refuses: pickle */
         Py_RETURN_NONE;
     }
     return data;

@@ -72,9 +72,8 @@ class Runtime:
 
     ``call(op, handle, epoch, body)`` runs a request (multipy._protocol) on the calling
     thread and returns (status, new object handle, payload): the C entry itself, which
-    sends ``releases`` along.  On the main
-    thread, Ctrl-C raises KeyboardInterrupt inside the call at its next bytecode (and
-    then in the host, as usual).
+    sends ``releases`` along.  On the main thread, Ctrl-C raises KeyboardInterrupt
+    inside the call at its next bytecode (and then in the host, as usual).
     """
 
     def __init__(self, ordinal: int) -> None:
@@ -132,8 +131,9 @@ class Runtime:
 
     def start(self, request: tuple[int, int, int, bytes], finish: Callable[[tuple], Any],
               unsent: Callable[[], None]) -> _Job:
-        """Runs request (call's first four arguments) on a worker thread and returns at once: the job, whose end its
-        ``wait``, ``add_done_callback`` and ``result`` tell (finish(reply) is its value).
+        """Runs request (call's first four arguments) on a worker thread and returns at
+        once: the job, whose end its ``wait``, ``add_done_callback`` and ``result`` tell
+        (finish(reply) is its value).
 
         A caller that gives up on it (``wait`` past its deadline: TimeoutError, or
         KeyboardInterrupt if interrupted; ``cancel``) has the call cancelled (CallCancelled,

@@ -214,11 +214,7 @@ class Interpreter:
         seconds = _thread.timeout
         if seconds is not None:
             return self.start(op, target, *args).wait(seconds)
-        handle = self._handle(target)
-        body = _sharing.plain(args)  # plain arguments: nothing to lend, the fastest path
-        lent = None
-        if body is None:
-            op, body, lent = self._encode(op, args)
+        op, handle, body, lent = self._encode(op, target, args)
         # Ctrl-C may raise in the host before _finish reads the reply: then the entry
         # gives back what the request lent and the interpreter did not alias
         reply = self._runtime.call(op, handle, self._epoch, body, 0,
@@ -232,29 +228,27 @@ class Interpreter:
         at once: the running call, whose ``add_done_callback``, ``result`` (what request
         would return or raise) and ``cancel`` (as at a ``multipy.timeout`` deadline) an
         asynchronous caller uses.  Raises InterpreterClosedError at once."""
-        handle = self._handle(target)
-        body = _sharing.plain(args)
-        lent = None
-        if body is None:
-            op, body, lent = self._encode(op, args)
+        op, handle, body, lent = self._encode(op, target, args)
         return self._runtime.start((op, handle, self._epoch, body),
                                    lambda reply: self._finish(reply, lent),
                                    lent.take_back if lent else _nothing)
 
-    def _handle(self, target: Obj | None) -> int:
-        """The handle of a request's target (0 for none); InterpreterClosedError once
-        this interpreter's manager is closed, WrongInterpreterError for another's Obj."""
+    def _encode(self, op: int, target: Obj | None,
+                args: tuple) -> tuple[int, int, bytes, _sharing.Lent | None]:
+        """The request for an operation, (op, handle, body) as multipy._protocol says,
+        and what it lent (None when nothing is: plain arguments, the fastest path).
+        InterpreterClosedError once this interpreter's manager is closed,
+        WrongInterpreterError for another interpreter's Obj."""
         if self._closed:
             raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
-        if target is None:
-            return 0
-        if target._interpreter is not self:
-            self._check_owns(target)
-        return target._handle
-
-    def _encode(self, op: int, args: tuple) -> tuple[int, bytes, _sharing.Lent]:
-        """(op, body, what it lent) for arguments that are not plain (multipy._protocol):
-        scalars and tensors of a call by the fast path, the rest by pickle."""
+        handle = 0
+        if target is not None:
+            if target._interpreter is not self:
+                self._check_owns(target)
+            handle = target._handle
+        body = _sharing.plain(args)
+        if body is not None:
+            return op, handle, body, None
         if op == CALL_VALUE and _sharing.is_plain(args[0]) and _sharing.is_plain(args[2]):
             lent = _sharing.Lent(exports)  # a call with scalars and tensors: the fast path
             try:
@@ -262,13 +256,13 @@ class Interpreter:
                 if flat is not None:
                     body = _sharing.plain((args[0], *flat, args[2]))
                     if body is not None:
-                        return CALL_LENT, body, lent
+                        return CALL_LENT, handle, body, lent
                     lent.take_back()  # a tuple or long text met twice: pickle keeps it so
             except BaseException:
                 lent.take_back()
                 raise
         pickler = _Pickler(self)
-        return op, pickler.dumps(args), pickler.lent
+        return op, handle, pickler.dumps(args), pickler.lent
 
     def _finish(self, reply: tuple[int, int, bytes], lent: _sharing.Lent | None) -> Any:
         """The result of a reply, or the exception it carries."""

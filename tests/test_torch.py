@@ -458,7 +458,7 @@ def test_calls_with_tensors_and_scalars_lend_both_ways(torch_manager):
         assert back[1].stride() == base.t().stride() and torch.equal(back[1], base.t())
         assert back[2:5] == (1.5, "x", None) and back[5].shape == (0,)
         view = base[1:, ::2]
-        op, _, lent = s.interpreter._encode(CALL_VALUE, (None, (view,), {}))
+        op, _, _, lent = s.interpreter._encode(CALL_VALUE, add_one_, (None, (view,), {}))
         assert op == CALL_LENT  # the fast path, not the pickler
         lent.take_back()
         add_one_.call_value(None, (view,))  # in place, through an alias of a view
@@ -493,7 +493,7 @@ def test_arrays_lend_both_ways_on_the_fast_path(torch_manager):
         lent_inside = stats.call_value(None)["lent"]
         numpy_add = s.global_("numpy", "add")
         view = array[1:, ::2]
-        op, _, lent = s.interpreter._encode(CALL_VALUE, (None, (view, 1, view), {}))
+        op, _, _, lent = s.interpreter._encode(CALL_VALUE, numpy_add, (None, (view, 1, view), {}))
         assert op == CALL_LENT  # the fast path, not the pickler
         lent.take_back()
         numpy_add.call_value(None, (view, 1.0, view))  # out=view: in place, in host memory

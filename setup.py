@@ -3,7 +3,7 @@ import platform
 
 from setuptools import Extension, setup
 
-HEADERS = ["multipy/_entry.h", "multipy/_dlpack.h", "multipy/_plain.h"]  # shared by both
+HEADERS = ["multipy/_entry.h", "multipy/_dlpack.h", "multipy/_lend.h", "multipy/_plain.h"]  # shared by both
 
 extensions = [
     # The host's side: an ordinary extension module (multipy._host).

@@ -26,6 +26,7 @@
 
 #include "_dlpack.h"
 #include "_entry.h"
+#include "_lend.h"
 #include "_plain.h"
 
 enum { STARTING, SERVING, STOPPING };
@@ -75,6 +76,11 @@ static PyObject *cancelled_type;                  /* raised in a call by a timeo
 /* Tokens of host tensors that aliases here no longer use (_dlpack.h). */
 static struct release_queue released_tensors = RELEASE_QUEUE_INIT;
 
+static struct release_queue *alias_queue(long source)
+{
+    return source == 0 ? &released_tensors : NULL; /* only the host lends to an interpreter */
+}
+
 /* -- the module that the interpreter's own Python sees as _multipy_bootstrap -- */
 
 static PyObject *note(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -121,6 +127,7 @@ static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize
 static PyMethodDef methods[] = {
     LENT_ADDRESS_METHOD,
     PLAIN_METHOD,
+    LEND_METHODS,
     {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
      "alias_capsule(address, token, source=0, versioned=False) -> capsule: the tensor or "
      "array the host lent at address, for torch.from_dlpack (numpy's, versioned); the "

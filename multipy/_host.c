@@ -22,6 +22,7 @@
 
 #include "_dlpack.h"
 #include "_entry.h"
+#include "_lend.h"
 #include "_plain.h"
 
 /* -- threads that enter interpreters -- */
@@ -136,6 +137,11 @@ typedef struct {
 /* Per interpreter: tokens of its tensors that host aliases no longer use (_dlpack.h). */
 static struct release_queue queues[MULTIPY_MAX_INTERPRETERS] = {
     [0 ... MULTIPY_MAX_INTERPRETERS - 1] = RELEASE_QUEUE_INIT};
+
+static struct release_queue *alias_queue(long source)
+{
+    return source >= 0 && source < MULTIPY_MAX_INTERPRETERS ? &queues[source] : NULL;
+}
 
 static _Atomic uint64_t serials;       /* numbers calls, process-wide */
 static unsigned long main_thread;      /* the host's main thread */
@@ -530,6 +536,7 @@ static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize
 static PyMethodDef module_methods[] = {
     LENT_ADDRESS_METHOD,
     PLAIN_METHOD,
+    LEND_METHODS,
     {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
      "alias_capsule(address, token, interpreter, versioned=False) -> capsule: the tensor "
      "or array that interpreter lent at address, for torch.from_dlpack (numpy's, "

@@ -42,7 +42,10 @@ class Lent:
 
     def __init__(self, exports: Exports) -> None:
         self.exports = exports
+        #: the tokens lent so far; multipy's C lends into these three (_lend.h)
         self.tokens: list[int] = []
+        self.objects = exports.objects
+        self.counter = exports.counter
 
     def export(self, obj: Any) -> int:
         """Lends obj for this message: its new token."""
@@ -78,12 +81,12 @@ class Exports:
         """tokens: where tokens come from, to share a numbering with other ids."""
         #: token -> object; the host's C entry drops the tokens an interpreter gives back
         self.objects: dict[int, Any] = {}
-        self._tokens = itertools.count(1) if tokens is None else tokens
+        self.counter = itertools.count(1) if tokens is None else tokens
 
     def export(self, obj: Any, noted: list[int]) -> int:
         """Keeps obj under a new token, appended to noted before obj is kept: an
         exception at any point leaves nothing kept that noted does not name."""
-        token = next(self._tokens)
+        token = next(self.counter)
         noted.append(token)
         self.objects[token] = obj
         return token
@@ -107,7 +110,9 @@ def describe(obj: Any, lent: Lent) -> tuple | None:
         return None
     torch = sys.modules.get("torch")
     if torch is not None and kind is torch.Tensor:  # subclasses (Parameter) are copied
-        return _tensor_record(obj, lent)
+        if _dlpack is None:
+            _use_torch()
+        return _c.lend_tensor(obj, lent)  # lent detached; lazy views and sparse... not
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
         return _array_record(obj, lent)
@@ -115,31 +120,20 @@ def describe(obj: Any, lent: Lent) -> tuple | None:
 
 
 #: (to_dlpack, from_dlpack) of this side's torch, once it is imported: torch's C
-#: functions (torch.from_dlpack first asks a capsule for __dlpack__, and so on).
+#: functions (torch.from_dlpack first asks a capsule for __dlpack__, and so on), which
+#: multipy's C lends and aliases tensors with (_lend.h).
 _dlpack: tuple[Callable, Callable] | None = None
 
 
-def _torch_dlpack() -> tuple[Callable, Callable]:
+def _use_torch() -> tuple[Callable, Callable]:
     global _dlpack
     import torch
 
-    _dlpack = (torch.utils.dlpack.to_dlpack,
-               getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack)
-    return _dlpack
-
-
-def _tensor_record(tensor: Any, lent: Lent) -> tuple | None:
-    """describe for a torch.Tensor: lent by DLPack (multipy/_dlpack.h)."""
-    if tensor.is_conj() or tensor.is_neg():  # DLPack would drop the lazy bit
-        return None
-    try:  # a view of its own, so that set_() on the tensor cannot free what is lent
-        capsule = (_dlpack or _torch_dlpack())[0](tensor.detach())
-    except (RuntimeError, BufferError, TypeError):  # sparse, quantized, nested...
-        return None
-    address = _c.lent_address(capsule)
-    if not address:  # not in host memory
-        return None
-    return (TORCH, lent.export(capsule), address)
+    dlpack = (torch.utils.dlpack.to_dlpack,
+              getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack)
+    _c.use_torch(torch.Tensor, *dlpack)
+    _dlpack = dlpack
+    return dlpack
 
 
 def _array_record(array: Any, lent: Lent) -> tuple | None:
@@ -155,54 +149,28 @@ def _array_record(array: Any, lent: Lent) -> tuple | None:
 
 def lend_flat(values: tuple | list, lent: Lent) -> tuple[tuple, tuple[int, ...]] | None:
     """The fast path for a flat sequence of scalars, tuples of scalars, tensors and
-    arrays: values as a tuple, with each tensor's or array's record in its place (one
-    token for one met twice, as pickle's memo would), and those places; lent notes the
-    tokens.  None, with nothing lent, if a value is anything else or one that describe
-    would not lend; whatever this raises, nothing stays lent."""
-    flat, positions, records = None, [], {}
-    try:
-        for position, value in enumerate(values):
-            kind = type(value)
-            if kind in _SCALARS or (kind is tuple and is_plain(value)):
-                continue
-            record = records.get(id(value))
-            if record is not None:  # met again: an equal copy (plain values share nothing)
-                record = (*record,)
-            else:
-                record = records[id(value)] = describe(value, lent)
-                if record is None:
-                    lent.take_back()
-                    return None
-            if flat is None:
-                flat = list(values)
-            flat[position] = record
-            positions.append(position)
-    except BaseException:
-        lent.take_back()
-        raise
-    return tuple(values if flat is None else flat), tuple(positions)
+    arrays: values as a tuple, with each tensor's or array's record in its place (an
+    equal copy, one token, for one met twice, as pickle's memo would), and those places;
+    lent notes the tokens.  None, with nothing lent, if a value is anything else or one
+    that describe would not lend; whatever this raises, nothing stays lent.  In C
+    (_lend.h), which lends torch tensors itself and asks describe for the rest."""
+    return _c.lend_flat(values, lent, describe)
 
 
 def lend_result(value: Any, lent: Lent) -> tuple | None:
     """A LENT reply's (values, positions, single) for a tensor, an array, or a tuple that
     lend_flat takes, or None."""
     single = type(value) is not tuple
-    flat = lend_flat((value,) if single else value, lent)
+    flat = _c.lend_flat((value,) if single else value, lent, describe)
     return None if flat is None else (*flat, single)
 
 
 def alias_flat(values: tuple, positions: tuple[int, ...], source: int,
-               on_alias: Callable[[int], None]) -> list:
+               aliased: list[int]) -> list:
     """values (from lend_flat) with an alias in place of each record (one alias for a
-    record met twice); on_alias(token) as for alias."""
-    values, aliases = list(values), {}
-    for position in positions:
-        record = values[position]
-        made = aliases.get(record[1])
-        if made is None:
-            made = aliases[record[1]] = alias(record, source=source, on_alias=on_alias)
-        values[position] = made
-    return values
+    record met twice); aliased as for alias.  In C (_lend.h), which aliases torch
+    tensors itself and asks alias for the rest."""
+    return _c.alias_flat(values, positions, source, aliased, alias)
 
 
 #: A message is a marshal when its values are plain (``plain``), and lent records are
@@ -301,7 +269,7 @@ class AliasingUnpickler(pickle.Unpickler):
         # What this returns stays in the memo: it must not refer to the unpickler, or the
         # memo (and every alias in it) would live on in a cycle until a garbage collection.
         if module == __name__ and name == "lent":
-            return functools.partial(alias, source=self._source, on_alias=self.aliased.append)
+            return functools.partial(alias, source=self._source, aliased=self.aliased)
         return super().find_class(module, name)
 
 
@@ -382,23 +350,24 @@ class _Exported:
 _numpy_reads_versioned: bool | None = None
 
 
-def alias(record: tuple, source: int = 0,
-          on_alias: Callable[[int], None] = lambda token: None) -> Any:
+def alias(record: tuple, source: int = 0, aliased: list[int] | None = None) -> Any:
     """A tensor or array over the memory a record describes, whose token goes back
     through multipy's C to interpreter ``source`` (in the host) when the alias and every
-    view of it are gone.  on_alias(token) runs once the token will go back that way."""
+    view of it are gone.  The token is appended to aliased once it will go back that way."""
     # In this order, an exception at any point (a cancel raises one anywhere) leaves the
     # token either not yet noted (the owner takes it back) or due to be released.
     kind, token, address = record
     if kind == TORCH:
         capsule = _c.alias_capsule(address, token, source)  # gives the token back if unused
-        on_alias(token)
-        return (_dlpack or _torch_dlpack())[1](capsule)
+        if aliased is not None:
+            aliased.append(token)
+        return (_dlpack or _use_torch())[1](capsule)
     import numpy
 
     global _numpy_reads_versioned
     if _numpy_reads_versioned is None:
         _numpy_reads_versioned = numpy.lib.NumpyVersion(numpy.__version__) >= "2.1.0"
     capsule = _c.alias_capsule(address, token, source, _numpy_reads_versioned)
-    on_alias(token)
+    if aliased is not None:
+        aliased.append(token)
     return numpy.from_dlpack(_Exported(capsule))

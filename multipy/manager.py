@@ -33,6 +33,10 @@ def default_torch_threads(n_interpreters: int) -> int:
     return max(1, cores() // max(1, n_interpreters))
 
 
+class _Cursor(threading.local):
+    cursor = 0  # a class default: reading it never raises
+
+
 class InterpreterManager:
     """n interpreters of this process, configured by ``environment``.
 
@@ -59,7 +63,7 @@ class InterpreterManager:
         self.environment = environment if environment is not None else NoopEnvironment()
         self._sources: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._thread = threading.local()  # each thread's load-balancing cursor
+        self._thread = _Cursor()  # each thread's load-balancing cursor
         self._closed = False
         self._runtimes = _pool.acquire(n_interpreters)
         self._interpreters = [Interpreter(i, self, runtime)
@@ -100,24 +104,32 @@ class InterpreterManager:
         picked; InterpreterLimitError if none is left.  InterpreterClosedError once the
         manager is closed.
         """
-        seconds = current_timeout()
-        deadline = None if seconds is None else time.monotonic() + seconds
+        return InterpreterSession(self.occupy_one())
+
+    def occupy_one(self) -> Interpreter:
+        """The interpreter acquire_one would pick, counted busy until its
+        ``hand_back()``: acquire_one without a session, for one call of a replicated
+        object.  Raises what acquire_one raises."""
+        deadline = None
         while True:
-            self._check_open()
             with self._lock:
-                chosen = self._pick()
+                chosen = None if self._closed else self._pick()
                 if chosen is not None:
                     self._thread.cursor = chosen.index
-                    return chosen.acquire_session()
-            if deadline is not None and time.monotonic() >= deadline:
+                    return chosen.occupy()
+            self._check_open()
+            if deadline is None:  # every interpreter runs an abandoned call: wait
+                seconds = current_timeout()
+                deadline = float("inf") if seconds is None else time.monotonic() + seconds
+            elif time.monotonic() >= deadline:
                 raise TimeoutError("every interpreter is still running a call its caller gave up on")
             time.sleep(0.001)
 
     def _pick(self) -> Interpreter | None:
         """See acquire_one; one pass, as it runs for every call of a replicated object."""
         interpreters, count = self._interpreters, self._limit
-        start = getattr(self._thread, "cursor", 0)
-        best, roomy = None, False
+        start = self._thread.cursor
+        best, fewest, roomy = None, 0, False
         for step in range(count):
             interpreter = interpreters[(start + step) % count]
             if interpreter.out_of_room:
@@ -125,10 +137,11 @@ class InterpreterManager:
             roomy = True
             if interpreter.running_abandoned_call:
                 continue
-            if interpreter.open_sessions == 0:
+            sessions = interpreter.open_sessions
+            if sessions == 0:
                 return interpreter
-            if best is None or interpreter.open_sessions < best.open_sessions:
-                best = interpreter
+            if best is None or sessions < fewest:
+                best, fewest = interpreter, sessions
         if not roomy:
             raise InterpreterLimitError(f"no interpreter of this manager had room to load "
                                         f"what it was asked to: {interpreters[0].out_of_room}")

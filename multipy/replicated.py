@@ -82,8 +82,11 @@ class ReplicatedObj:
         return self._instances.get(interpreter)
 
     def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
-        with self._manager.acquire_one() as session:
-            return self.instance(session.interpreter).call_value(method, args, kwargs)
+        interpreter = self._manager.occupy_one()  # no session: the path of every call
+        try:
+            return self._instances.get(interpreter).call_value(method, args, kwargs)
+        finally:
+            interpreter.hand_back()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the object on a free interpreter; returns host values."""

@@ -172,7 +172,8 @@ class Interpreter:
 
     @property
     def open_sessions(self) -> int:
-        """Sessions open on this interpreter now."""
+        """Sessions open on this interpreter now, and calls of replicated objects running
+        on it (see ``occupy``)."""
         return self._sessions
 
     @property
@@ -193,13 +194,20 @@ class Interpreter:
     def acquire_session(self) -> InterpreterSession:
         """A session on this interpreter, bypassing the load balancer;
         InterpreterClosedError if its manager is closed."""
+        return InterpreterSession(self.occupy())
+
+    def occupy(self) -> Interpreter:
+        """Counts one more user of this interpreter for the load balancer until
+        ``hand_back()`` (a session counts for its whole life) and returns it;
+        InterpreterClosedError if its manager is closed."""
         with self._lock:
             if self._closed:
                 raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
             self._sessions += 1
-        return InterpreterSession(self)
+        return self
 
-    def _session_closed(self) -> None:
+    def hand_back(self) -> None:
+        """Ends one ``occupy()``."""
         with self._lock:
             self._sessions -= 1
 
@@ -272,7 +280,7 @@ class Interpreter:
             try:
                 values, positions, single = marshal.loads(payload)
                 values = _sharing.alias_flat(values, positions, self._runtime.ordinal,
-                                             aliased.append)
+                                             aliased)
             except BaseException:  # Ctrl-C, say
                 self._give_back(payload, status, aliased)
                 raise
@@ -408,7 +416,7 @@ class InterpreterSession:
         """Hands the interpreter back to the load balancer; idempotent."""
         if not self._closed:
             self._closed = True
-            self._interpreter._session_closed()
+            self._interpreter.hand_back()
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -468,6 +468,10 @@ def test_calls_with_tensors_and_scalars_lend_both_ways(torch_manager):
         assert s.global_("tensor_tools", "requires_grad").call_value(None, (grad,)) is False
         conj = torch.tensor([1 + 2j]).conj()  # not lendable: the general path, a copy
         assert torch.equal(as_tuple.call_value(None, ((conj, base),))[0], conj.resolve_conj())
+        args, _ = echo.call_value(None, (base, conj))  # base lent, then taken back: pickled
+        assert torch.equal(args[1], conj.resolve_conj()) and args[0].data_ptr() == base.data_ptr()
+        args, _ = echo.call_value(None, [base, ("a", 1), base])  # a list of arguments
+        assert args[1] == ("a", 1) and args[0] is args[2] and torch.equal(args[0], base)
         args, kwargs = echo.call_value(None, (torch.tensor(3.0), 2), {"k": 1})
         assert args[0].item() == 3.0 and args[1] == 2 and kwargs == {"k": 1}
         pair = (1, 2)  # met twice: not plain, so the pickler takes the call, sharing kept

@@ -204,7 +204,7 @@ class _Interpreter:
                 args = marshal.loads(body)
                 if op == CALL_LENT:
                     method, values, positions, kwargs = args
-                    args = (method, _sharing.alias_flat(values, positions, 0, aliased.append),
+                    args = (method, _sharing.alias_flat(values, positions, 0, aliased),
                             kwargs)
                     op = CALL_VALUE
             else:

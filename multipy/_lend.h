@@ -1,0 +1,311 @@
+/*
+ * Lending the tensors of a flat call or reply, in C (docs/design.md, "memory"): the
+ * fast path of multipy._sharing.lend_flat and alias_flat, which every call with a few
+ * tensors among scalars takes.  A torch tensor is lent and aliased here, through torch's
+ * own functions (registered by use_torch); anything else that is not a scalar goes to
+ * the Python fallback that the caller passes (numpy arrays, and anything pickled).
+ * Included by the host's C and by the C inside each interpreter.
+ */
+#ifndef MULTIPY_LEND_H
+#define MULTIPY_LEND_H
+
+#include <Python.h>
+
+#include "_dlpack.h"
+
+/* Where the tokens of aliases made here go back to, for the side that lent (source). */
+static struct release_queue *alias_queue(long source);
+
+/* This side's torch, once use_torch has run: the tensor type that is lent (exactly:
+ * subclasses are pickled), the methods a tensor is checked and detached with, and its
+ * DLPack functions.  NULL before. */
+static struct {
+    PyObject *tensor, *is_conj, *is_neg, *detach, *to_dlpack, *from_dlpack;
+} torch_api;
+static PyObject *torch_kind; /* "torch": a lent tensor's record starts with it */
+
+static PyObject *use_torch(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3 || !PyType_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "use_torch(Tensor, to_dlpack, from_dlpack)");
+        return NULL;
+    }
+    PyObject *is_conj = PyObject_GetAttrString(args[0], "is_conj");
+    PyObject *is_neg = is_conj ? PyObject_GetAttrString(args[0], "is_neg") : NULL;
+    PyObject *detach = is_neg ? PyObject_GetAttrString(args[0], "detach") : NULL;
+    if (!torch_kind)
+        torch_kind = PyUnicode_InternFromString("torch");
+    if (!detach || !torch_kind) {
+        Py_XDECREF(is_conj);
+        Py_XDECREF(is_neg);
+        return NULL;
+    }
+    Py_XSETREF(torch_api.is_conj, is_conj);
+    Py_XSETREF(torch_api.is_neg, is_neg);
+    Py_XSETREF(torch_api.detach, detach);
+    Py_XSETREF(torch_api.to_dlpack, Py_NewRef(args[1]));
+    Py_XSETREF(torch_api.from_dlpack, Py_NewRef(args[2]));
+    Py_XSETREF(torch_api.tensor, Py_NewRef(args[0])); /* last: the others are ready */
+    Py_RETURN_NONE;
+}
+
+/* 1 if method(tensor) is true, 0 if not, -1 with an exception. */
+static int tensor_says(PyObject *method, PyObject *tensor)
+{
+    PyObject *answer = PyObject_CallOneArg(method, tensor);
+    if (!answer)
+        return -1;
+    int truth = PyObject_IsTrue(answer);
+    Py_DECREF(answer);
+    return truth;
+}
+
+/* Lends tensor, noting its token in `lent` (a multipy._sharing.Lent: its list `tokens`,
+ * its exports' dict `objects` and token iterator `counter`), token noted before the
+ * capsule is kept.  The record (kind, token, address), None if the tensor is not lent
+ * (a lazy conjugate or negative view, which DLPack would not describe; not in host
+ * memory; one DLPack refuses), or NULL with an exception.  The tensor crosses detached,
+ * a view of its own, so that set_() on it cannot free the memory that is lent. */
+static PyObject *lend_torch(PyObject *tensor, PyObject *lent)
+{
+    int lazy = tensor_says(torch_api.is_conj, tensor);
+    if (lazy == 0)
+        lazy = tensor_says(torch_api.is_neg, tensor);
+    if (lazy)
+        return lazy < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *view = PyObject_CallOneArg(torch_api.detach, tensor);
+    PyObject *capsule = view ? PyObject_CallOneArg(torch_api.to_dlpack, view) : NULL;
+    Py_XDECREF(view);
+    if (!capsule) {
+        if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_BufferError)
+            || PyErr_ExceptionMatches(PyExc_TypeError)) { /* sparse, quantized, nested... */
+            PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        return NULL;
+    }
+    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
+    if (!managed || managed->dl_tensor.device.device_type != MULTIPY_DL_CPU) {
+        Py_DECREF(capsule);
+        if (managed)
+            Py_RETURN_NONE;
+        return NULL;
+    }
+    PyObject *record = NULL, *token = NULL, *address = PyLong_FromVoidPtr(managed);
+    PyObject *tokens = PyObject_GetAttrString(lent, "tokens");
+    PyObject *objects = PyObject_GetAttrString(lent, "objects");
+    PyObject *counter = PyObject_GetAttrString(lent, "counter");
+    if (address && tokens && objects && counter && (token = PyIter_Next(counter))
+        && PyList_Append(tokens, token) == 0 && PyDict_SetItem(objects, token, capsule) == 0)
+        record = PyTuple_Pack(3, torch_kind, token, address);
+    Py_XDECREF(token);
+    Py_XDECREF(counter);
+    Py_XDECREF(objects);
+    Py_XDECREF(tokens);
+    Py_XDECREF(address);
+    Py_DECREF(capsule);
+    return record;
+}
+
+/* lend_tensor(tensor, lent) -> record | None: see lend_torch (use_torch first). */
+static PyObject *lend_tensor(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2 || !torch_api.tensor) {
+        PyErr_SetString(PyExc_TypeError, "lend_tensor(tensor, lent), after use_torch");
+        return NULL;
+    }
+    return lend_torch(args[0], args[1]);
+}
+
+static int is_scalar(PyObject *value)
+{
+    PyTypeObject *type = Py_TYPE(value);
+    return value == Py_None || type == &PyBool_Type || type == &PyLong_Type
+           || type == &PyFloat_Type || type == &PyComplex_Type || type == &PyUnicode_Type
+           || type == &PyBytes_Type;
+}
+
+/* Whether value needs no lending: a scalar, or a tuple of scalars. */
+static int needs_no_lending(PyObject *value)
+{
+    if (is_scalar(value))
+        return 1;
+    if (!PyTuple_CheckExact(value))
+        return 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(value); i++)
+        if (!is_scalar(PyTuple_GET_ITEM(value, i)))
+            return 0;
+    return 1;
+}
+
+/* A new tuple of count items (records take the places of the values in it). */
+static PyObject *copy_items(PyObject *const *items, Py_ssize_t count)
+{
+    PyObject *copy = PyTuple_New(count);
+    for (Py_ssize_t i = 0; copy && i < count; i++)
+        PyTuple_SET_ITEM(copy, i, Py_NewRef(items[i]));
+    return copy;
+}
+
+/* Gives back what lent holds (lent.take_back()), keeping any exception raised before. */
+static void take_back(PyObject *lent)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *done = PyObject_CallMethod(lent, "take_back", NULL);
+    if (done)
+        Py_DECREF(done);
+    else if (type) /* the first exception is the one to report */
+        PyErr_Clear();
+    if (type)
+        PyErr_Restore(type, value, traceback);
+}
+
+/* lend_flat(values, lent, describe) -> (values, positions) | None: see
+ * multipy._sharing.lend_flat, whose fast path this is; describe(value, lent) lends
+ * what is not a torch tensor (or returns None). */
+static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3 || !(PyTuple_CheckExact(args[0]) || PyList_CheckExact(args[0]))) {
+        PyErr_SetString(PyExc_TypeError, "lend_flat(values: tuple | list, lent, describe)");
+        return NULL;
+    }
+    PyObject *lent = args[1], *describe = args[2];
+    /* values as they came (a list could change while describe runs), and a copy where
+     * records take the places of what is lent */
+    PyObject *values = PySequence_Tuple(args[0]), *flat = NULL;
+    PyObject *positions = PyList_New(0);
+    if (!values || !positions
+        || !(flat = copy_items(PySequence_Fast_ITEMS(values), PyTuple_GET_SIZE(values))))
+        goto failed;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(flat); i++) {
+        PyObject *value = PyTuple_GET_ITEM(flat, i), *record = NULL;
+        if (needs_no_lending(value))
+            continue;
+        for (Py_ssize_t j = 0; j < i && !record; j++) /* met again: one token, as pickle's memo */
+            if (PyTuple_GET_ITEM(values, j) == value)
+                record = copy_items(PySequence_Fast_ITEMS(PyTuple_GET_ITEM(flat, j)), 3);
+        if (!record) {
+            if (torch_api.tensor && (PyObject *)Py_TYPE(value) == torch_api.tensor)
+                record = lend_torch(value, lent);
+            else
+                record = PyObject_CallFunctionObjArgs(describe, value, lent, NULL);
+        }
+        if (!record)
+            goto failed;
+        if (record == Py_None) { /* not lent: this value is pickled, and so is the rest */
+            take_back(lent);
+            Py_DECREF(values);
+            Py_DECREF(flat);
+            Py_DECREF(positions);
+            return record;
+        }
+        PyObject *position = PyLong_FromSsize_t(i);
+        int noted = position ? PyList_Append(positions, position) : -1;
+        Py_XDECREF(position);
+        PyTuple_SET_ITEM(flat, i, record); /* the copy's own reference to value goes */
+        Py_DECREF(value);
+        if (noted < 0)
+            goto failed;
+    }
+    Py_DECREF(values);
+    values = NULL;
+    PyObject *places = PyList_AsTuple(positions);
+    Py_DECREF(positions);
+    if (!places) {
+        positions = NULL;
+        goto failed;
+    }
+    PyObject *result = PyTuple_Pack(2, flat, places);
+    Py_DECREF(flat);
+    Py_DECREF(places);
+    if (!result)
+        take_back(lent);
+    return result;
+failed:
+    take_back(lent);
+    Py_XDECREF(values);
+    Py_XDECREF(flat);
+    Py_XDECREF(positions);
+    return NULL;
+}
+
+/* alias_flat(values, positions, source, aliased, alias) -> list: see
+ * multipy._sharing.alias_flat, whose fast path this is; alias(record, source, aliased)
+ * makes the alias of what is not a torch tensor. */
+static PyObject *alias_flat(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5 || !PyTuple_CheckExact(args[0]) || !PyTuple_CheckExact(args[1])
+        || !PyList_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "alias_flat(values: tuple, positions: tuple, "
+                                         "source, aliased: list, alias)");
+        return NULL;
+    }
+    PyObject *values = args[0], *positions = args[1], *aliased = args[3], *alias = args[4];
+    long source = PyLong_AsLong(args[2]);
+    if (source == -1 && PyErr_Occurred())
+        return NULL;
+    struct release_queue *queue = alias_queue(source);
+    if (!queue)
+        return PyErr_Format(PyExc_ValueError, "no interpreter %ld", source);
+    PyObject *out = PySequence_List(values);
+    if (!out)
+        return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(positions), size = PyTuple_GET_SIZE(values);
+    for (Py_ssize_t k = 0; k < count; k++) {
+        Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, k));
+        PyObject *record = at >= 0 && at < size ? PyTuple_GET_ITEM(values, at) : NULL;
+        if (!record || !PyTuple_CheckExact(record) || PyTuple_GET_SIZE(record) != 3) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "no lent record (kind, token, address) "
+                                                  "at a position");
+            goto failed;
+        }
+        PyObject *token = PyTuple_GET_ITEM(record, 1), *made = NULL;
+        for (Py_ssize_t j = 0; j < k && !made; j++) { /* one alias for a record met twice */
+            Py_ssize_t earlier = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, j));
+            int same = PyObject_RichCompareBool(
+                PyTuple_GET_ITEM(PyTuple_GET_ITEM(values, earlier), 1), token, Py_EQ);
+            if (same < 0)
+                goto failed;
+            if (same)
+                made = Py_NewRef(PyList_GET_ITEM(out, earlier));
+        }
+        if (!made && torch_api.from_dlpack
+            && PyUnicode_Compare(PyTuple_GET_ITEM(record, 0), torch_kind) == 0) {
+            /* in this order: the capsule gives the token back if no tensor takes it */
+            PyObject *address_token[2] = {PyTuple_GET_ITEM(record, 2), token};
+            PyObject *capsule = make_alias_capsule(address_token, 2, queue);
+            if (capsule && PyList_Append(aliased, token) == 0)
+                made = PyObject_CallOneArg(torch_api.from_dlpack, capsule);
+            Py_XDECREF(capsule);
+        } else if (!made) {
+            made = PyObject_CallFunctionObjArgs(alias, record, args[2], aliased, NULL);
+        }
+        if (!made)
+            goto failed;
+        PyList_SetItem(out, at, made); /* in place of the record */
+    }
+    return out;
+failed:
+    Py_DECREF(out);
+    return NULL;
+}
+
+#define LEND_METHODS                                                                      \
+    {"use_torch", (PyCFunction)(void (*)(void))use_torch, METH_FASTCALL,                  \
+     "use_torch(Tensor, to_dlpack, from_dlpack): lend and alias tensors with these."},     \
+    {"lend_tensor", (PyCFunction)(void (*)(void))lend_tensor, METH_FASTCALL,              \
+     "lend_tensor(tensor, lent) -> (kind, token, address) | None: lends a tensor."},      \
+    {"lend_flat", (PyCFunction)(void (*)(void))lend_flat, METH_FASTCALL,                  \
+     "lend_flat(values, lent, describe) -> (values, positions) | None: see "             \
+     "multipy._sharing.lend_flat."},                                                      \
+    {"alias_flat", (PyCFunction)(void (*)(void))alias_flat, METH_FASTCALL,                \
+     "alias_flat(values, positions, source, aliased, alias) -> list: see "               \
+     "multipy._sharing.alias_flat."}
+
+#endif

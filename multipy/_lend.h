@@ -31,6 +31,8 @@ static PyObject *use_torch(PyObject *module, PyObject *const *args, Py_ssize_t n
         PyErr_SetString(PyExc_TypeError, "use_torch(Tensor, to_dlpack, from_dlpack)");
         return NULL;
     }
+    if (torch_api.tensor) /* once: other threads may be calling the functions kept */
+        Py_RETURN_NONE;
     PyObject *is_conj = PyObject_GetAttrString(args[0], "is_conj");
     PyObject *is_neg = is_conj ? PyObject_GetAttrString(args[0], "is_neg") : NULL;
     PyObject *detach = is_neg ? PyObject_GetAttrString(args[0], "detach") : NULL;
@@ -39,14 +41,15 @@ static PyObject *use_torch(PyObject *module, PyObject *const *args, Py_ssize_t n
     if (!detach || !torch_kind) {
         Py_XDECREF(is_conj);
         Py_XDECREF(is_neg);
+        Py_XDECREF(detach);
         return NULL;
     }
-    Py_XSETREF(torch_api.is_conj, is_conj);
-    Py_XSETREF(torch_api.is_neg, is_neg);
-    Py_XSETREF(torch_api.detach, detach);
-    Py_XSETREF(torch_api.to_dlpack, Py_NewRef(args[1]));
-    Py_XSETREF(torch_api.from_dlpack, Py_NewRef(args[2]));
-    Py_XSETREF(torch_api.tensor, Py_NewRef(args[0])); /* last: the others are ready */
+    torch_api.is_conj = is_conj;
+    torch_api.is_neg = is_neg;
+    torch_api.detach = detach;
+    torch_api.to_dlpack = Py_NewRef(args[1]);
+    torch_api.from_dlpack = Py_NewRef(args[2]);
+    torch_api.tensor = Py_NewRef(args[0]); /* last: the others are ready */
     Py_RETURN_NONE;
 }
 
@@ -96,8 +99,10 @@ static PyObject *lend_torch(PyObject *tensor, PyObject *lent)
     PyObject *tokens = PyObject_GetAttrString(lent, "tokens");
     PyObject *objects = PyObject_GetAttrString(lent, "objects");
     PyObject *counter = PyObject_GetAttrString(lent, "counter");
-    if (address && tokens && objects && counter && (token = PyIter_Next(counter))
-        && PyList_Append(tokens, token) == 0 && PyDict_SetItem(objects, token, capsule) == 0)
+    if (address && tokens && objects && counter && !(token = PyIter_Next(counter))
+        && !PyErr_Occurred())
+        PyErr_SetNone(PyExc_StopIteration); /* the tokens ran out */
+    if (token && PyList_Append(tokens, token) == 0 && PyDict_SetItem(objects, token, capsule) == 0)
         record = PyTuple_Pack(3, torch_kind, token, address);
     Py_XDECREF(token);
     Py_XDECREF(counter);
@@ -149,18 +154,19 @@ static PyObject *copy_items(PyObject *const *items, Py_ssize_t count)
     return copy;
 }
 
-/* Gives back what lent holds (lent.take_back()), keeping any exception raised before. */
-static void take_back(PyObject *lent)
+/* Gives back what lent holds (lent.take_back()), keeping any exception raised before
+ * (the first is the one to report); -1 if it raised (Ctrl-C, say) and none had been. */
+static int take_back(PyObject *lent)
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     PyObject *done = PyObject_CallMethod(lent, "take_back", NULL);
-    if (done)
-        Py_DECREF(done);
-    else if (type) /* the first exception is the one to report */
-        PyErr_Clear();
-    if (type)
-        PyErr_Restore(type, value, traceback);
+    Py_XDECREF(done);
+    if (!type)
+        return done ? 0 : -1;
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+    return 0;
 }
 
 /* lend_flat(values, lent, describe) -> (values, positions) | None: see
@@ -169,50 +175,61 @@ static void take_back(PyObject *lent)
 static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3 || !(PyTuple_CheckExact(args[0]) || PyList_CheckExact(args[0]))) {
-        PyErr_SetString(PyExc_TypeError, "lend_flat(values: tuple | list, lent, describe)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "lend_flat(values, lent, describe)");
         return NULL;
     }
     PyObject *lent = args[1], *describe = args[2];
     /* values as they came (a list could change while describe runs), and a copy where
      * records take the places of what is lent */
-    PyObject *values = PySequence_Tuple(args[0]), *flat = NULL;
+    PyObject *values = PySequence_Tuple(args[0]), *flat = NULL, *met = NULL;
     PyObject *positions = PyList_New(0);
     if (!values || !positions
         || !(flat = copy_items(PySequence_Fast_ITEMS(values), PyTuple_GET_SIZE(values))))
         goto failed;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(flat); i++) {
-        PyObject *value = PyTuple_GET_ITEM(flat, i), *record = NULL;
+        PyObject *value = PyTuple_GET_ITEM(flat, i), *record = NULL, *key, *earlier;
         if (needs_no_lending(value))
             continue;
-        for (Py_ssize_t j = 0; j < i && !record; j++) /* met again: one token, as pickle's memo */
-            if (PyTuple_GET_ITEM(values, j) == value)
-                record = copy_items(PySequence_Fast_ITEMS(PyTuple_GET_ITEM(flat, j)), 3);
-        if (!record) {
-            if (torch_api.tensor && (PyObject *)Py_TYPE(value) == torch_api.tensor)
-                record = lend_torch(value, lent);
-            else
-                record = PyObject_CallFunctionObjArgs(describe, value, lent, NULL);
-        }
-        if (!record)
+        /* met: id(value) -> its record, so that one met again has one token, as in
+         * pickle's memo (an equal copy of its record: plain values share nothing) */
+        if ((!met && !(met = PyDict_New())) || !(key = PyLong_FromVoidPtr(value)))
             goto failed;
+        if ((earlier = PyDict_GetItemWithError(met, key)))
+            record = copy_items(PySequence_Fast_ITEMS(earlier), 3);
+        else if (PyErr_Occurred())
+            record = NULL;
+        else if (torch_api.tensor && (PyObject *)Py_TYPE(value) == torch_api.tensor)
+            record = lend_torch(value, lent);
+        else
+            record = PyObject_CallFunctionObjArgs(describe, value, lent, NULL);
         if (record == Py_None) { /* not lent: this value is pickled, and so is the rest */
-            take_back(lent);
+            Py_DECREF(key);
             Py_DECREF(values);
             Py_DECREF(flat);
             Py_DECREF(positions);
+            Py_DECREF(met);
+            if (take_back(lent) < 0) {
+                Py_DECREF(record);
+                return NULL;
+            }
             return record;
         }
-        PyObject *position = PyLong_FromSsize_t(i);
-        int noted = position ? PyList_Append(positions, position) : -1;
+        PyObject *position = record ? PyLong_FromSsize_t(i) : NULL;
+        int noted = position && PyList_Append(positions, position) == 0
+                    && (earlier || PyDict_SetItem(met, key, record) == 0);
         Py_XDECREF(position);
+        Py_DECREF(key);
+        if (!record)
+            goto failed;
         PyTuple_SET_ITEM(flat, i, record); /* the copy's own reference to value goes */
         Py_DECREF(value);
-        if (noted < 0)
+        if (!noted)
             goto failed;
     }
     Py_DECREF(values);
-    values = NULL;
+    Py_XDECREF(met);
+    values = met = NULL;
     PyObject *places = PyList_AsTuple(positions);
     Py_DECREF(positions);
     if (!places) {
@@ -227,6 +244,7 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
     return result;
 failed:
     take_back(lent);
+    Py_XDECREF(met);
     Py_XDECREF(values);
     Py_XDECREF(flat);
     Py_XDECREF(positions);
@@ -252,9 +270,9 @@ static PyObject *alias_flat(PyObject *module, PyObject *const *args, Py_ssize_t 
     struct release_queue *queue = alias_queue(source);
     if (!queue)
         return PyErr_Format(PyExc_ValueError, "no interpreter %ld", source);
-    PyObject *out = PySequence_List(values);
-    if (!out)
-        return NULL;
+    PyObject *out = PySequence_List(values), *made_by_token = PyDict_New();
+    if (!out || !made_by_token)
+        goto failed;
     Py_ssize_t count = PyTuple_GET_SIZE(positions), size = PyTuple_GET_SIZE(values);
     for (Py_ssize_t k = 0; k < count; k++) {
         Py_ssize_t at = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, k));
@@ -265,34 +283,34 @@ static PyObject *alias_flat(PyObject *module, PyObject *const *args, Py_ssize_t 
                                                   "at a position");
             goto failed;
         }
-        PyObject *token = PyTuple_GET_ITEM(record, 1), *made = NULL;
-        for (Py_ssize_t j = 0; j < k && !made; j++) { /* one alias for a record met twice */
-            Py_ssize_t earlier = PyLong_AsSsize_t(PyTuple_GET_ITEM(positions, j));
-            int same = PyObject_RichCompareBool(
-                PyTuple_GET_ITEM(PyTuple_GET_ITEM(values, earlier), 1), token, Py_EQ);
-            if (same < 0)
-                goto failed;
-            if (same)
-                made = Py_NewRef(PyList_GET_ITEM(out, earlier));
-        }
-        if (!made && torch_api.from_dlpack
-            && PyUnicode_Compare(PyTuple_GET_ITEM(record, 0), torch_kind) == 0) {
+        PyObject *token = PyTuple_GET_ITEM(record, 1), *kind = PyTuple_GET_ITEM(record, 0);
+        PyObject *made = PyDict_GetItemWithError(made_by_token, token); /* one alias a record */
+        if (made)
+            Py_INCREF(made);
+        else if (PyErr_Occurred())
+            goto failed;
+        else if (torch_api.from_dlpack && PyUnicode_Check(kind)
+                 && PyUnicode_Compare(kind, torch_kind) == 0) {
             /* in this order: the capsule gives the token back if no tensor takes it */
             PyObject *address_token[2] = {PyTuple_GET_ITEM(record, 2), token};
             PyObject *capsule = make_alias_capsule(address_token, 2, queue);
             if (capsule && PyList_Append(aliased, token) == 0)
                 made = PyObject_CallOneArg(torch_api.from_dlpack, capsule);
             Py_XDECREF(capsule);
-        } else if (!made) {
+        } else {
             made = PyObject_CallFunctionObjArgs(alias, record, args[2], aliased, NULL);
         }
-        if (!made)
+        if (!made || PyDict_SetItem(made_by_token, token, made) < 0) {
+            Py_XDECREF(made);
             goto failed;
+        }
         PyList_SetItem(out, at, made); /* in place of the record */
     }
+    Py_DECREF(made_by_token);
     return out;
 failed:
-    Py_DECREF(out);
+    Py_XDECREF(made_by_token);
+    Py_XDECREF(out);
     return NULL;
 }
 

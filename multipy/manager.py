@@ -121,7 +121,7 @@ class InterpreterManager:
             if deadline is None:  # every interpreter runs an abandoned call: wait
                 seconds = current_timeout()
                 deadline = float("inf") if seconds is None else time.monotonic() + seconds
-            elif time.monotonic() >= deadline:
+            if time.monotonic() >= deadline:  # timeout(0): one try, never a sleep
                 raise TimeoutError("every interpreter is still running a call its caller gave up on")
             time.sleep(0.001)
 

@@ -1,6 +1,7 @@
 """PyTorch across interpreters: packages, replicated objects, shared weights, zero-copy."""
 from __future__ import annotations
 
+import collections
 import importlib.util
 import io
 import pickle
@@ -472,6 +473,9 @@ def test_calls_with_tensors_and_scalars_lend_both_ways(torch_manager):
         assert torch.equal(args[1], conj.resolve_conj()) and args[0].data_ptr() == base.data_ptr()
         args, _ = echo.call_value(None, [base, ("a", 1), base])  # a list of arguments
         assert args[1] == ("a", 1) and args[0] is args[2] and torch.equal(args[0], base)
+        pair_type = collections.namedtuple("pair_type", "tensor number")
+        args, _ = echo.call_value(None, pair_type(base, 1))  # any sequence of arguments
+        assert args[1] == 1 and args[0].data_ptr() == base.data_ptr()
         args, kwargs = echo.call_value(None, (torch.tensor(3.0), 2), {"k": 1})
         assert args[0].item() == 3.0 and args[1] == 2 and kwargs == {"k": 1}
         pair = (1, 2)  # met twice: not plain, so the pickler takes the call, sharing kept

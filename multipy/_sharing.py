@@ -112,7 +112,7 @@ def describe(obj: Any, lent: Lent) -> tuple | None:
     if torch is not None and kind is torch.Tensor:  # subclasses (Parameter) are copied
         if _dlpack is None:
             _use_torch()
-        return _c.lend_tensor(obj, lent)  # lent detached; lazy views and sparse... not
+        return _c.lend_tensor(obj, lent)  # None: lazy views, sparse, CUDA (_lend.h)
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
         return _array_record(obj, lent)

@@ -118,20 +118,10 @@ static PyObject *thread_states(PyObject *module, PyObject *unused)
     return PyLong_FromLong(count);
 }
 
-static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    return make_alias_capsule(args, nargs, &released_tensors);
-}
-
 static PyMethodDef methods[] = {
     LENT_ADDRESS_METHOD,
     PLAIN_METHOD,
     LEND_METHODS,
-    {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
-     "alias_capsule(address, token, source=0, versioned=False) -> capsule: the tensor or "
-     "array the host lent at address, for torch.from_dlpack (numpy's, versioned); the "
-     "token goes back to the host when unused (source is the host's own argument)."},
     {"note", (PyCFunction)(void (*)(void))note, METH_FASTCALL,
      "note(op: bytes, target: bytes): what this thread runs now, for the fatal-signal "
      "report; the caller keeps both alive while it runs"},

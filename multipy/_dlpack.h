@@ -152,9 +152,9 @@ static PyObject *lent_address(PyObject *module, PyObject *capsule)
      "lent_address(capsule) -> int: the DLManagedTensor in a dltensor capsule, 0 if its " \
      "memory is not host memory."}
 
-/* alias_capsule(address, token, source=0, versioned=False) -> capsule for this side's
- * torch.from_dlpack (or numpy's, versioned): the owner's tensor or array at address,
- * whose token goes to `queue` once this side is done. */
+/* The capsule of alias_capsule(address, token, source, versioned=False) (_lend.h),
+ * for this side's torch.from_dlpack (or numpy's, versioned): the owner's tensor or
+ * array at address, whose token goes to `queue` once this side is done. */
 static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,
                                     struct release_queue *queue)
 {

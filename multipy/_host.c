@@ -520,27 +520,10 @@ static PyObject *interrupt_main(PyObject *module, PyObject *unused)
     return cancel_call(entry, main_thread, main_call.serial, MULTIPY_CANCEL_INTERRUPT);
 }
 
-static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
-{
-    (void)module;
-    long ordinal = nargs >= 3 ? PyLong_AsLong(args[2]) : -1;
-    if (ordinal < 0 || ordinal >= MULTIPY_MAX_INTERPRETERS) {
-        if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_ValueError,
-                            "alias_capsule(address, token, interpreter, versioned=False)");
-        return NULL;
-    }
-    return make_alias_capsule(args, nargs, &queues[ordinal]);
-}
-
 static PyMethodDef module_methods[] = {
     LENT_ADDRESS_METHOD,
     PLAIN_METHOD,
     LEND_METHODS,
-    {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,
-     "alias_capsule(address, token, interpreter, versioned=False) -> capsule: the tensor "
-     "or array that interpreter lent at address, for torch.from_dlpack (numpy's, "
-     "versioned); the token goes back to it when unused."},
     {"set_main_thread", set_main_thread, METH_O,
      "set_main_thread(ident): the thread whose calls interrupt_main() cancels."},
     {"next_serial", next_serial, METH_NOARGS, "A new call number."},

@@ -251,6 +251,60 @@ failed:
     return NULL;
 }
 
+/* The torch tensor over the memory a torch record (kind, token, address) describes,
+ * whose token goes to queue once it is unused; the token is appended to aliased (a
+ * list, or None) first.  In this order, the capsule gives the token back if no tensor
+ * takes it.  NULL with an exception. */
+static PyObject *alias_torch(PyObject *record, struct release_queue *queue, PyObject *aliased)
+{
+    PyObject *token = PyTuple_GET_ITEM(record, 1), *tensor = NULL;
+    PyObject *address_token[2] = {PyTuple_GET_ITEM(record, 2), token};
+    PyObject *capsule = make_alias_capsule(address_token, 2, queue);
+    if (capsule && (aliased == Py_None || PyList_Append(aliased, token) == 0))
+        tensor = PyObject_CallOneArg(torch_api.from_dlpack, capsule);
+    Py_XDECREF(capsule);
+    return tensor;
+}
+
+/* The queue for the side that lent, source; NULL with an exception if there is none. */
+static struct release_queue *source_queue(PyObject *source)
+{
+    long number = PyLong_AsLong(source);
+    if (number == -1 && PyErr_Occurred())
+        return NULL;
+    struct release_queue *queue = alias_queue(number);
+    if (!queue)
+        PyErr_Format(PyExc_ValueError, "no interpreter %ld lends here", number);
+    return queue;
+}
+
+/* alias_tensor(record, source, aliased) -> tensor: see alias_torch (use_torch first). */
+static PyObject *alias_tensor(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3 || !torch_api.from_dlpack || !PyTuple_CheckExact(args[0])
+        || PyTuple_GET_SIZE(args[0]) != 3 || !(args[2] == Py_None || PyList_CheckExact(args[2]))) {
+        PyErr_SetString(PyExc_TypeError, "alias_tensor((kind, token, address), source, "
+                                         "aliased: list | None), after use_torch");
+        return NULL;
+    }
+    struct release_queue *queue = source_queue(args[1]);
+    return queue ? alias_torch(args[0], queue, args[2]) : NULL;
+}
+
+/* alias_capsule(address, token, source, versioned=False) -> capsule for this side's
+ * numpy (versioned) or torch: what source lent at address; see make_alias_capsule. */
+static PyObject *alias_capsule(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs < 3 || nargs > 4) {
+        PyErr_SetString(PyExc_TypeError, "alias_capsule(address, token, source, versioned=False)");
+        return NULL;
+    }
+    struct release_queue *queue = source_queue(args[2]);
+    return queue ? make_alias_capsule(args, nargs, queue) : NULL;
+}
+
 /* alias_flat(values, positions, source, aliased, alias) -> list: see
  * multipy._sharing.alias_flat, whose fast path this is; alias(record, source, aliased)
  * makes the alias of what is not a torch tensor. */
@@ -264,12 +318,9 @@ static PyObject *alias_flat(PyObject *module, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     PyObject *values = args[0], *positions = args[1], *aliased = args[3], *alias = args[4];
-    long source = PyLong_AsLong(args[2]);
-    if (source == -1 && PyErr_Occurred())
-        return NULL;
-    struct release_queue *queue = alias_queue(source);
+    struct release_queue *queue = source_queue(args[2]);
     if (!queue)
-        return PyErr_Format(PyExc_ValueError, "no interpreter %ld", source);
+        return NULL;
     PyObject *out = PySequence_List(values), *made_by_token = PyDict_New();
     if (!out || !made_by_token)
         goto failed;
@@ -291,12 +342,7 @@ static PyObject *alias_flat(PyObject *module, PyObject *const *args, Py_ssize_t 
             goto failed;
         else if (torch_api.from_dlpack && PyUnicode_Check(kind)
                  && PyUnicode_Compare(kind, torch_kind) == 0) {
-            /* in this order: the capsule gives the token back if no tensor takes it */
-            PyObject *address_token[2] = {PyTuple_GET_ITEM(record, 2), token};
-            PyObject *capsule = make_alias_capsule(address_token, 2, queue);
-            if (capsule && PyList_Append(aliased, token) == 0)
-                made = PyObject_CallOneArg(torch_api.from_dlpack, capsule);
-            Py_XDECREF(capsule);
+            made = alias_torch(record, queue, aliased);
         } else {
             made = PyObject_CallFunctionObjArgs(alias, record, args[2], aliased, NULL);
         }
@@ -324,6 +370,13 @@ failed:
      "multipy._sharing.lend_flat."},                                                      \
     {"alias_flat", (PyCFunction)(void (*)(void))alias_flat, METH_FASTCALL,                \
      "alias_flat(values, positions, source, aliased, alias) -> list: see "               \
-     "multipy._sharing.alias_flat."}
+     "multipy._sharing.alias_flat."},                                                     \
+    {"alias_tensor", (PyCFunction)(void (*)(void))alias_tensor, METH_FASTCALL,            \
+     "alias_tensor(record, source, aliased) -> tensor: the alias of a lent torch tensor; " \
+     "its token goes back to source when unused, and is appended to aliased (or None)."}, \
+    {"alias_capsule", (PyCFunction)(void (*)(void))alias_capsule, METH_FASTCALL,          \
+     "alias_capsule(address, token, source, versioned=False) -> capsule: what source "    \
+     "lent at address, for numpy.from_dlpack (versioned) or torch's; the token goes "     \
+     "back to source when unused."}
 
 #endif

@@ -358,10 +358,9 @@ def alias(record: tuple, source: int = 0, aliased: list[int] | None = None) -> A
     # token either not yet noted (the owner takes it back) or due to be released.
     kind, token, address = record
     if kind == TORCH:
-        capsule = _c.alias_capsule(address, token, source)  # gives the token back if unused
-        if aliased is not None:
-            aliased.append(token)
-        return (_dlpack or _use_torch())[1](capsule)
+        if _dlpack is None:
+            _use_torch()
+        return _c.alias_tensor(record, source, aliased)  # in C (_lend.h), the same order
     import numpy
 
     global _numpy_reads_versioned

@@ -1,17 +1,21 @@
-# Set-up and entry points.  PYTHON picks the CPython (3.10-3.13, with a shared libpython).
+# Set-up and entry points.  PYTHON picks the CPython (3.10-3.13, with a shared libpython);
+# TORCH the torch build the PyTorch tests run with on CPython 3.11: cpu (torch 2.13.0, the
+# CPU wheel) or cuda (torch 2.14.1, PyPI's default build; it runs on the CPU too).
 PYTHON ?= python3
-VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+TORCH ?= cpu
+VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')$(if $(filter cpu,$(TORCH)),,-$(TORCH))
+EXTRAS = test,torch-$(TORCH)
 
 .PHONY: serve demo test bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
+	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
 
 $(VENV)/.installed-serve: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install --quiet -e ".[test,serve]"
+	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS),serve]"
 	touch $@
 
 examples/generated/python_heavy.pt: $(VENV)/.installed examples/generate_examples.py examples/example_models.py
@@ -27,7 +31,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/multipy run benchmarks/core.py
 
 $(VENV)/.installed-bench: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install --quiet -e ".[test,bench]"
+	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS),bench]"
 	touch $@
 
 # The original's benchmark on the example packages: table, bench-results/bench.csv and .png.

@@ -1,5 +1,6 @@
 """Builds multipy's C; all other metadata lives in pyproject.toml."""
 import platform
+import sysconfig
 
 from setuptools import Extension, setup
 
@@ -12,6 +13,19 @@ extensions = [
     # never imported: it resolves Py* symbols from that namespace's libpython.
     Extension("multipy._bootstrap", ["multipy/_bootstrap.c"], depends=HEADERS),
 ]
+if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+    # The root object of each namespace (docs/design.md, "pthread keys"): a plain shared
+    # library that needs libpython, so that loading it brings libpython into the
+    # namespace's global scope behind it.  Without a shared libpython there is nothing
+    # to load, and multipy says so when an interpreter starts.
+    libdirs = [d for d in (sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LIBPL")) if d]
+    extensions.append(Extension(
+        "multipy._keys", ["multipy/_keys.c"], libraries=["dl"], library_dirs=libdirs,
+        runtime_library_dirs=libdirs,
+        # RPATH, not RUNPATH: searched before LD_LIBRARY_PATH, so that the namespace
+        # gets this CPython's libpython (the host checks that it did)
+        extra_link_args=["-Wl,--no-as-needed,--disable-new-dtags",
+                         f"-l:{sysconfig.get_config_var('LDLIBRARY')}"]))
 if platform.machine() == "x86_64":
     # The CUDA driver each interpreter sees (docs/design.md, "CUDA"): a plain shared
     # library named libcuda.so.1 whose x86-64 trampolines jump to the host's driver.

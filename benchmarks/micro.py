@@ -19,12 +19,14 @@
 - small:     the `simple` model (a 3x10 input), each call against a plain host thread's:
   looped inside an interpreter, one entry per call with its input already inside (no
   tensor crossing), through Obj.call_value (a tensor each way), through a ReplicatedObj.
+- keys:      pthread_getspecific and pthread_setspecific, looped in C inside an
+  interpreter (each interpreter's own keys, docs/design.md) against glibc's in the host.
 - defaults:  ResNet-18 (64x64) from n host threads on n interpreters with the manager's
   torch defaults, against the same with torch.set_num_threads(1) set by hand in every
   calling thread, torch's own thread count (cores per interpreter), and n plain host
   threads (grad off everywhere).
 
-    multipy run benchmarks/micro.py [roundtrip lending transfer threads startup memory ceiling small defaults]
+    multipy run benchmarks/micro.py [roundtrip lending transfer threads startup memory ceiling small keys defaults]
 """
 from __future__ import annotations
 
@@ -490,6 +492,69 @@ def defaults(counts: list[int], seconds: float = 2.0, rounds: int = 3) -> None:
                   f"{f['own'] / f['by hand']:.2f}x")
 
 
+_KEYS_LOOP = r"""
+#include <pthread.h>
+#include <time.h>
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+/* ns per pthread_getspecific (set: 0) or pthread_setspecific (set: 1), n of them */
+double spin(long n, int set) {
+    static pthread_key_t key;
+    static int made;
+    if (!made && pthread_key_create(&key, 0) == 0)
+        made = 1;
+    void *volatile sink = 0;
+    pthread_setspecific(key, (void *)&sink);
+    double start = now();
+    for (long i = 0; i < n; i++) {
+        if (set)
+            pthread_setspecific(key, (void *)(i | 1));
+        else
+            sink = pthread_getspecific(key);
+    }
+    return (now() - start) / n * 1e9;
+}
+"""
+
+_KEYS_INSIDE = """
+import ctypes
+def spin(path, n, set):
+    lib = ctypes.CDLL(path)
+    lib.spin.restype = ctypes.c_double
+    lib.spin.argtypes = [ctypes.c_long, ctypes.c_int]
+    return lib.spin(n, set)
+"""
+
+
+def keys(count: int = 20_000_000, rounds: int = 5) -> None:
+    import ctypes
+
+    with tempfile.TemporaryDirectory() as folder:
+        source, library = os.path.join(folder, "loop.c"), os.path.join(folder, "libloop.so")
+        with open(source, "w") as file:
+            file.write(_KEYS_LOOP)
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", library, source], check=True)
+        host = ctypes.CDLL(library)
+        host.spin.restype = ctypes.c_double
+        host.spin.argtypes = [ctypes.c_long, ctypes.c_int]
+        with multipy.InterpreterManager(1) as manager, manager.acquire_one() as s:
+            manager.register_module_source("micro_keys", _KEYS_INSIDE)
+            inside = s.global_("micro_keys", "spin")
+            print(f"\npthread keys, {count:,} calls looped in C, median of {rounds} rounds "
+                  f"taking turns (ns per call)")
+            for set_, name in ((0, "pthread_getspecific"), (1, "pthread_setspecific")):
+                here, there = [], []
+                for _ in range(rounds):
+                    here.append(host.spin(count, set_))
+                    there.append(inside(library, count, set_).deref())
+                print(f"  {name}: glibc's in the host {statistics.median(here):5.2f}, an "
+                      f"interpreter's own {statistics.median(there):5.2f} "
+                      f"({statistics.median(there) / statistics.median(here):.2f}x)")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1].startswith("_"):  # a measurement in a fresh process
         {"_start_interpreters": lambda: _start_interpreters(int(sys.argv[2])),
@@ -512,6 +577,7 @@ def main() -> None:
          "threads": lambda: threads(counts),
          "startup": lambda: startup(counts), "memory": lambda: memory(counts),
          "ceiling": lambda: ceiling(counts), "small": lambda: small(args.calls // 4),
+         "keys": keys,
          "defaults": lambda: defaults(counts)}[name]()
 
 

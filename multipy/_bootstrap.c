@@ -3,9 +3,9 @@
  * interpreter's link-map namespace right after the namespace's libpython, so that every
  * Py* symbol here is that interpreter's (docs/design.md).
  *
- * - multipy_start partitions this namespace's pthread keys, then starts the
- *   interpreter's own thread, which initialises CPython, runs the entry code, and
- *   waits without the GIL until the host stops it; then it finalises.
+ * - multipy_start starts the interpreter's own thread, which initialises CPython, runs
+ *   the entry code, and waits without the GIL until the host stops it; then it
+ *   finalises.  (The namespace's pthread keys are _keys.c's, its root object.)
  * - multipy_enter runs one request on the calling host thread: it takes this
  *   interpreter's GIL with the thread's own state here (made on first entry, kept until
  *   the thread exits: multipy_forget), calls the Python handler, and gives the GIL back.
@@ -97,15 +97,13 @@ static PyObject *note(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *next_key(PyObject *module, PyObject *unused)
+int multipy_keys_in_use(void); /* _keys.c */
+void multipy_keys_thread_exit(void);
+
+static PyObject *keys_in_use(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    pthread_key_t key;
-    int error = pthread_key_create(&key, NULL);
-    if (error)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    pthread_key_delete(key);
-    return PyLong_FromUnsignedLong(key);
+    return PyLong_FromLong(multipy_keys_in_use());
 }
 
 static PyObject *thread_states(PyObject *module, PyObject *unused)
@@ -125,8 +123,8 @@ static PyMethodDef methods[] = {
     {"note", (PyCFunction)(void (*)(void))note, METH_FASTCALL,
      "note(op: bytes, target: bytes): what this thread runs now, for the fatal-signal "
      "report; the caller keeps both alive while it runs"},
-    {"next_key", next_key, METH_NOARGS,
-     "next_key() -> int: the pthread key this namespace's libc would hand out next"},
+    {"keys_in_use", keys_in_use, METH_NOARGS,
+     "keys_in_use() -> int: how many pthread keys this namespace's libraries hold"},
     {"thread_states", thread_states, METH_NOARGS,
      "thread_states() -> int: how many thread states this interpreter has"},
     {NULL, NULL, 0, NULL},
@@ -206,49 +204,39 @@ static void *interpreter_thread(void *arg)
 }
 
 /*
- * Makes this namespace's libc hand out pthread keys from `first` to first + 30: takes
- * every free key up to first + 31, keeps those below first and first + 31 itself (the
- * host holds its own key of that number: docs/design.md), gives back the rest.
+ * This namespace's libc took the host's array of environment strings as it was when the
+ * namespace was made, and the host's setenv may move that array and free it (and
+ * os.putenv free its strings).  So the interpreter gets a copy of the host's environment
+ * as it is now, in its own heap, as a child process does: its getenv never reads freed
+ * memory, and its setenv changes its own.  0, or -1 out of memory.
  */
-static int partition_keys(unsigned first, char *error, size_t size)
+static int copy_environment(char *const *host)
 {
-    unsigned last = first + MULTIPY_KEY_BLOCK - 1;
-    char taken[MULTIPY_KEY_BLOCK] = {0};
-    pthread_key_t key;
-    do {
-        int failed = pthread_key_create(&key, NULL);
-        if (failed) {
-            snprintf(error, size, "pthread_key_create: %s", strerror(failed));
-            return -1;
-        }
-        if (key >= first && key <= last)
-            taken[key - first] = 1;
-    } while (key < last);
-    if (key != last) {
-        pthread_key_delete(key);
-        snprintf(error, size, "this namespace's pthread keys already reach %u, above %u",
-                 (unsigned)key, last);
+    size_t count = 0;
+    while (host && host[count])
+        count++;
+    char **copy = calloc(count + 1, sizeof *copy);
+    if (!copy)
         return -1;
-    }
-    for (unsigned i = 0; i < MULTIPY_KEY_BLOCK - 1; i++) {
-        if (!taken[i]) {
-            snprintf(error, size, "pthread key %u of this namespace was already in use", first + i);
-            return -1;
-        }
-        pthread_key_delete(first + i);
-    }
+    for (size_t i = 0; i < count; i++)
+        if (!(copy[i] = strdup(host[i])))
+            return -1; /* the process is out of memory: what was copied stays */
+    environ = copy;
     return 0;
 }
 
 /*
- * Partitions the keys and starts the interpreter's thread; returns the runtime, or
- * NULL with the reason in error.  Readiness (or failure) comes on status_fd.
+ * Gives the interpreter its environment (the host's, host_environment, copied) and
+ * starts its thread; returns the runtime, or NULL with the reason in error.  Readiness
+ * (or failure) comes on status_fd.
  */
-void *multipy_start(const char *program, const char *code, unsigned first_key, int status_fd,
-                    int stop_fd, char *error, size_t size)
+void *multipy_start(const char *program, const char *code, char *const *host_environment,
+                    int status_fd, int stop_fd, char *error, size_t size)
 {
-    if (partition_keys(first_key, error, size) != 0)
+    if (copy_environment(host_environment) != 0) {
+        snprintf(error, size, "out of memory");
         return NULL;
+    }
     struct runtime *rt = calloc(1, sizeof *rt); /* lives as long as the process */
     if (!rt || !(rt->program = strdup(program)) || !(rt->code = strdup(code))) {
         snprintf(error, size, "out of memory");
@@ -532,11 +520,12 @@ int multipy_cancel(void *runtime, unsigned long thread, uint64_t serial, int kin
 void multipy_forget(void *runtime)
 {
     struct runtime *rt = runtime;
-    if (!own_state)
-        return;
     if (admit(rt)) {
-        PyEval_RestoreThread(own_state);
-        PyGILState_Release(PyGILState_UNLOCKED); /* the last one: deletes the state */
+        if (own_state) {
+            PyEval_RestoreThread(own_state);
+            PyGILState_Release(PyGILState_UNLOCKED); /* the last one: deletes the state */
+        }
+        multipy_keys_thread_exit(); /* after the state, as when a thread of its own exits */
         multipy_leave(rt);
     }
     own_state = NULL;

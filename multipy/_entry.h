@@ -9,12 +9,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* pthread keys (docs/design.md, "pthread keys"): the host keeps the keys below
- * MULTIPY_KEY_BASE; the libc of interpreter k hands out keys from
- * MULTIPY_KEY_BASE + k * MULTIPY_KEY_BLOCK, one block of the per-thread key table,
- * whose last key the host holds so that the block is always the host libc's memory. */
-#define MULTIPY_KEY_BASE 512
-#define MULTIPY_KEY_BLOCK 32
 #define MULTIPY_MAX_INTERPRETERS 15
 
 /* Statuses of a reply (multipy/_protocol.py has the same numbers). */
@@ -72,7 +66,8 @@ typedef int multipy_enter_fn(void *runtime, const struct multipy_request *reques
 typedef void multipy_leave_fn(void *runtime);
 /* Raises an exception in call `serial` if thread `thread` still runs it; 1 if it did. */
 typedef int multipy_cancel_fn(void *runtime, unsigned long thread, uint64_t serial, int kind);
-/* Drops the calling thread's state in the interpreter: the thread is exiting. */
+/* Drops the calling thread's state and pthread key values in the interpreter, running
+ * their destructors: the thread is exiting. */
 typedef void multipy_forget_fn(void *runtime);
 
 #endif

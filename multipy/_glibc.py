@@ -35,6 +35,15 @@ _dlerror = _libc.dlerror
 _dlerror.restype = ctypes.c_char_p
 
 
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
+
+
+_dladdr = _libc.dladdr
+_dladdr.argtypes = [ctypes.c_void_p, ctypes.POINTER(_DlInfo)]
+
+
 class NamespaceError(OSError):
     """dlmopen or dlsym failed inside a namespace; the message is glibc's."""
 
@@ -88,6 +97,43 @@ def symbol(handle: int, name: str) -> int:
     if not address:
         raise _fail(f"dlsym({name})")
     return address
+
+
+def process_keys() -> tuple[int, int] | None:
+    """(in use, in all) of the process's pthread key slots, read from the host libc's
+    table of them, or None where glibc does not describe that table as this expects.
+
+    Reads glibc's private ``__pthread_keys``, laid out as its thread_db descriptors say
+    (each entry a sequence number, odd while the key is in use, then a destructor).
+    """
+    try:
+        table = (ctypes.c_uint32 * 3).in_dll(_libc, "_thread_db___pthread_keys")
+        seq = (ctypes.c_uint32 * 3).in_dll(_libc, "_thread_db_pthread_key_struct_seq")
+        address = ctypes.addressof(ctypes.c_char.in_dll(_libc, "__pthread_keys"))
+    except ValueError:
+        return None
+    entry_bits, count, _ = table
+    seq_bits, _, seq_offset = seq
+    if entry_bits % 8 or seq_bits != 64 or not 0 < count <= 1 << 16:
+        return None
+    step = entry_bits // 8
+    in_use = sum(ctypes.c_uint64.from_address(address + i * step + seq_offset).value & 1
+                 for i in range(count))
+    return in_use, count
+
+
+def environment() -> int:
+    """The address of the host's array of environment strings, as it is now (glibc's
+    ``environ``, which setenv may move)."""
+    return ctypes.c_void_p.in_dll(_libc, "environ").value
+
+
+def file_of(address: int) -> str | None:
+    """The file of the loaded library that holds address, or None."""
+    info = _DlInfo()
+    if not _dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+        return None
+    return os.path.realpath(info.dli_fname.decode(errors="replace"))
 
 
 def glibc_version() -> str:

@@ -4,12 +4,15 @@
  * - Entry.call enters an interpreter on the calling thread: it hands the request to the
  *   namespace's multipy_enter with the host's GIL released for the whole call, copies
  *   the reply, and drops the host objects the interpreter gave back.
- * - reserve_keys partitions the host's pthread keys (docs/design.md, "pthread keys").
- * - A thread that entered interpreters drops its state in each when it exits.
+ * - take_key takes a pthread key of the process for an interpreter's namespace, which
+ *   keeps its own keys over that one (docs/design.md, "pthread keys").
+ * - A thread that entered interpreters drops its state (and key values) in each when it
+ *   exits.
  * - The fatal-signal report and the exit guard.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
 #include <signal.h>
@@ -33,11 +36,12 @@ static struct multipy_record records[RECORDS];
 static struct {
     void *runtime;
     multipy_forget_fn *forget;
+    pthread_key_t key; /* the process's key that the interpreter's namespace keeps its own over */
 } interpreters[MULTIPY_MAX_INTERPRETERS];
 
-static pthread_key_t holders[MULTIPY_MAX_INTERPRETERS]; /* last key of each interpreter's block */
-static pthread_key_t exiting;  /* its destructor runs when a thread that entered exits */
-static int keys_reserved;
+static pthread_key_t exiting; /* its destructor runs when a thread that entered exits */
+static pthread_once_t exiting_made = PTHREAD_ONCE_INIT;
+static int exiting_failed;
 
 static __thread unsigned entered; /* bit k: this thread has state in interpreter k */
 static __thread struct multipy_record *line;
@@ -56,14 +60,17 @@ static void thread_exit(void *unused)
     }
 }
 
-/* Before this thread first enters interpreter k: the key block that k's libc will use on
- * this thread is allocated here, by the host's libc, which frees it when the thread
- * exits (the block must come from the heap that frees it). */
-static struct multipy_record *prepare(int k)
+/* Before this thread first enters interpreter k: the memory that holds the value of k's
+ * key on this thread is allocated here, by the host's libc, which frees it when the
+ * thread exits (it must come from the heap that frees it, not from k's libc).  Sets
+ * *record to the thread's line in the crash report (NULL if all are taken); -1 out of
+ * memory, when the thread must not enter. */
+static int prepare(int k, struct multipy_record **record)
 {
     if (!(entered & (1u << k))) {
-        pthread_setspecific(holders[k], (void *)1);
-        pthread_setspecific(exiting, (void *)1);
+        if (pthread_setspecific(interpreters[k].key, (void *)1) != 0
+            || pthread_setspecific(exiting, (void *)1) != 0)
+            return -1;
         entered |= 1u << k;
     }
     if (!line) {
@@ -74,49 +81,28 @@ static struct multipy_record *prepare(int k)
                 line = &records[i];
         }
     }
-    return line;
+    *record = line;
+    return 0;
 }
 
-static PyObject *reserve_keys(PyObject *module, PyObject *unused)
+static void make_exiting(void)
+{
+    exiting_failed = pthread_key_create(&exiting, thread_exit);
+}
+
+static PyObject *take_key(PyObject *module, PyObject *unused)
 {
     (void)module, (void)unused;
-    if (keys_reserved)
-        Py_RETURN_NONE;
-    /* Take every free key up to the last holder; keep the holders, give back the rest. */
-    enum { END = MULTIPY_KEY_BASE + MULTIPY_MAX_INTERPRETERS * MULTIPY_KEY_BLOCK };
-    static pthread_key_t taken[END];
-    static char got[END];
-    int count = 0, failed = 0;
+    pthread_once(&exiting_made, make_exiting);
     pthread_key_t key;
-    do {
-        if ((failed = pthread_key_create(&key, NULL)) != 0)
-            break;
-        taken[count++] = key;
-        if (key < END)
-            got[key] = 1;
-    } while (key < END - 1);
-    int missing = -1;
-    for (int k = MULTIPY_KEY_BASE; k < END && missing < 0; k++)
-        if (!got[k])
-            missing = k;
-    for (int i = 0; i < count; i++)
-        if (failed || missing >= 0 || taken[i] < MULTIPY_KEY_BASE
-            || (taken[i] - MULTIPY_KEY_BASE) % MULTIPY_KEY_BLOCK != MULTIPY_KEY_BLOCK - 1)
-            pthread_key_delete(taken[i]);
+    int failed = exiting_failed ? exiting_failed : pthread_key_create(&key, NULL);
+    if (failed == EAGAIN)
+        return PyErr_Format(PyExc_RuntimeError,
+                            "the process has no pthread key left (glibc gives a process %d, "
+                            "and the host's libraries hold them all)", PTHREAD_KEYS_MAX);
     if (failed)
         return PyErr_Format(PyExc_RuntimeError, "pthread_key_create failed: %s", strerror(failed));
-    if (missing >= 0)
-        return PyErr_Format(
-            PyExc_RuntimeError,
-            "this process already uses pthread key %d, and multipy needs the keys from %d "
-            "to %d for its interpreters (a library loaded before multipy created over %d "
-            "keys)", missing, MULTIPY_KEY_BASE, END - 1, MULTIPY_KEY_BASE);
-    for (int k = 0; k < MULTIPY_MAX_INTERPRETERS; k++)
-        holders[k] = MULTIPY_KEY_BASE + k * MULTIPY_KEY_BLOCK + MULTIPY_KEY_BLOCK - 1;
-    if ((failed = pthread_key_create(&exiting, thread_exit)) != 0)
-        return PyErr_Format(PyExc_RuntimeError, "pthread_key_create failed: %s", strerror(failed));
-    keys_reserved = 1;
-    Py_RETURN_NONE;
+    return PyLong_FromUnsignedLong(key);
 }
 
 /* -- Entry: one interpreter's entry points -- */
@@ -153,18 +139,19 @@ static struct {                        /* the call the main thread runs; under t
 static int Entry_init(Entry *self, PyObject *args, PyObject *kwargs)
 {
     unsigned long long runtime, enter, leave, cancel, forget;
-    static char *names[] = {"ordinal", "runtime", "enter", "leave", "cancel", "forget",
+    unsigned int key;
+    static char *names[] = {"ordinal", "runtime", "enter", "leave", "cancel", "forget", "key",
                             "releases", "exports", "lent_tokens", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKKKKO!O!O", names, &self->ordinal,
-                                     &runtime, &enter, &leave, &cancel, &forget, &PyList_Type,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iKKKKKIO!O!O", names, &self->ordinal,
+                                     &runtime, &enter, &leave, &cancel, &forget, &key, &PyList_Type,
                                      &self->releases, &PyDict_Type, &self->exports,
                                      &self->lent_tokens))
         return -1;
     Py_INCREF(self->releases);
     Py_INCREF(self->exports);
     Py_INCREF(self->lent_tokens);
-    if (self->ordinal < 0 || self->ordinal >= MULTIPY_MAX_INTERPRETERS || !keys_reserved) {
-        PyErr_SetString(PyExc_ValueError, "no such interpreter, or keys not reserved");
+    if (self->ordinal < 0 || self->ordinal >= MULTIPY_MAX_INTERPRETERS) {
+        PyErr_SetString(PyExc_ValueError, "no such interpreter");
         return -1;
     }
     self->runtime = (void *)(uintptr_t)runtime;
@@ -173,6 +160,7 @@ static int Entry_init(Entry *self, PyObject *args, PyObject *kwargs)
     self->cancel = (multipy_cancel_fn *)(uintptr_t)cancel;
     interpreters[self->ordinal].runtime = self->runtime;
     interpreters[self->ordinal].forget = (multipy_forget_fn *)(uintptr_t)forget;
+    interpreters[self->ordinal].key = key;
     return 0;
 }
 
@@ -277,6 +265,9 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     if (!serial)
         serial = request.serial = ++serials;
     int on_main = (unsigned long)pthread_self() == main_thread;
+    struct multipy_record *record;
+    if (prepare(self->ordinal, &record) < 0)
+        return PyErr_NoMemory();
     PyObject *releases = self->releases;
     Py_ssize_t listed = PyList_GET_SIZE(releases);
     struct release_queue *queue = &queues[self->ordinal];
@@ -293,7 +284,6 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     request.releases = numbers;
     request.n_releases = n;
 
-    struct multipy_record *record = prepare(self->ordinal);
     if (record) {
         record->op = record->target = NULL;
         record->interpreter = self->ordinal;
@@ -342,10 +332,11 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
  * for the interpreter's); True if the call was running. */
 static PyObject *cancel_call(Entry *entry, unsigned long thread, uint64_t serial, int kind)
 {
-    int found;
+    int found = 0;
+    struct multipy_record *record;
     Py_BEGIN_ALLOW_THREADS
-    prepare(entry->ordinal);
-    found = entry->cancel(entry->runtime, thread, serial, kind);
+    if (prepare(entry->ordinal, &record) == 0)
+        found = entry->cancel(entry->runtime, thread, serial, kind);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(found);
 }
@@ -393,9 +384,10 @@ static PyTypeObject EntryType = {
     .tp_name = "multipy._host.Entry",
     .tp_basicsize = sizeof(Entry),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Entry(ordinal, runtime, enter, leave, cancel, forget, releases, exports): the "
-              "entry points of one interpreter (addresses inside its namespace), its list "
-              "of releases to send and the host's dict of lent objects.",
+    .tp_doc = "Entry(ordinal, runtime, enter, leave, cancel, forget, key, releases, exports, "
+              "lent_tokens): the entry points of one interpreter (addresses inside its "
+              "namespace), its namespace's key (take_key), its list of releases to send "
+              "and the host's dict of lent objects.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Entry_init,
     .tp_dealloc = (destructor)Entry_dealloc,
@@ -529,9 +521,9 @@ static PyMethodDef module_methods[] = {
     {"next_serial", next_serial, METH_NOARGS, "A new call number."},
     {"interrupt_main", interrupt_main, METH_NOARGS,
      "Raises KeyboardInterrupt in the call the main thread runs, if any; True if it did."},
-    {"reserve_keys", reserve_keys, METH_NOARGS,
-     "Keeps the pthread keys of the interpreters' blocks out of the host's hands "
-     "(RuntimeError if the host already uses one); once, before the first interpreter."},
+    {"take_key", take_key, METH_NOARGS,
+     "take_key() -> int: a pthread key of the process, held for good, for a new "
+     "interpreter's namespace (RuntimeError if the process has none left)."},
     {"skip_destructors_at_exit", skip_destructors_at_exit, METH_NOARGS,
      "Makes the process leave without running library destructors."},
     {"report_crashes", report_crashes, METH_NOARGS,
@@ -559,8 +551,6 @@ PyMODINIT_FUNC PyInit__host(void)
     if (!module)
         return NULL;
     if (PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0
-        || PyModule_AddIntConstant(module, "KEY_BASE", MULTIPY_KEY_BASE) < 0
-        || PyModule_AddIntConstant(module, "KEY_BLOCK", MULTIPY_KEY_BLOCK) < 0
         || PyModule_AddIntConstant(module, "MAX_INTERPRETERS", MULTIPY_MAX_INTERPRETERS) < 0) {
         Py_DECREF(module);
         return NULL;

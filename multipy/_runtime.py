@@ -28,11 +28,13 @@ import sys
 sys.path[:] = {path!r}
 sys.argv[:] = {argv!r}
 from multipy._inside import main
-handler, objects, lent, names = main({status_fd})
+handler, objects, lent, names = main({status_fd}, {host_main!r})
 del main
 """
 
-_START = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint,
+_KEYS_START = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p,
+                               ctypes.c_size_t)
+_START = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
                           ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
 _STOP = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _ACTIVE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
@@ -43,28 +45,38 @@ exports = _sharing.Exports()
 
 
 
-def _bootstrap_path() -> str:
-    spec = importlib.util.find_spec("multipy._bootstrap")
+def _library_path(name: str) -> str:
+    """Path of one of multipy's C libraries for namespaces (built by setup.py)."""
+    spec = importlib.util.find_spec(f"multipy.{name}")
     if spec is None or not spec.origin:
         raise InterpreterStartError(
-            "multipy's C bootstrap is not built: install the package with pip "
-            "(pip install . or pip install -e .), which compiles it")
+            f"multipy's C library {name} is not built: install the package with pip "
+            f"(pip install . or pip install -e .), which compiles it")
     return spec.origin
 
 
 def prepare_process() -> None:
-    """Once, before the first namespace: partitions the host's pthread keys and reports
-    fatal signals (docs/design.md); creates and joins one thread, without which the
-    loader's lock can miss a wake-up."""
+    """Once, before the first namespace: reports fatal signals (docs/design.md); creates
+    and joins one thread, without which the loader's lock can miss a wake-up."""
     thread = threading.Thread(target=lambda: None, name="multipy-first-thread")
     thread.start()
     thread.join()
-    try:
-        _host.reserve_keys()
-    except RuntimeError as error:
-        raise InterpreterStartError(str(error)) from None
     _host.report_crashes()
     _watch_interrupts()
+
+
+def _host_main() -> tuple[str, str | None] | None:
+    """The host's main script, whose classes objects sent in may be instances of: (its
+    path, its module name if it ran with -m), or None.  An interpreter imports it as
+    __mp_main__, and the host gets that name for its __main__ too, so that objects of
+    those classes that come back find their module."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not path or not os.path.isfile(path):
+        return None
+    sys.modules.setdefault("__mp_main__", main)
+    spec = getattr(main, "__spec__", None)
+    return os.path.abspath(path), getattr(spec, "name", None)
 
 
 class Runtime:
@@ -78,19 +90,35 @@ class Runtime:
 
     def __init__(self, ordinal: int) -> None:
         self.ordinal = ordinal
-        _, lmid = _glibc.open_namespace(_glibc.libpython_path())
+        libpython = _glibc.libpython_path()  # UnsupportedPythonError, saying why
+        try:  # first: a namespace cannot be given back if this fails
+            key = _host.take_key()
+        except RuntimeError as failure:
+            raise InterpreterStartError(f"interpreter {ordinal}: {failure}") from None
+        # The root object, _keys, brings libpython in and keeps the namespace's pthread
+        # keys: its libc must hand out none (docs/design.md, "pthread keys").
+        root, lmid = _glibc.open_namespace(_library_path("_keys"))
+        loaded = _glibc.file_of(_glibc.symbol(root, "Py_Initialize"))
+        if loaded != os.path.realpath(libpython):
+            raise InterpreterStartError(
+                f"interpreter {ordinal} loaded {loaded}, not this CPython's {libpython}: "
+                f"LD_LIBRARY_PATH names another Python's libraries, or multipy was built "
+                f"for another CPython installation (reinstall it with this one's pip)")
+        error = ctypes.create_string_buffer(512)
+        if _KEYS_START(_glibc.symbol(root, "multipy_keys_start"))(ordinal, key, error, len(error)):
+            raise InterpreterStartError(f"interpreter {ordinal}: {error.value.decode()}")
         forwarder = _cuda.forwarder()
         if forwarder is not None:  # before any code runs there: the host's CUDA driver
             _glibc.load_into(lmid, forwarder)
-        bootstrap = _glibc.load_into(lmid, _bootstrap_path())
+        bootstrap = _glibc.load_into(lmid, _library_path("_bootstrap"))
         symbol = lambda name: _glibc.symbol(bootstrap, name)  # noqa: E731
         self._status_read, status_write = os.pipe()
         stop_read, self._stop_write = os.pipe()
-        code = _ENTRY.format(path=list(sys.path), argv=list(sys.argv), status_fd=status_write)
-        error = ctypes.create_string_buffer(512)
+        code = _ENTRY.format(path=list(sys.path), argv=list(sys.argv), status_fd=status_write,
+                             host_main=_host_main())
         self._address = _START(symbol("multipy_start"))(
-            sys.executable.encode(), code.encode(), _host.KEY_BASE + _host.KEY_BLOCK * ordinal,
-            status_write, stop_read, error, len(error))
+            sys.executable.encode(), code.encode(), _glibc.environment(), status_write,
+            stop_read, error, len(error))
         if not self._address:
             raise InterpreterStartError(f"interpreter {ordinal}: {error.value.decode()}")
         self._stop = _STOP(symbol("multipy_stop"))
@@ -101,7 +129,7 @@ class Runtime:
         self.releases: list[int] = []
         self.entry = _host.Entry(ordinal, self._address, symbol("multipy_enter"),
                                  symbol("multipy_leave"), symbol("multipy_cancel"),
-                                 symbol("multipy_forget"), self.releases, exports.objects,
+                                 symbol("multipy_forget"), key, self.releases, exports.objects,
                                  _sharing.lent_tokens)
         self.call = self.entry.call
         #: Why the interpreter cannot be entered (stopped, or a forked child's), or None.

@@ -74,6 +74,11 @@ def _info() -> None:
     print(f"torch:        each interpreter of a manager of n runs torch with max(1, {cores()} cores "
           f"// n) intra-op threads ({default_torch_threads(2)} for n=2) and grad mode on, "
           f"unless InterpreterManager(torch_threads=, grad_enabled=) says otherwise")
+    keys = _glibc.process_keys()
+    print("pthread keys: " + (f"{keys[0]} of the process's {keys[1]} in use, {keys[1] - keys[0]} free"
+                              if keys else "unknown (this glibc does not describe its table)")
+          + "; multipy takes one for threads' exit and one per interpreter, over which each "
+            "interpreter keeps its libraries' own keys (up to 1024 in each)")
     print(f"CUDA driver:  {_cuda.describe()}")
 
 

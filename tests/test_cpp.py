@@ -7,6 +7,7 @@ names a build folder to keep between runs instead of a temporary one.
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import shutil
@@ -37,13 +38,33 @@ def _cmake_prefix() -> str:
                           capture_output=True, text=True, timeout=60).stdout.strip()
 
 
+def _cuda_hints() -> list[str]:
+    """What torch's CMake config needs for a CUDA build of torch (PyPI's default): the
+    CUDA toolkit (skipped without one) and NVRTC, taken from the NVIDIA wheels beside
+    torch (docs/cpp.md)."""
+    spec = importlib.util.find_spec("torch")
+    torch_dir = list(spec.submodule_search_locations)[0]
+    if not glob.glob(os.path.join(torch_dir, "lib", "libtorch_cuda.so")):
+        return []
+    root = os.environ.get("CUDA_PATH", "/usr/local/cuda")
+    if not os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")):
+        pytest.skip("a CUDA build of torch: find_package(Torch) needs the CUDA toolkit, "
+                    f"not found at {root} (set CUDA_PATH)")
+    hints = [f"-DCUDA_TOOLKIT_ROOT_DIR={root}"]
+    nvrtc = glob.glob(os.path.join(torch_dir, "..", "nvidia", "*", "lib", "libnvrtc.so.*"))
+    nvrtc = [path for path in nvrtc if "builtins" not in path and ".alt." not in path]
+    if nvrtc:
+        hints.append(f"-DCUDA_nvrtc_LIBRARY={os.path.realpath(nvrtc[0])}")
+    return hints
+
+
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """The folder where examples/cpp is built (configure + build, once per session)."""
     build = os.environ.get("MULTIPY_CPP_BUILD_DIR") or str(tmp_path_factory.mktemp("cpp"))
     configure = ["cmake", "-S", os.path.join(EXAMPLES, "cpp"), "-B", build,
                  f"-DCMAKE_PREFIX_PATH={_cmake_prefix()}", "-DCMAKE_BUILD_TYPE=Release",
-                 "-DCMAKE_CXX_FLAGS_RELEASE=-O1"]
+                 "-DCMAKE_CXX_FLAGS_RELEASE=-O1", *_cuda_hints()]
     for command in (configure, ["cmake", "--build", build, "-j", "2"]):
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_SECONDS)
         assert done.returncode == 0, (f"{' '.join(command)} failed:\n"

@@ -85,16 +85,6 @@ def test_errors_are_described_on_any_thread(work):
     assert "ValueError" in caught[0].__cause__.traceback_text
 
 
-def test_each_interpreter_hands_out_pthread_keys_of_its_own_block(work):
-    blocks = set()
-    for interpreter in work.all_instances():
-        with interpreter.acquire_session() as s:
-            key = s.global_("multipy._inside", "next_pthread_key")().deref()
-        assert key >= 512 and key % 32 != 31, key
-        blocks.add(key // 32)
-    assert len(blocks) == len(work.all_instances())
-
-
 def test_a_call_runs_on_the_calling_thread(work):
     seen = {}
 

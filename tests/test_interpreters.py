@@ -4,6 +4,8 @@ from __future__ import annotations
 import collections
 import decimal
 import enum
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -240,3 +242,85 @@ def test_objects_are_released_when_the_host_drops_them(manager, sessions):
     assert count().deref() == 5
     del things
     assert count().deref() == 0
+
+
+MAIN_SCRIPT = """
+import multipy
+
+class MyNet:
+    def __init__(self, k):
+        self.k = k
+
+    def forward(self, x):
+        return x * self.k
+
+print("imported as", __name__)
+
+if __name__ == "__main__":
+    with multipy.InterpreterManager(1) as m:
+        m.register_module_source("uses_main", "def run(net, x):\\n    return net.forward(x), net\\n")
+        with m[0].acquire_session() as s:
+            value, back = s.global_("uses_main", "run")(MyNet(3), 5).deref()
+            print(value, type(back) is MyNet, back.k)
+"""
+
+
+def test_an_instance_of_a_class_of_the_hosts_main_script_crosses(python):
+    # inside, the script is imported as __mp_main__: its main part does not run there
+    result = python(MAIN_SCRIPT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["imported as __main__", "imported as __mp_main__",
+                                          "15 True 3"]
+
+
+def test_a_class_of_a_host_without_main_script_gets_advice(python):
+    result = python(f"import subprocess, sys\n"
+                    f"code = {MAIN_SCRIPT!r}.replace('if __name__ == \"__main__\":', 'if True:')\n"
+                    f"sys.exit(subprocess.run([sys.executable, '-c', code]).returncode)\n")
+    assert result.returncode == 1
+    assert "the host runs no main script" in result.stderr
+    assert "register_module_source" in result.stderr
+
+
+def test_classes_of_the_hosts_main_module_cross_when_it_runs_with_dash_m(python, tmp_path):
+    package = tmp_path / "hostpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "helpers.py").write_text("K = 4\n")
+    (package / "app.py").write_text(MAIN_SCRIPT.replace(
+        "class MyNet:", "from .helpers import K\n\nclass MyNet:\n    class Inner:\n"
+        "        pass\n").replace("MyNet(3)", "MyNet(K)").replace(
+        "            print(value", "            print(s.global_('builtins', 'type')(MyNet.Inner())"
+        ".attr('__qualname__').deref())\n            print(value"))
+    result = subprocess.run([sys.executable, "-m", "hostpkg.app"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == ["MyNet.Inner", "20 True 4"]
+
+
+def test_an_interpreter_keeps_the_environment_it_started_with(python):
+    # The host's setenv moves its array of environment strings and frees the old one;
+    # C code inside that reads the environment (torch's libgomp does as it loads) must
+    # not read freed memory.  The interpreter has its own copy, as a child process has.
+    result = python('''
+        import os, multipy
+        os.environ["MULTIPY_FIRST"] = "1"  # the host's array is now on its heap
+        inside = (
+            "import ctypes, os\\n"
+            "libc = ctypes.CDLL('libc.so.6')\\n"  # the interpreter's own libc
+            "libc.getenv.restype = ctypes.c_char_p\\n"
+            "def get(name):\\n"
+            "    return libc.getenv(name.encode()), os.environ.get(name)\\n"
+            "def put(name, value):\\n"
+            "    os.environ[name] = value\\n")
+        with multipy.InterpreterManager(1) as m:
+            m.register_module_source("environment", inside)
+            for i in range(300):  # the host's array grows, moves, and is freed
+                os.environ[f"MULTIPY_LATER_{i}"] = "x"
+            get = m[0].global_("environment", "get")
+            print(get("MULTIPY_FIRST").deref(), get("MULTIPY_LATER_5").deref())
+            m[0].global_("environment", "put")("MULTIPY_INSIDE", "2")
+            print(get("MULTIPY_INSIDE").deref(), os.environ.get("MULTIPY_INSIDE"))
+    ''')
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines() == ["(b'1', '1') (None, None)", "(b'2', '2') None"]

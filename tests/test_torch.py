@@ -86,7 +86,9 @@ def test_example_matches_direct_execution(torch_manager, examples, name):
 def test_three_threads_101_calls_on_three_interpreters(torch_manager, examples):
     _, (x,), expected = _direct(examples["simple"])
     replicated = torch_manager.load_package(examples["simple"]).load_pickle("model", "model.pkl")
-    results, errors = [], []
+    results, errors, made = [], [], []
+    load = replicated._instances._make
+    replicated._instances._make = lambda interpreter: made.append(interpreter) or load(interpreter)
 
     def run():
         try:
@@ -103,7 +105,8 @@ def test_three_threads_101_calls_on_three_interpreters(torch_manager, examples):
     assert not errors and len(results) == 303
     assert all(torch.equal(r, results[0]) for r in results)
     assert torch.allclose(results[0], expected, rtol=1e-5, atol=1e-5)
-    assert len(replicated._instances) == 3, "each interpreter materialised it once"
+    # which interpreters served the calls depends on timing; none materialised it twice
+    assert len(made) == len(set(made)) == len(replicated._instances) >= 1
 
 
 def test_call_forms_and_hasattr(torch_manager, examples):
@@ -558,6 +561,105 @@ def test_a_result_the_host_cannot_read_gives_back_what_it_lent(torch_manager):
         assert stats().deref()["lent"] == before
 
 
+def test_torchvision_resnet18_packaged_as_the_original_readme_does(torch_manager, tmp_path):
+    # The original's README, step by step: torchvision's ResNet-18 in a torch.package,
+    # torchvision interned, then called from several threads on several interpreters
+    # (torchvision 0.29 also imports PIL itself and io, which the README's list predates).
+    torchvision = pytest.importorskip("torchvision")
+    from torch.package import PackageExporter
+
+    model = torchvision.models.resnet.resnet18().eval()
+    path = str(tmp_path / "resnet18.pt")
+    with PackageExporter(path) as exporter:
+        exporter.intern("torchvision.**")
+        exporter.extern("numpy.**")
+        exporter.extern("sys")
+        exporter.extern("PIL.*")
+        exporter.extern("typing_extensions")
+        exporter.extern(["PIL", "io"])
+        exporter.save_pickle("model", "model.pkl", model)
+    replicated = torch_manager.load_package(path).load_pickle("model", "model.pkl")
+    inputs = [torch.rand(1, 3, 64, 64) for _ in range(6)]
+    with torch.no_grad():
+        expected = [model(x) for x in inputs]
+    results = [None] * len(inputs)
+
+    def run(i):
+        with torch.no_grad():
+            results[i] = replicated(inputs[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert all(torch.allclose(r, e, rtol=1e-4, atol=1e-4) for r, e in zip(results, expected))
+
+
+@pytest.mark.timeout(300)
+def test_torch_compile_in_two_interpreters_at_once(torch_manager):
+    # torch.compile with its Python-level backends, in two interpreters at the same time
+    torch_manager.register_module_source("compiled", (
+        "import torch\n"
+        "def step(x):\n    return torch.relu(x @ x.T + 1).sum(dim=0)\n"
+        "def run(backend, x):\n"
+        "    return torch.compile(step, backend=backend)(x)\n"))
+    x = torch.arange(12.0).reshape(3, 4) / 10
+    expected = torch.relu(x @ x.T + 1).sum(dim=0)
+    results = {}
+
+    def run(interpreter, backend):
+        with interpreter.acquire_session() as s:
+            results[interpreter.index, backend] = s.global_("compiled", "run")(backend, x).deref()
+
+    threads = [threading.Thread(target=run, args=(torch_manager[i], backend))
+               for i, backend in ((0, "eager"), (1, "aot_eager"))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=240)
+    assert sorted(results) == [(0, "eager"), (1, "aot_eager")]
+    assert all(torch.allclose(r, expected) for r in results.values())
+
+
+@pytest.mark.timeout(200)
+def test_short_lived_host_threads_each_call_an_interpreter_with_torch(python):
+    # PyPI's default torch (a CUDA build) takes about 90 pthread keys in each
+    # interpreter; before each interpreter kept its own, host threads that exited after
+    # one call aborted the process ("double free or corruption").
+    result = python("""
+        import ctypes, threading, multipy
+        # the host's keys up to 62 first: the interpreters' keys of the process in a block
+        # of glibc's of their own, allocated on each thread (test_keys.py, HOST_KEYS)
+        key = ctypes.c_uint()
+        while key.value < 62:
+            assert ctypes.CDLL(None).pthread_key_create(ctypes.byref(key), None) == 0
+        with multipy.InterpreterManager(2) as m:
+            m.register_module_source("w", "import torch\\ndef noop():\\n    return 1\\n")
+            fns = [m[i].global_("w", "noop") for i in range(2)]
+            for i in range(200):
+                t = threading.Thread(target=fns[i % 2])
+                t.start()
+                t.join()
+            print("done")
+    """, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["done"]
+
+
+@pytest.mark.timeout(200)
+def test_the_main_thread_imports_torch_in_three_interpreters_in_turn(python):
+    # with PyPI's default torch this deadlocked in pybind11 at the second or third
+    result = python("""
+        import multipy
+        with multipy.InterpreterManager(3) as m:
+            m.register_module_source("w", "import torch\\ndef two():\\n    return torch.ones(2).sum().item()\\n")
+            print([m[i].global_("w", "two")().deref() for i in range(3)])
+    """, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split("\n")[0] == "[2.0, 2.0, 2.0]"
+
+
 @pytest.mark.timeout(300)
 def test_fifteen_interpreters_import_torch_under_the_launcher(python):
     result = python("""
@@ -568,17 +670,19 @@ def test_fifteen_interpreters_import_torch_under_the_launcher(python):
             with m[i].acquire_session() as s:
                 s.global_("torch", "ones")(2)
                 s.global_("numpy", "ones")(2)
-                keys[i] = s.global_("multipy._inside", "next_pthread_key")().deref()
+                keys[i] = s.global_("multipy._inside", "pthread_keys_in_use")().deref()
         threads = [threading.Thread(target=use, args=(i,)) for i in range(15)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        # with torch and numpy imported, each still hands out keys of its own block
-        print(len(keys), len({k // 32 for k in keys.values()}), all(k % 32 != 31 for k in keys.values()))
+        # each holds the keys that torch and numpy took in it (the CPU build about 15,
+        # PyPI's default CUDA build about 90: more than 1024 in all), none refused
+        print(len(keys), min(keys.values()) > 10)
     """, launcher=True, timeout=280)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["15", "15", "True"]
+    assert result.stdout.split() == ["15", "True"]
+    assert "no pthread key left" not in result.stderr
 
 
 def test_what_an_interpreter_kept_from_a_failed_request_stays_lent(torch_manager):

@@ -109,7 +109,51 @@ class _Unpickler(_sharing.AliasingUnpickler):
     def find_class(self, module: str, name: str):
         if module == _sharing.__name__ and name == "handle":
             return functools.partial(_object, self._objects)  # not a method: see AliasingUnpickler
+        if module == "__main__":  # the host's main script, not this interpreter's __main__
+            _import_host_main(name)
+            module = "__mp_main__"
         return super().find_class(module, name)
+
+
+#: The host's main script: (its path, its module name if it ran with -m), or None.
+_host_main: tuple[str, str | None] | None = None
+_host_main_lock = threading.Lock()
+
+
+def _import_host_main(wanted: str) -> None:
+    """Imports this interpreter's copy of the host's main script once, as
+    ``__mp_main__`` (as multiprocessing's spawn does, so that its ``if __name__ ==
+    "__main__":`` part does not run); AttributeError saying what to do if the host has
+    none (``wanted``: the name looked up in it)."""
+    with _host_main_lock:  # another thread may be in the middle of importing it
+        if "__mp_main__" not in sys.modules:
+            _run_host_main(wanted)
+
+
+def _run_host_main(wanted: str) -> None:
+    if _host_main is None:
+        raise AttributeError(
+            f"Can't get attribute {wanted!r} of the host's __main__: the host runs no "
+            f"main script (an interactive session, -c, or an embedding program), so an "
+            f"interpreter cannot import it. Define it in a module that both can import, "
+            f"or register its source with register_module_source")
+    path, module_name = _host_main
+    module = type(sys)("__mp_main__")
+    module.__file__ = path
+    if module_name is not None:  # run with -m: its relative imports need its package
+        import runpy  # here: every interpreter's start-up pays for what is imported above
+
+        module.__dict__.update(runpy.run_module(module_name, run_name="__mp_main__",
+                                                alter_sys=True))
+        sys.modules["__mp_main__"] = module
+        return
+    sys.modules["__mp_main__"] = module  # while it runs too, as for any import
+    try:
+        with open(path, "rb") as source:
+            exec(compile(source.read(), path, "exec"), module.__dict__)
+    except BaseException:
+        del sys.modules["__mp_main__"]
+        raise
 
 
 def _object(objects: dict[int, object], number: int):
@@ -363,9 +407,10 @@ def thread_states() -> int:
     return _multipy_bootstrap.thread_states()
 
 
-def next_pthread_key() -> int:
-    """The pthread key this namespace's libc would hand out next (its keys' headroom)."""
-    return _multipy_bootstrap.next_key()
+def pthread_keys_in_use() -> int:
+    """How many pthread keys this interpreter's libraries hold, of the 1,024 it may
+    (docs/design.md, "pthread keys")."""
+    return _multipy_bootstrap.keys_in_use()
 
 
 def forget_paths(paths: list[str]) -> None:
@@ -380,13 +425,16 @@ def forget_paths(paths: list[str]) -> None:
     importlib.invalidate_caches()
 
 
-def main(status_fd: int) -> tuple:
+def main(status_fd: int, host_main: tuple[str, str | None] | None = None) -> tuple:
     """Sets this interpreter up; returns the handler the C entry calls and the tables
-    where the C entry applies releases (handles, lent tokens, names).  On failure the
-    traceback goes to status_fd, where the host reads why the interpreter did not start."""
+    where the C entry applies releases (handles, lent tokens, names).  host_main: the
+    host's main script, (path, module name if run with -m), if it has one.  On failure
+    the traceback goes to status_fd, where the host reads why the interpreter did not
+    start."""
     try:
         _strip_rtld_global()
-        global _current
+        global _current, _host_main
+        _host_main = host_main
         _current = _Interpreter()
         return _current.handle, _current.objects, _current.exports.objects, _current._names
     except BaseException:

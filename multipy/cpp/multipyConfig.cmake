@@ -57,7 +57,8 @@ find_library(MULTIPY_TORCH_PYTHON_LIBRARY torch_python
 
 add_library(multipy_runtime STATIC "${_multipy_dir}/src/deploy.cpp")
 add_library(multipy::runtime ALIAS multipy_runtime)
-target_compile_features(multipy_runtime PUBLIC cxx_std_17)
+# torch (TorchConfig.cmake) is built as C++20, and its headers need it from 2.14 on.
+target_compile_features(multipy_runtime PUBLIC cxx_std_20)
 set_target_properties(multipy_runtime PROPERTIES POSITION_INDEPENDENT_CODE ON)
 target_include_directories(multipy_runtime PUBLIC "${_multipy_dir}/include")
 target_compile_definitions(multipy_runtime PRIVATE

@@ -512,6 +512,9 @@ def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(serv
     # an unknown route
     status, _, body = _request(served, "GET", "/v2/nothing/here")
     assert status == 404 and "error" in json.loads(body)
+    # a method the route does not take: 405, with the Allow header that HTTP requires
+    status, headers, body = _request(served, "GET", "/v2/models/cast/infer")
+    assert status == 405 and headers.get("allow") == "POST" and "error" in json.loads(body)
     # and the server still answers, every model
     for model in ("cast", "fails"):
         status, answer = _infer_json(served, model, good)
@@ -520,6 +523,56 @@ def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(serv
     assert metrics[("multipy_inference_failures_total",
                     (("model", "fails"), ("status", "500")))] == 1
     assert metrics[("multipy_inference_requests_total", (("model", "fails"),))] == 2
+
+
+def _rss(server: Server) -> int:
+    """The server process's resident memory, in bytes."""
+    with open(f"/proc/{server.process.pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_small_hostile_requests_are_refused_without_stalling_or_exhausting(served):
+    # Each request is small; before, each took the loop for seconds or the process's
+    # memory by gigabytes before (or instead of) its error.
+    good = {"inputs": [{"name": "x", "shape": [2], "datatype": "FP32", "data": [1, 2]}]}
+    before = _rss(served)
+
+    def infer(body: bytes, headers=None) -> tuple[int, str]:
+        status, _, answer = _request(served, "POST", "/v2/models/cast/infer", body, headers)
+        return status, json.loads(answer)["error"]
+
+    def tensor(**change) -> bytes:
+        return json.dumps({"inputs": [{**good["inputs"][0], **change}]}).encode()
+
+    # a shape of 100,000 huge dimensions (2 MB): refused by its rank, the message short
+    status, message = infer(tensor(shape=[2 ** 62] * 100_000))
+    assert status == 400 and "at most 64" in message and len(message) < 1000
+    for shape in ([2 ** 40] * 3, [0, 10 ** 30], [1] * 100, [2, "2"]):
+        status, message = infer(tensor(shape=shape))
+        assert status == 400 and "shape" in message, (shape, message)
+    # a body that expands to 1 GB: refused past the limit, never expanded whole
+    bomb = gzip.compress(b"\0" * (1 << 30), compresslevel=9)
+    assert len(bomb) < 2 << 20
+    status, message = infer(bomb, {"Content-Encoding": "gzip"})
+    assert status == 413 and "expands" in message
+    # one output asked for 10,000 times
+    status, message = infer(json.dumps({**good, "outputs": [{"name": "same"}] * 10_000}).encode())
+    assert status == 400 and "once" in message and len(message) < 1000
+    # strings where numbers go, the first long: refused before any array is built
+    status, message = infer(tensor(shape=[25_001], data=["x" * 10_000] + [""] * 25_000))
+    assert status == 400 and "numbers" in message and "str" in message
+    # far more values than the shape claims
+    status, message = infer(tensor(shape=[2], data=[1.0] * 1_000_000))
+    assert status == 400 and "more" in message
+    # a datatype that is not a string
+    for datatype in (["FP32"], {"a": 1}, 7):
+        status, message = infer(tensor(datatype=datatype))
+        assert status == 400 and "datatype" in message, (datatype, message)
+    # and the server still answers, in bounded memory
+    status, answer = _infer_json(served, "cast", good)
+    assert status == 200 and answer["outputs"][0]["data"] == [1.0, 2.0]
+    assert _rss(served) - before < 400 << 20
 
 
 def test_a_request_past_the_timeout_is_answered_and_cancelled(served):

@@ -13,7 +13,7 @@ import contextlib
 import importlib.metadata
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -112,7 +112,9 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
         assert isinstance(error, HTTPException)
         if error.status_code == 404:
             return _error(404, f"no such endpoint: {request.method} {request.url.path}")
-        return _error(error.status_code, f"{error.detail}: {request.method} {request.url.path}")
+        # with the headers the router gave (Allow, for a 405: HTTP requires it)
+        return _error(error.status_code, f"{error.detail}: {request.method} {request.url.path}",
+                      error.headers)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -166,5 +168,6 @@ def _version() -> str:
         return "unknown"
 
 
-def _error(status: int, message: str) -> Response:
-    return Response(error_body(message), status_code=status, media_type="application/json")
+def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(error_body(message), status_code=status, headers=headers,
+                    media_type="application/json")

@@ -27,6 +27,12 @@ import numpy as np
 
 #: The header that says where the JSON of a body with binary data ends.
 HEADER_LENGTH = "Inference-Header-Content-Length"
+#: The most dimensions a tensor may have (numpy's own limit, and other servers').
+MAX_RANK = 64
+#: The most elements a tensor may claim: more than any body could carry (2**48).
+MAX_ELEMENTS = 1 << 48
+#: The most bytes a compressed body may expand to (413 past it).
+MAX_EXPANDED = 64 << 20
 
 #: Each numeric datatype's numpy dtype (little-endian; BF16: its bits).
 DTYPES: dict[str, np.dtype] = {
@@ -116,6 +122,9 @@ def decode_request(body: bytes, header_length: str | None = None,
         if not isinstance(request["outputs"], list):
             raise ProtocolError('"outputs" must be a list of {"name": ...} objects')
         outputs = [_requested(spec, parameters) for spec in request["outputs"]]
+        if len({name for name, _ in outputs}) != len(outputs):
+            raise ProtocolError("each output may be asked for once: "
+                                f"{_short([name for name, _ in outputs])}")
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError('"id" must be a string')
@@ -124,17 +133,23 @@ def decode_request(body: bytes, header_length: str | None = None,
 
 
 def _decompressed(body: bytes, encoding: str | None) -> bytes:
+    """body, expanded in a stream that stops past MAX_EXPANDED bytes (413): a small body
+    may expand to gigabytes."""
     kind = (encoding or "identity").strip().lower()
-    try:
-        if kind == "gzip":
-            return gzip.decompress(body)
-        if kind == "deflate":
-            return zlib.decompress(body)
-    except (OSError, EOFError, zlib.error) as error:
-        raise ProtocolError(f"the body is not valid {kind} data: {error}") from None
-    if kind != "identity":
+    if kind == "identity":
+        return body
+    if kind not in ("gzip", "deflate"):
         raise ProtocolError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
-    return body
+    stream = zlib.decompressobj(zlib.MAX_WBITS | 16 if kind == "gzip" else zlib.MAX_WBITS)
+    try:
+        expanded = stream.decompress(body, MAX_EXPANDED + 1)
+    except zlib.error as error:
+        raise ProtocolError(f"the body is not valid {kind} data: {error}") from None
+    if len(expanded) > MAX_EXPANDED:
+        raise ProtocolError(f"the body expands to more than {MAX_EXPANDED} bytes", 413)
+    if not stream.eof:
+        raise ProtocolError(f"the body is not valid {kind} data: it ends early")
+    return expanded
 
 
 def _object(value: Any, what: str) -> dict:
@@ -171,19 +186,18 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
     if not isinstance(name, str) or not name:
         raise ProtocolError(f'input {position} must have a "name"')
     datatype = spec.get("datatype")
+    if not isinstance(datatype, str):
+        raise ProtocolError(f'input {name!r}: "datatype" must be a string, not '
+                            f"{_short(datatype)}")
     if datatype not in DTYPES:
         supported = ", ".join(DTYPES)
         if datatype == "BYTES":
             raise ProtocolError(f"input {name!r}: datatype BYTES is not supported; "
                                 f"numeric datatypes are: {supported}")
-        raise ProtocolError(f"input {name!r}: unknown datatype {datatype!r}; "
+        raise ProtocolError(f"input {name!r}: unknown datatype {_short(datatype)}; "
                             f"the datatypes are {supported}")
     shape = spec.get("shape")
-    if (not isinstance(shape, list)
-            or not all(type(size) is int and size >= 0 for size in shape)):
-        raise ProtocolError(f"input {name!r}: shape must be a list of sizes (integers >= 0), "
-                            f"not {shape!r}")
-    count = math.prod(shape)
+    count = _count(name, shape)
     parameters = _object(spec.get("parameters"), f"input {name!r}'s parameters")
     if "shared_memory_region" in parameters:
         raise ProtocolError(f"input {name!r}: the shared-memory extension is not supported")
@@ -207,10 +221,79 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
     return Tensor(name, datatype, from_json(name, datatype, shape, spec["data"])), offset
 
 
+def _count(name: str, shape: Any) -> int:
+    """How many elements shape claims, checked in time bounded by MAX_RANK: a list of at
+    most MAX_RANK sizes (integers >= 0) whose product is at most MAX_ELEMENTS."""
+    if (not isinstance(shape, list) or len(shape) > MAX_RANK
+            or not all(type(size) is int and size >= 0 for size in shape)):
+        raise ProtocolError(f"input {name!r}: shape must be a list of at most {MAX_RANK} "
+                            f"sizes (integers >= 0), not {_short(shape)}")
+    if 0 in shape:
+        if any(size > MAX_ELEMENTS for size in shape):
+            raise ProtocolError(f"input {name!r}: shape {_short(shape)} has a size over "
+                                f"{MAX_ELEMENTS}")
+        return 0
+    count = 1
+    for size in shape:  # each size is checked before it multiplies: no huge integers
+        if size > MAX_ELEMENTS or count * size > MAX_ELEMENTS:
+            raise ProtocolError(f"input {name!r}: shape {_short(shape)} has more than "
+                                f"{MAX_ELEMENTS} elements")
+        count *= size
+    return count
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """repr(value), cut to about limit characters: error messages quote what clients sent."""
+    text = repr(value) if not isinstance(value, list) or len(value) <= 64 else \
+        repr(value[:64])[:-1] + f", ... ({len(value)} in all)]"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _leaf_types(data: Any, limit: int) -> set[type] | None:
+    """The types of the values of nested lists data (lists of lists, or of values), or
+    None if they hold more than limit values: a walk of the lists that builds nothing."""
+    types: set[type] = set()
+    pending, seen = [data], 0
+    while pending:
+        items = pending.pop()
+        if not isinstance(items, list):
+            types.add(type(items))
+            seen += 1
+        elif items and type(items[0]) is list:
+            pending.extend(items)
+            continue
+        else:
+            types.update(map(type, items))
+            seen += len(items)
+        if seen > limit:
+            return None
+    return types
+
+
+#: The Python types of JSON values that numeric data may hold.
+_NUMBERS = frozenset({int, float, bool})
+
+
 def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarray:
     """The array of JSON tensor data (flat or nested, row-major) of a datatype and shape;
-    ProtocolError if the values do not fit the datatype or their count the shape."""
+    ProtocolError if the values do not fit the datatype or their count the shape.  The
+    values' types and count are checked before any array is built."""
     count = math.prod(shape)
+    dtype = DTYPES[datatype]
+    if datatype == "BOOL":
+        allowed = "b"
+    elif dtype.kind in "iu" and datatype != "BF16":
+        allowed = "iu"
+    else:
+        allowed = "iuf"
+    wanted = {"b": "true or false", "iu": "integers", "iuf": "numbers"}[allowed]
+    types = _leaf_types(data, count)
+    if types is None:
+        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
+                            f"the data has more")
+    if not types <= _NUMBERS:
+        wrong = sorted(t.__name__ for t in types - _NUMBERS)[0]
+        raise ProtocolError(f"input {name!r}: {datatype} data must be {wanted}; got a {wrong}")
     try:
         values = np.array(data if isinstance(data, list) else [data])
     except (ValueError, TypeError, OverflowError):
@@ -219,20 +302,12 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
     if values.size != count:
         raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
                             f"the data has {values.size}")
-    dtype = DTYPES[datatype]
     kind = values.dtype.kind
     if count == 0:
         kind = dtype.kind  # an empty list has no values to check
-    if datatype == "BOOL":
-        allowed = "b"
-    elif dtype.kind in "iu" and datatype != "BF16":
-        allowed = "iu"
-    else:
-        allowed = "iuf"
     if allowed == "iu" and kind in "fO":  # big integers that numpy could not type alike
         return _exact_integers(name, datatype, data).reshape(shape)
     if kind not in allowed:
-        wanted = {"b": "true or false", "iu": "integers", "iuf": "numbers"}[allowed]
         raise ProtocolError(f"input {name!r}: {datatype} data must be {wanted}; "
                             f"got {_sample(values)}")
     if datatype == "BF16":

@@ -40,9 +40,9 @@ def spin(started_path, limit):
     frame whose loop back edge the exception lands on (CPython gh-108214), not those of
     its callers."""
     state["stopped_by"] = None
-    state["started"] += 1
-    open(started_path, "w").close()
-    try:
+    try:  # a cancel may land anywhere from here: once counted, it is noted
+        state["started"] += 1
+        open(started_path, "w").close()
         count(time.monotonic() + limit)
         return "not cancelled"
     except BaseException as error:
@@ -127,7 +127,7 @@ def test_cancelling_the_task_cancels_the_call_inside(work, tmp_path, how):
     spin = _replicated(work, "spin")
     square = _replicated(work, "square")
     started = tmp_path / "started"
-    before = sum(state["started"] for state in _states(work))
+    before = [state["started"] for state in _states(work)]
 
     async def main():
         if how == "task.cancel":
@@ -142,11 +142,12 @@ def test_cancelling_the_task_cancels_the_call_inside(work, tmp_path, how):
         # the call stops inside (CallCancelled at its next bytecode), soon, not in 60 s
         await _until(lambda: not any(i.running_abandoned_call for i in work.all_instances()))
         states = _states(work)
-        if started.exists():
-            assert sum(state["started"] for state in states) == before + 1
-            assert "CallCancelled" in [state["stopped_by"] for state in states]
+        ran = [(state, was) for state, was in zip(states, before) if state["started"] != was]
+        if ran:  # on one interpreter, once, stopped by the cancel
+            assert len(ran) == 1 and ran[0][0]["started"] == ran[0][1] + 1
+            assert ran[0][0]["stopped_by"] == "CallCancelled"
         else:  # given up before it started (a very slow machine): it never ran
-            assert sum(state["started"] for state in states) == before
+            assert not started.exists()
         # the manager keeps serving, asynchronously and not
         assert await asyncio.gather(*(square.acall(n) for n in range(8))) == \
             [n * n for n in range(8)]

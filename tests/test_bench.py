@@ -15,12 +15,13 @@ HEADER = ["benchmark", "strategy", "n_threads", "work_items_completed", "work_it
           "p25_latency", "p50_latency", "p95_latency", "device"]
 
 
+@pytest.mark.timeout(240)
 def test_bench_writes_csv_and_plot(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "multipy", "bench", "--models", "simple",
          "--strategies", "one_python,multi_python,threads", "--max-threads", "2",
          "--duration", "0.3", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=60)
+        capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stdout + result.stderr
     with open(tmp_path / "bench.csv") as f:
         header, *rows = list(csv.reader(f, skipinitialspace=True))

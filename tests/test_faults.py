@@ -1,6 +1,7 @@
 """Faults inside interpreters, timeouts, and bad input: clear errors, nothing else breaks."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -18,7 +19,32 @@ RAISERS = (
     "def big_alloc():\n    return bytearray(1 << 62)\n"
     "def echo(*args, **kwargs):\n    return args, kwargs\n"
     "def sleep(seconds, value=None):\n"
-    "    import time\n    time.sleep(seconds)\n    return value\n")
+    "    import time\n    time.sleep(seconds)\n    return value\n"
+    # blocked in C (where a cancel cannot reach it) until the test writes to the FIFO
+    "def wait_for(fifo, value=None):\n"
+    "    with open(fifo, 'rb') as f:\n        f.read(1)\n    return value\n")
+
+
+def _release(fifo) -> None:
+    """Lets a wait_for(fifo) inside return, once it has opened the FIFO (60 s at most)."""
+    _until(lambda: _write_one(fifo))
+
+
+def _write_one(fifo) -> bool:
+    try:
+        descriptor = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: nobody reads it yet
+        return False
+    os.write(descriptor, b"x")
+    os.close(descriptor)
+    return True
+
+
+def _until(condition, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +72,14 @@ def test_any_exception_reaches_the_caller(raisers, name, expected):
             assert s.global_("builtins", "sum")([1, 2, 3]).deref() == 6  # still usable
 
 
-def test_timeout_holds_the_interpreter_until_the_call_ends(raisers):
+def test_timeout_holds_the_interpreter_until_the_call_ends(raisers, tmp_path):
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
     first = raisers[0].acquire_session()
-    sleep = first.global_("raisers", "sleep")
-    with multipy.timeout(0.2):
+    wait_for = first.global_("raisers", "wait_for")
+    with multipy.timeout(2):  # long enough for the call to have started, under any load
         with pytest.raises(TimeoutError, match=r"runs \(or waits\) on there"):
-            sleep(1.5, "late")
+            wait_for(fifo, "late")
         assert raisers[0].running_abandoned_call  # control came back before the call ended
     first.close()
     # while the abandoned call runs, the balancer hands out only the other interpreter
@@ -59,7 +87,8 @@ def test_timeout_holds_the_interpreter_until_the_call_ends(raisers):
         with raisers.acquire_one() as s:
             assert s.interpreter is raisers[1]
             assert s.global_("raisers", "echo")(7).deref() == ((7,), {})
-    time.sleep(1.6)
+    _release(fifo)
+    _until(lambda: not raisers[0].running_abandoned_call)
     seen = set()
     for _ in range(4):
         held = [raisers.acquire_one() for _ in range(2)]
@@ -127,20 +156,23 @@ def test_random_structures_round_trip(raisers, args, kwargs):
         assert s.global_("raisers", "echo")(*args, **kwargs).deref() == (tuple(args), kwargs)
 
 
-def test_close_under_a_timeout_returns_every_interpreter():
+def test_close_under_a_timeout_returns_every_interpreter(tmp_path):
     from multipy._pool import capacity
 
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
     m = multipy.InterpreterManager(1)
-    m.register_module_source("slow_close", "import time\ndef nap():\n    time.sleep(0.6)\n")
+    m.register_module_source("slow_close", "def nap(fifo):\n    with open(fifo, 'rb') as f:\n"
+                                           "        f.read(1)\n")
     s = m.acquire_one()
-    with multipy.timeout(0.05):
+    with multipy.timeout(2):  # long enough for the call to have started
         with pytest.raises(TimeoutError):
-            s.global_("slow_close", "nap")()
+            s.global_("slow_close", "nap")(fifo)
         free = capacity()["free"]
         m.close()  # close does not wait for the abandoned call ...
     assert capacity()["free"] == free  # ... which still holds the interpreter, ...
-    time.sleep(0.8)
-    assert capacity()["free"] == free + 1  # ... but back once it ends
+    _release(fifo)
+    _until(lambda: capacity()["free"] == free + 1)  # ... but back once it ends
     with multipy.InterpreterManager(1) as again, again.acquire_one() as fresh:
         with pytest.raises(ModuleNotFoundError):  # the reset ran before anything new
             fresh.global_("slow_close", "nap")

@@ -113,6 +113,7 @@ def test_interrupted_call_does_not_confuse_the_next(python):
     assert result.stdout.split("\n")[:3] == ["interrupted", "on time", "again"]
 
 
+@pytest.mark.timeout(240)
 def test_nothing_stays_lent_after_interrupts_and_timeouts_on_the_fast_path(python):
     """Calls of scalars and tensors with tuple results (CALL_LENT and LENT), abandoned at
     every stage by timeouts, and interrupted by Ctrl-C while waiting for an interpreter
@@ -120,7 +121,7 @@ def test_nothing_stays_lent_after_interrupts_and_timeouts_on_the_fast_path(pytho
     lent on either side."""
     pytest.importorskip("torch")
     result = python("""
-        import gc, os, random, signal, threading, time, torch, multipy
+        import gc, os, random, signal, tempfile, threading, time, torch, multipy
         from multipy._runtime import exports as host_exports
         m = multipy.InterpreterManager(1)
         m.register_module_source("tt", "import time, torch\\n"
@@ -128,7 +129,8 @@ def test_nothing_stays_lent_after_interrupts_and_timeouts_on_the_fast_path(pytho
             "    end = time.perf_counter() + args[-1]\\n"
             "    while time.perf_counter() < end:\\n        pass\\n"
             "    return tuple(a + 0 for a in args[:-1]) + tuple(torch.ones(2) for _ in range(50))\\n"
-            "def busy(seconds):\\n    sum(range(int(seconds * 5e7)))\\n"
+            "def busy(path, seconds):\\n    open(path, 'w').close()\\n"
+            "    sum(range(int(seconds * 5e7)))\\n"
             "def g(a, b):\\n    return a, b\\n")
         s = m[0].acquire_session()
         stats, f = s.global_("multipy._inside", "stats"), s.global_("tt", "f")
@@ -152,19 +154,28 @@ def test_nothing_stays_lent_after_interrupts_and_timeouts_on_the_fast_path(pytho
                 outcomes.add("timeout")
             while m[0].running_abandoned_call:
                 time.sleep(0.001)
-        for _ in range(5):
-            thread = threading.Thread(target=lambda: busy.call_value(None, (0.3,)))
+        folder = tempfile.mkdtemp()
+        for round in range(5):
+            started = os.path.join(folder, str(round))
+            thread = threading.Thread(target=lambda: busy.call_value(None, (started, 1.0)))
             thread.start()
-            time.sleep(0.05)
-            threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+            while not os.path.exists(started):  # busy holds the interpreter from here
+                time.sleep(0.001)
+            timer = threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGINT))
+            timer.start()
             try:
                 g.call_value(None, (torch.ones(3), torch.ones(4)))
+                timer.cancel()
             except KeyboardInterrupt:
                 outcomes.add("interrupted")
-            thread.join()
+            try:
+                timer.join()
+                thread.join()
+            except KeyboardInterrupt:  # the signal came after g was answered after all
+                thread.join()
         print(sorted(outcomes))
         print("after", settle())
-    """, timeout=HANG)
+    """, timeout=180)  # torch imported in the host and inside
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0] == "baseline (0, 0)"
@@ -213,12 +224,17 @@ def test_forked_child_exits_at_once(python):
 
 def test_exit_while_an_interpreter_never_returns(python):
     result = python("""
-        import sys, threading, time, multipy
+        import os, sys, tempfile, threading, time, multipy
         m = multipy.InterpreterManager(1)
-        m.register_module_source("forever", "def spin():\\n    while True:\\n        pass\\n")
+        m.register_module_source("forever", "def spin(path):\\n    open(path, 'w').close()\\n"
+                                            "    while True:\\n        pass\\n")
         s = m.acquire_one()
-        threading.Thread(target=s.global_("forever", "spin"), daemon=True).start()
-        time.sleep(0.2)
+        started = os.path.join(tempfile.mkdtemp(), "started")
+        threading.Thread(target=s.global_("forever", "spin"), args=(started,), daemon=True).start()
+        deadline = time.monotonic() + 60
+        while not os.path.exists(started):  # the call runs inside: exit must find it so
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         print("exiting")
         sys.exit(7)
     """, timeout=HANG)

@@ -973,7 +973,7 @@ def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop
     late = _send_slow(per_loop, 0.5)
     idle = socket.create_connection(("127.0.0.1", per_loop.port), timeout=60)
     try:
-        time.sleep(0.1)  # accepted and handed to the loops
+        _until_accepted(per_loop.port)  # a stop closes the listening socket
         per_loop.process.send_signal(signal.SIGTERM)
         for connection, seconds in zip(slow + [late], (2.0, 2.0, 0.5)):
             response = connection.getresponse()
@@ -986,6 +986,21 @@ def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop
             connection.close()
         idle.close()
     assert per_loop.output().count("Started server process") == 1  # one server's lines
+
+
+def _until_accepted(port: int, seconds: float = 30) -> None:
+    """Waits until the server has accepted every connection made to port: its listening
+    socket's accept queue (rx_queue of its LISTEN row in /proc/net/tcp) is empty."""
+    deadline = time.monotonic() + seconds
+    while True:
+        with open("/proc/net/tcp") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+        waiting = [int(row[4].split(":")[1], 16) for row in rows
+                   if int(row[1].split(":")[1], 16) == port and row[3] == "0A"]
+        if waiting and not any(waiting):
+            return
+        assert time.monotonic() < deadline, waiting
+        time.sleep(0.01)
 
 
 def _send_slow(server: Server, seconds: float,

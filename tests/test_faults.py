@@ -35,8 +35,12 @@ def _write_one(fifo) -> bool:
         descriptor = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
     except OSError:  # ENXIO: nobody reads it yet
         return False
-    os.write(descriptor, b"x")
-    os.close(descriptor)
+    try:
+        os.write(descriptor, b"x")
+    except BrokenPipeError:  # the reader's open returned, and the pending cancel closed it
+        pass
+    finally:
+        os.close(descriptor)
     return True
 
 

@@ -532,6 +532,20 @@ def _rss(server: Server) -> int:
     return int(line.split()[1]) * 1024
 
 
+def _answer_while_sending(server: Server, pieces: list[bytes]) -> tuple[int, str]:
+    """Sends pieces of a request on a new connection, as far as the server reads them,
+    then reads its answer: (status, its error message)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        try:
+            for piece in pieces:
+                sock.sendall(piece)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the server answered and closed before reading it all
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, json.loads(response.read())["error"]
+
+
 def test_small_hostile_requests_are_refused_without_stalling_or_exhausting(served):
     # Each request is small; before, each took the loop for seconds or the process's
     # memory by gigabytes before (or instead of) its error.
@@ -569,6 +583,16 @@ def test_small_hostile_requests_are_refused_without_stalling_or_exhausting(serve
     for datatype in (["FP32"], {"a": 1}, 7):
         status, message = infer(tensor(datatype=datatype))
         assert status == 400 and "datatype" in message, (datatype, message)
+    # a body past --max-request-size (64 MiB by default): said by its length, before
+    # anything is read, or as it arrives (chunked, no length)
+    start = b"POST /v2/models/cast/infer HTTP/1.1\r\nHost: test\r\n"
+    status, message = _answer_while_sending(served, [start + b"Content-Length: %d\r\n\r\n{"
+                                                     % (1 << 40)] + [b" " * (1 << 20)] * 8)
+    assert status == 413 and "--max-request-size" in message
+    chunk = b"100000\r\n" + b" " * (1 << 20) + b"\r\n"
+    status, message = _answer_while_sending(
+        served, [start + b"Transfer-Encoding: chunked\r\n\r\n1\r\n[\r\n"] + [chunk] * 70)
+    assert status == 413 and "--max-request-size" in message
     # and the server still answers, in bounded memory
     status, answer = _infer_json(served, "cast", good)
     assert status == 200 and answer["outputs"][0]["data"] == [1.0, 2.0]

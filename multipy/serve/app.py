@@ -75,8 +75,10 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
         started = time.perf_counter()
         status = 500
         try:
-            decoded = decode_request(await request.body(), request.headers.get(HEADER_LENGTH),
-                                     request.headers.get("content-encoding"))
+            limit = service.options.max_request_size
+            decoded = decode_request(await _body(request, limit),
+                                     request.headers.get(HEADER_LENGTH),
+                                     request.headers.get("content-encoding"), limit)
             outputs = await service.infer(model, decoded)
             binary = dict(decoded.outputs or ())
             body, headers = encode_response(
@@ -149,6 +151,23 @@ def _model(service: Service, request: Request) -> Any:
         raise ProtocolError(f"model {name!r} is not ready: it is still loading "
                             f"(GET /v2/models/{name}/ready says when it is)", 503)
     return model
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request's body; ProtocolError (413) if it has more than limit bytes: said by
+    its Content-Length before any is read, or as soon as what arrives passes it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(f"the request has {declared} bytes, more than the {limit} this "
+                            f"server takes (--max-request-size)", 413)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProtocolError(f"the request has more than the {limit} bytes this server "
+                                f"takes (--max-request-size)", 413)
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _inside_traceback(error: BaseException) -> str:

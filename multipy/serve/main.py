@@ -45,6 +45,7 @@ from ..manager import cores
 from .app import create_app
 from .archive import ArchiveError, check
 from .models import ModelSpec, ServingLoop, serve_inline
+from .protocol import MAX_REQUEST_SIZE
 from .service import Options, Service, default_interpreters
 
 logger = logging.getLogger("multipy.serve")
@@ -79,6 +80,9 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--timeout", type=float, metavar="S",
                        help="answer a request with an error after S seconds, cancelling "
                             "its call (default: no limit)")
+    parse.add_argument("--max-request-size", type=int, default=MAX_REQUEST_SIZE, metavar="BYTES",
+                       help=f"answer 413 to a request body, or a compressed body expanded, "
+                            f"of more than BYTES (default: {MAX_REQUEST_SIZE}, 64 MiB)")
     ray = parse.add_argument_group(
         "Ray Serve", "With --ray, the models are served by replicas of a Ray Serve "
                      "deployment, each a process of --interpreters interpreters answering "
@@ -398,6 +402,8 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
         parse.error("--max-batch-size must be at least 1")
     if args.timeout is not None and not args.timeout > 0:
         parse.error("--timeout must be a number of seconds above 0")
+    if args.max_request_size < 1:
+        parse.error("--max-request-size must be at least 1 byte")
     if args.ray and args.replicas is not None and args.replicas < 1:
         parse.error("--replicas must be at least 1")
     if args.ray and args.replica_cpus is not None and not args.replica_cpus > 0:
@@ -408,7 +414,7 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
     except ArchiveError as error:
         parse.exit(2, f"multipy serve: {error}\n")
     return Options(tuple(models), interpreters, args.max_batch_size, args.batch_timeout_ms,
-                   args.timeout)
+                   args.timeout, max_request_size=args.max_request_size)
 
 
 def main(argv: list[str] | None = None) -> int:

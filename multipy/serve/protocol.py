@@ -31,8 +31,9 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_RANK = 64
 #: The most elements a tensor may claim: more than any body could carry (2**48).
 MAX_ELEMENTS = 1 << 48
-#: The most bytes a compressed body may expand to (413 past it).
-MAX_EXPANDED = 64 << 20
+#: The most bytes a request may have, by default (multipy serve --max-request-size), or
+#: a compressed one expand to: 413 past it.
+MAX_REQUEST_SIZE = 64 << 20
 
 #: Each numeric datatype's numpy dtype (little-endian; BF16: its bits).
 DTYPES: dict[str, np.dtype] = {
@@ -77,12 +78,14 @@ class InferRequest:
 
 
 def decode_request(body: bytes, header_length: str | None = None,
-                   content_encoding: str | None = None) -> InferRequest:
+                   content_encoding: str | None = None,
+                   max_size: int = MAX_REQUEST_SIZE) -> InferRequest:
     """The request in an HTTP body; header_length is the Inference-Header-Content-Length
     header's value (None when absent: then the whole body is JSON), content_encoding the
-    Content-Encoding header's (gzip and deflate are read).  ProtocolError if it is not a
-    well-formed inference request."""
-    body = _decompressed(body, content_encoding)
+    Content-Encoding header's (gzip and deflate are read, up to max_size bytes).
+    ProtocolError if it is not a well-formed inference request (413 if it expands past
+    max_size)."""
+    body = _decompressed(body, content_encoding, max_size)
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
@@ -132,9 +135,9 @@ def decode_request(body: bytes, header_length: str | None = None,
                         request_id, parameters)
 
 
-def _decompressed(body: bytes, encoding: str | None) -> bytes:
-    """body, expanded in a stream that stops past MAX_EXPANDED bytes (413): a small body
-    may expand to gigabytes."""
+def _decompressed(body: bytes, encoding: str | None, max_size: int) -> bytes:
+    """body, expanded in a stream that stops past max_size bytes (413): a small body may
+    expand to gigabytes."""
     kind = (encoding or "identity").strip().lower()
     if kind == "identity":
         return body
@@ -142,11 +145,12 @@ def _decompressed(body: bytes, encoding: str | None) -> bytes:
         raise ProtocolError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
     stream = zlib.decompressobj(zlib.MAX_WBITS | 16 if kind == "gzip" else zlib.MAX_WBITS)
     try:
-        expanded = stream.decompress(body, MAX_EXPANDED + 1)
+        expanded = stream.decompress(body, max_size + 1)
     except zlib.error as error:
         raise ProtocolError(f"the body is not valid {kind} data: {error}") from None
-    if len(expanded) > MAX_EXPANDED:
-        raise ProtocolError(f"the body expands to more than {MAX_EXPANDED} bytes", 413)
+    if len(expanded) > max_size:
+        raise ProtocolError(f"the body expands to more than {max_size} bytes, the most this "
+                            f"server takes (--max-request-size)", 413)
     if not stream.eof:
         raise ProtocolError(f"the body is not valid {kind} data: it ends early")
     return expanded

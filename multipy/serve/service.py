@@ -21,7 +21,7 @@ from . import archive
 from .metrics import Metrics
 from .models import ModelSpec, ServedModel, Turns
 from .progress import Progress
-from .protocol import InferRequest, ProtocolError, Tensor
+from .protocol import MAX_REQUEST_SIZE, InferRequest, ProtocolError, Tensor
 
 logger = logging.getLogger("multipy.serve")
 
@@ -44,7 +44,7 @@ class Options:
     the server that uvicorn runs and for each replica that Ray Serve runs
     (multipy.serve.on_ray).  batch_timeout_ms: --batch-timeout-ms; torch_threads: each
     interpreter's intra-op threads (None: the manager's default, the cores divided
-    among the interpreters)."""
+    among the interpreters); max_request_size: --max-request-size, in bytes."""
 
     models: tuple[ModelSpec, ...]
     interpreters: int
@@ -52,6 +52,7 @@ class Options:
     batch_timeout_ms: float = 5.0
     timeout: float | None = None
     torch_threads: int | None = None
+    max_request_size: int = MAX_REQUEST_SIZE
 
 
 class Service:

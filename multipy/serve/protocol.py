@@ -227,22 +227,15 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
 
 def _count(name: str, shape: Any) -> int:
     """How many elements shape claims, checked in time bounded by MAX_RANK: a list of at
-    most MAX_RANK sizes (integers >= 0) whose product is at most MAX_ELEMENTS."""
+    most MAX_RANK sizes from 0 to MAX_ELEMENTS whose product is at most MAX_ELEMENTS."""
     if (not isinstance(shape, list) or len(shape) > MAX_RANK
-            or not all(type(size) is int and size >= 0 for size in shape)):
+            or not all(type(size) is int and 0 <= size <= MAX_ELEMENTS for size in shape)):
         raise ProtocolError(f"input {name!r}: shape must be a list of at most {MAX_RANK} "
-                            f"sizes (integers >= 0), not {_short(shape)}")
-    if 0 in shape:
-        if any(size > MAX_ELEMENTS for size in shape):
-            raise ProtocolError(f"input {name!r}: shape {_short(shape)} has a size over "
-                                f"{MAX_ELEMENTS}")
-        return 0
-    count = 1
-    for size in shape:  # each size is checked before it multiplies: no huge integers
-        if size > MAX_ELEMENTS or count * size > MAX_ELEMENTS:
-            raise ProtocolError(f"input {name!r}: shape {_short(shape)} has more than "
-                                f"{MAX_ELEMENTS} elements")
-        count *= size
+                            f"sizes (integers from 0 to {MAX_ELEMENTS}), not {_short(shape)}")
+    count = math.prod(shape)  # of at most MAX_RANK sizes that small: quick
+    if count > MAX_ELEMENTS:
+        raise ProtocolError(f"input {name!r}: shape {_short(shape)} has more than "
+                            f"{MAX_ELEMENTS} elements")
     return count
 
 

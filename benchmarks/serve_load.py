@@ -1,15 +1,13 @@
-"""Load benchmark: N concurrent Open Inference Protocol clients (tritonclient.http, binary
-tensors, its default) against `multipy serve` with N interpreters, and against the same
-model behind KServe's own Python model server (kserve.ModelServer) with N worker
-processes, each holding its own copy of the model.  Prints requests/s, p50 and p99
-latency, the memory (PSS) of each server's whole process tree, and the cores each server
-kept busy, measured in one run; every answer is checked against the model run eagerly
-here.  KServe's workers each serve the connections they accept, and the kernel may give
-two of the N keep-alive connections to one worker: the rounds say how many of its
-processes were busy, and the ratio is also given against its rounds with all N workers
-busy.  With --rounds R each server runs R times, the two taking turns (who goes first
-alternates), and the figures are the medians: a busy spell on a shared machine then
-skews one round, not the ratio.
+"""Load benchmark: 2N concurrent Open Inference Protocol clients (tritonclient.http, binary
+tensors, its default; each a process of its own) against `multipy serve` with N
+interpreters, and against the same model behind KServe's own Python model server
+(kserve.ModelServer) with N worker processes, each holding its own copy of the model;
+for each example model named (by default a small one and the Python-heavy one).  Prints
+requests/s, p50 and p99 latency, the memory (PSS) of each server's whole process tree,
+and the cores each server kept busy while timed, measured in one run; every answer is
+checked against the model run eagerly here.  With --rounds R each server runs R times,
+the two taking turns (who goes first alternates), and the figures are the medians: a
+busy spell on a shared machine then skews one round, not the ratio.
 
 KServe 0.21 pins protobuf<7 and psutil<6, so the peer gets a virtual environment of its
 own, made here on first use (--peer-venv): kserve==0.21.0, torch==2.13.0, numpy==2.4.6.
@@ -17,7 +15,8 @@ The clients send binary tensors: KServe's server rejects tritonclient's JSON req
 which carry no Content-Type ("received byte inputs, but the
 'inference-header-content-length' header is missing").
 
-    multipy run benchmarks/serve_load.py [--counts 2,4] [--seconds 10] [--rounds 3] [--model python_heavy]
+    multipy run benchmarks/serve_load.py [--counts 2,4] [--clients 2] [--seconds 10] [--rounds 3]
+        [--models simple,python_heavy] [--no-peer]
 """
 from __future__ import annotations
 
@@ -135,61 +134,82 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def load(port: int, model: str, clients: int, seconds: float, warm_up: float, inputs, expected):
-    """N client threads sending inferences for warm_up + seconds; the timed part's
-    requests/s, latencies, and the count of wrong or failed answers."""
+def load(port: int, model: str, clients: int, seconds: float, warm_up: float, inputs, expected,
+         probe=None):
+    """clients client processes (each one tritonclient connection, one request at a time)
+    sending inferences for warm_up + seconds; the timed part's requests/s, latencies,
+    and the count of wrong or failed answers, and (with probe) probe()'s values as the
+    timed part begins and ends, as "probed".  Processes, not threads: the clients' own
+    Python (one GIL) must not be what limits the servers."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(clients + 1)
+    results = context.Queue()
+    processes = [context.Process(target=_client, args=(port, model, seconds, warm_up, inputs,
+                                                       expected, start, results))
+                 for _ in range(clients)]
+    for process in processes:
+        process.start()
+    try:
+        start.wait(timeout=300)
+        begun = time.perf_counter()
+        probed = [probe()] if probe is not None else []
+        answers = [results.get(timeout=seconds + 300) for _ in processes]
+        elapsed = time.perf_counter() - begun
+        probed += [probe()] if probe is not None else []
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+    every = sorted(x for latencies, _ in answers for x in latencies)
+    return {"requests_per_second": len(every) / max(elapsed, seconds),
+            "p50_ms": statistics.median(every) * 1e3,
+            "p99_ms": every[min(len(every) - 1, int(len(every) * 0.99))] * 1e3,
+            "requests": len(every), "wrong": sum(wrong for _, wrong in answers),
+            **({"probed": probed} if probe is not None else {})}
+
+
+def _client(port: int, model: str, seconds: float, warm_up: float, inputs, expected,
+            start, results) -> None:
+    """One client process of load(): warms up, waits for the others, then sends
+    requests for seconds; puts (latencies, wrong answers) on results."""
     import numpy as np
     import tritonclient.http as http
 
-    latencies: list[list[float]] = [[] for _ in range(clients)]
-    wrong = [0] * clients
-    start = threading.Barrier(clients + 1)
-    times: dict[str, float] = {}
+    connection = http.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=60,
+                                            network_timeout=60)
+    tensors = []
+    for index, array in enumerate(inputs):
+        tensor = http.InferInput(f"input{index}", list(array.shape), "FP32")
+        tensor.set_data_from_numpy(array, binary_data=True)
+        tensors.append(tensor)
+    outputs = [http.InferRequestedOutput("output0", binary_data=True)]
+    wrong = 0
 
-    def client(k: int) -> None:
-        connection = http.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=60,
-                                                network_timeout=60)
-        tensors = []
-        for index, array in enumerate(inputs):
-            tensor = http.InferInput(f"input{index}", list(array.shape), "FP32")
-            tensor.set_data_from_numpy(array, binary_data=True)
-            tensors.append(tensor)
-        outputs = [http.InferRequestedOutput("output0", binary_data=True)]
+    def one() -> float:
+        nonlocal wrong
+        begin = time.perf_counter()
+        try:
+            answer = connection.infer(model, tensors, outputs=outputs).as_numpy("output0")
+            if not np.allclose(answer, expected, rtol=1e-4, atol=1e-5):
+                wrong += 1
+        except Exception:
+            wrong += 1
+        return time.perf_counter() - begin
 
-        def one() -> float:
-            begin = time.perf_counter()
-            try:
-                answer = connection.infer(model, tensors, outputs=outputs).as_numpy("output0")
-                if not np.allclose(answer, expected, rtol=1e-4, atol=1e-5):
-                    wrong[k] += 1
-            except Exception:
-                wrong[k] += 1
-            return time.perf_counter() - begin
-
-        until = time.perf_counter() + warm_up
+    until = time.perf_counter() + warm_up
+    one()
+    while time.perf_counter() < until:
         one()
-        while time.perf_counter() < until:
-            one()
-        start.wait()
-        while time.perf_counter() < times["end"]:
-            latencies[k].append(one())
-        connection.close()
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
-    for thread in threads:
-        thread.start()
-    times["end"] = float("inf")
-    start.wait()
-    begun = time.perf_counter()
-    times["end"] = begun + seconds
-    for thread in threads:
-        thread.join()
-    elapsed = time.perf_counter() - begun
-    every = sorted(x for each in latencies for x in each)
-    return {"requests_per_second": len(every) / elapsed,
-            "p50_ms": statistics.median(every) * 1e3,
-            "p99_ms": every[min(len(every) - 1, int(len(every) * 0.99))] * 1e3,
-            "requests": len(every), "wrong": sum(wrong)}
+    start.wait(timeout=300)
+    latencies = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        latencies.append(one())
+    connection.close()
+    results.put((latencies, wrong))
 
 
 def run_server(command: list[str], port: int, model: str, clients: int, seconds: float,
@@ -199,9 +219,10 @@ def run_server(command: list[str], port: int, model: str, clients: int, seconds:
                                    start_new_session=True)
         try:
             _wait_ready(port, process)
-            before, began = cpu_seconds(process.pid), time.perf_counter()
-            figures = load(port, model, clients, seconds, warm_up, inputs, expected)
-            after, elapsed = cpu_seconds(process.pid), time.perf_counter() - began
+            figures = load(port, model, clients, seconds, warm_up, inputs, expected,
+                           probe=lambda: (cpu_seconds(process.pid), time.perf_counter()))
+            (before, began), (after, ended) = figures.pop("probed")
+            elapsed = ended - began
             # The cores each process of the server kept busy: whether a multi-process
             # server spread the N connections over its N workers shows here.
             busy = [(after[pid] - before.get(pid, 0.0)) / elapsed for pid in after]
@@ -243,72 +264,78 @@ def example(directory: str, model: str) -> tuple[str, list, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--counts", default="2,4", help="N: interpreters, workers and clients (2,4)")
+    parser.add_argument("--counts", default="2,4", help="N: interpreters and workers (2,4)")
+    parser.add_argument("--clients", type=int, default=2,
+                        help="client processes per interpreter or worker (2: 2N clients)")
     parser.add_argument("--seconds", type=float, default=10, help="timed seconds per run (10)")
     parser.add_argument("--warm-up", type=float, default=3, help="untimed seconds first (3)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs of each server, taking turns; medians reported (3)")
-    parser.add_argument("--model", default="python_heavy", help="example package (python_heavy)")
+    parser.add_argument("--models", default="simple,python_heavy",
+                        help="example packages, each measured in turn (simple,python_heavy)")
     parser.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv", "kserve-peer"),
                         help="KServe's virtual environment, made if missing (.venv/kserve-peer)")
+    parser.add_argument("--no-peer", action="store_true",
+                        help="multipy only (where KServe cannot be installed)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
-
-    peer = ensure_peer_venv(args.peer_venv)
+    servers = ("multipy",) if args.no_peer else ("multipy", "kserve")
+    peer = None if args.no_peer else ensure_peer_venv(args.peer_venv)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
-        path, arrays, expected = example(directory, args.model)
-        for n in counts:
-            commands = {
-                "multipy": [sys.executable, "-m", "multipy", "serve", path, "--interpreters",
-                            str(n), "--port", "{port}"],
-                "kserve": [peer, os.path.join(HERE, "kserve_model.py"), path, "--name",
-                           args.model, "--workers", str(n), "--port", "{port}"]}
-            rounds: dict[str, list[dict]] = {"multipy": [], "kserve": []}
-            for round_ in range(args.rounds):
-                for name in (("multipy", "kserve") if round_ % 2 == 0 else ("kserve", "multipy")):
-                    port = free_port()
-                    command = [part.format(port=port) for part in commands[name]]
-                    rounds[name].append(run_server(command, port, args.model, n, args.seconds,
-                                                   args.warm_up, arrays, expected))
-            rows.append({"n": n, "rounds": rounds,
-                         **{name: _medians(runs) for name, runs in rounds.items()}})
+        for model in args.models.split(","):
+            path, arrays, expected = example(directory, model)
+            for n in counts:
+                clients = args.clients * n
+                commands = {
+                    "multipy": [sys.executable, "-m", "multipy", "serve", path,
+                                "--interpreters", str(n), "--port", "{port}"],
+                    "kserve": [peer, os.path.join(HERE, "kserve_model.py"), path, "--name",
+                               model, "--workers", str(n), "--port", "{port}"]}
+                rounds: dict[str, list[dict]] = {name: [] for name in servers}
+                for round_ in range(args.rounds):
+                    for name in (servers if round_ % 2 == 0 else servers[::-1]):
+                        port = free_port()
+                        command = [part.format(port=port) for part in commands[name]]
+                        rounds[name].append(run_server(command, port, model, clients,
+                                                       args.seconds, args.warm_up, arrays,
+                                                       expected))
+                rows.append({"model": model, "n": n, "clients": clients, "rounds": rounds,
+                             **{name: _medians(runs) for name, runs in rounds.items()}})
 
-    print(f"\n{args.model}: N clients (tritonclient.http, binary) against each server, "
-          f"{args.seconds:g} s after {args.warm_up:g} s of warm-up; the median of "
-          f"{args.rounds} round(s), the servers taking turns")
-    print(f"{'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
+    print(f"\nN interpreters or workers, {args.clients}N client processes "
+          f"(tritonclient.http, binary), {args.seconds:g} s after {args.warm_up:g} s of "
+          f"warm-up; the median of {args.rounds} round(s), the servers taking turns; "
+          f"{os.cpu_count()} cores")
+    print(f"{'model':13s} {'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
           f"{'PSS MiB':>8s} {'cores':>6s} {'wrong':>6s}")
     for row in rows:
-        for name, label in (("multipy", f"multipy serve, {row['n']} interp."),
-                            ("kserve", f"kserve.ModelServer, {row['n']} workers")):
+        for name in servers:
+            label = (f"multipy serve, {row['n']} interp." if name == "multipy"
+                     else f"kserve.ModelServer, {row['n']} workers")
             f = row[name]
-            print(f"{label:28s} {row['n']:2d} {f['requests_per_second']:8.1f} {f['p50_ms']:8.2f} "
-                  f"{f['p99_ms']:8.2f} {f['pss_mib']:8.1f} {f['server_cores']:6.2f} "
-                  f"{f['wrong']:6d}")
+            print(f"{row['model']:13s} {label:28s} {row['n']:2d} {f['requests_per_second']:8.1f} "
+                  f"{f['p50_ms']:8.2f} {f['p99_ms']:8.2f} {f['pss_mib']:8.1f} "
+                  f"{f['server_cores']:6.2f} {f['wrong']:6d}")
+        if "kserve" not in row:
+            continue
         ours, theirs = row["multipy"], row["kserve"]
         each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
-                         f" ({b['busy_processes']})"
                          for a, b in zip(row["rounds"]["multipy"], row["rounds"]["kserve"]))
-        print(f"  N={row['n']}: multipy / KServe: requests/s "
+        print(f"  {row['model']}, N={row['n']}: multipy / KServe: requests/s "
               f"{ours['requests_per_second'] / theirs['requests_per_second']:.2f}x, "
               f"memory {ours['pss_mib'] / theirs['pss_mib']:.2f}x   (req/s by round, "
-              f"multipy/KServe (KServe's processes busy): {each})")
-        # KServe's workers each take the connections they accept: in a round where the
-        # kernel gave two of the N keep-alive connections to one worker, KServe served
-        # with fewer than N workers.  The ratio against its rounds with all N busy:
-        spread = [b["requests_per_second"] for b in row["rounds"]["kserve"]
-                  if b["busy_processes"] >= row["n"]]
-        if spread:
-            print(f"  N={row['n']}: against KServe's {len(spread)} round(s) with all "
-                  f"{row['n']} workers busy: requests/s "
-                  f"{ours['requests_per_second'] / statistics.median(spread):.2f}x")
-        else:
-            print(f"  N={row['n']}: KServe never had all {row['n']} workers busy")
+              f"multipy/KServe: {each})")
+    for model in args.models.split(","):
+        mine = [row for row in rows if row["model"] == model]
+        if len(mine) > 1:
+            first, last = mine[0]["multipy"], mine[-1]["multipy"]
+            print(f"  {model}: multipy's requests/s from N={mine[0]['n']} to "
+                  f"N={mine[-1]['n']}: {last['requests_per_second'] / first['requests_per_second']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "seconds": args.seconds, "rows": rows}, f, indent=1)
+            json.dump({"models": args.models, "seconds": args.seconds, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

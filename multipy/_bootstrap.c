@@ -116,6 +116,15 @@ static PyObject *thread_states(PyObject *module, PyObject *unused)
     return PyLong_FromLong(count);
 }
 
+static PyObject *cancel(PyObject *module, PyObject *arg)
+{
+    (void)module;
+    unsigned long thread = PyLong_AsUnsignedLong(arg);
+    if (thread == (unsigned long)-1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(PyThreadState_SetAsyncExc(thread, cancelled_type) > 0);
+}
+
 static PyMethodDef methods[] = {
     LENT_ADDRESS_METHOD,
     PLAIN_METHOD,
@@ -125,6 +134,9 @@ static PyMethodDef methods[] = {
      "report; the caller keeps both alive while it runs"},
     {"keys_in_use", keys_in_use, METH_NOARGS,
      "keys_in_use() -> int: how many pthread keys this namespace's libraries hold"},
+    {"cancel", cancel, METH_O,
+     "cancel(thread_id: int) -> bool: raises CallCancelled in what that thread of this "
+     "interpreter runs, at its next bytecode; False if it runs nothing here"},
     {"thread_states", thread_states, METH_NOARGS,
      "thread_states() -> int: how many thread states this interpreter has"},
     {NULL, NULL, 0, NULL},

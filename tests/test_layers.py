@@ -14,10 +14,12 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
           "__main__", "__init__"]
 #: multipy.serve, bottom-up: each of its modules may import only those before it, and of
 #: the rest of multipy only the layers below "serve".
-SERVE_LAYERS = ["protocol", "batching", "metrics", "archive", "models", "progress", "service",
-                "app", "on_ray", "main", "__main__", "__init__"]
-#: What the code inside interpreters may import of multipy.
+SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "app", "archive", "models",
+                "progress", "service", "on_ray", "main", "__main__", "__init__"]
+#: What the code inside interpreters may import of multipy: of multipy.serve, the
+#: request path that the host and each interpreter's front end share.
 INSIDE_MAY_IMPORT = {"_protocol", "_sharing", "_inside"}
+SHARED_SERVE = SERVE_LAYERS[:SERVE_LAYERS.index("archive")]
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -94,10 +96,15 @@ def test_serve_imports_only_downward():
 
 
 def test_inside_code_imports_no_host_module():
-    wrong = [f"{path.name}:{line} imports {target}"
+    wrong = [f"{path.name}:{line} imports {'.'.join(target)}"
              for path in (PACKAGE / "_inside").glob("*.py")
-             for line, target in _imports(path) if target not in INSIDE_MAY_IMPORT]
+             for line, target in _import_paths(path)
+             if target[0] not in INSIDE_MAY_IMPORT
+             and not (target[0] == "serve" and target[1:2] and target[1] in SHARED_SERVE)]
     assert not wrong, wrong
+    for name in SHARED_SERVE:  # and what they import, the same
+        for line, target in _import_paths(PACKAGE / "serve" / f"{name}.py"):
+            assert target[:1] == ["serve"] and target[1] in SHARED_SERVE, (name, line, target)
     for path in PACKAGE.glob("*.py"):
         assert all(target != "_inside" for _, target in _imports(path)), path.name
 
@@ -107,6 +114,8 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
         modules = s.global_("builtins", "list")(s.global_("sys", "modules")).deref()
     names = sorted(n for n in modules if n == "multipy" or n.startswith("multipy."))
     assert {"multipy", "multipy._inside", "multipy._protocol", "multipy._sharing"} <= set(names)
+    front_end = {"multipy._inside.front_end", "multipy.serve",
+                 *(f"multipy.serve.{name}" for name in SHARED_SERVE)}  # in a server only
     assert set(names) <= {"multipy", "multipy._inside", "multipy._inside.package",
                           "multipy._inside.serving", "multipy._protocol",
-                          "multipy._sharing"}, names
+                          "multipy._sharing", *front_end}, names

@@ -645,17 +645,18 @@ def test_metrics(served):
 
 def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
     """Turns(1): calls waiting on two loops on two threads get the turn in the order
-    they asked for it; one whose wait is cancelled takes none; try_take never jumps a
-    waiting call."""
+    they asked for it; one whose wait is cancelled takes none; a turn given back goes
+    to a waiting call, not back to the free ones."""
     from multipy.serve.models import Turns
 
     turns = Turns(1)
-    assert turns.try_take() and not turns.try_take()
     order: list[str] = []
     loops = [asyncio.new_event_loop() for _ in range(2)]
     threads = [threading.Thread(target=loop.run_forever) for loop in loops]
     for thread in threads:
         thread.start()
+    asyncio.run_coroutine_threadsafe(turns.__aenter__(), loops[0]).result(timeout=10)
+    assert turns._free == 0
 
     async def call(name: str) -> None:
         async with turns:
@@ -680,13 +681,11 @@ def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
         until(3)
         cancelled.cancel()
         until(2)
-        assert not turns.try_take()  # calls wait: the turn goes to them, not to this
         turns.give()
         first.result(timeout=10)
         second.result(timeout=10)
         assert order == ["first", "second"]
-        assert turns.try_take() and not turns.try_take()  # given back by second
-        turns.give()
+        assert turns._free == 1  # given back by second
     finally:
         for loop in loops:
             loop.call_soon_threadsafe(loop.stop)
@@ -1052,23 +1051,21 @@ class _FailsOnce(socket.socket):
 
 
 def test_accepting_goes_on_after_an_error(caplog):
-    """A connection loop's server (in this process, with a plain ASGI application)
-    answers a client although accepting its connection failed once: the error is
-    logged and accepting tries again."""
-    from multipy.serve.main import _ConnectionLoops
+    """The server's accept loop (in this process) hands a client's connection on
+    although accepting it failed once: the error is logged and accepting tries again."""
+    from multipy.serve.main import accept
 
-    async def app(scope, receive, send):
-        if scope["type"] == "http":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send({"type": "http.response.body", "body": b"answered"})
-
-    loops = _ConnectionLoops(app, 1, inline=False)
-    loops.start()
     listener = _FailsOnce(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     listener.setblocking(False)
     port = listener.getsockname()[1]
+
+    def hand(connection: socket.socket) -> None:
+        connection.setblocking(True)
+        connection.recv(1 << 16)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\n\r\nanswered")
+        connection.close()
 
     def get() -> tuple[int, bytes]:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -1080,37 +1077,15 @@ def test_accepting_goes_on_after_an_error(caplog):
             connection.close()
 
     async def serve() -> tuple[int, bytes]:
-        accepting = asyncio.create_task(loops.accept(listener))
+        accepting = asyncio.create_task(accept(listener, hand))
         try:
             return await asyncio.wait_for(asyncio.to_thread(get), 60)
         finally:
             accepting.cancel()
 
-    try:
-        with caplog.at_level(logging.ERROR, logger="multipy.serve"):
-            assert asyncio.run(serve()) == (200, b"answered")
-    finally:
-        loops.stop()
+    with caplog.at_level(logging.ERROR, logger="multipy.serve"):
+        assert asyncio.run(serve()) == (200, b"answered")
     assert listener.failed and "Too many open files" in caplog.text
-
-
-def test_the_loops_servers_say_only_what_a_stop_waits_for_once():
-    """uvicorn's information lines from the connection loops' servers are dropped,
-    but for what a graceful stop waits for, said once; their warnings stay."""
-    from multipy.serve.main import _LOOP_THREAD, _OneServerLines
-
-    lines = _OneServerLines()
-
-    def said(message: str, thread: str, level: int = logging.INFO) -> bool:
-        record = logging.LogRecord("uvicorn.error", level, __file__, 1, message, None, None)
-        record.threadName = thread
-        return lines.filter(record)
-
-    waiting = "Waiting for connections to close. (CTRL+C to force quit)"
-    assert said("Started server process [1]", "MainThread")
-    assert not said("Started server process [1]", f"{_LOOP_THREAD}0")
-    assert said(waiting, f"{_LOOP_THREAD}0") and not said(waiting, f"{_LOOP_THREAD}1")
-    assert said("Invalid HTTP request received.", f"{_LOOP_THREAD}1", logging.WARNING)
 
 
 def test_sigterm_answers_requests_in_flight_and_exits_0(served):

@@ -10,9 +10,11 @@ changes nothing for the others.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.metadata
 import logging
 import time
+import traceback
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.applications import Starlette
@@ -21,13 +23,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..errors import RemoteTraceback
 from .batching import BatchError
 from .metrics import CONTENT_TYPE
-from .models import ModelError
 from .protocol import (HEADER_LENGTH, ProtocolError, compress, decode_request, encode_response,
                        error_body)
-from .service import Service, ServiceTimeout
+from .requests import ModelError, ServiceTimeout
 
 logger = logging.getLogger("multipy.serve")
 
@@ -35,9 +35,13 @@ logger = logging.getLogger("multipy.serve")
 EXTENSIONS = ["binary_tensor_data"]
 
 
-def create_app(service: Service, on_startup: Callable[[], Any] | None = None) -> Starlette:
-    """The application serving service; on_startup() runs when the server starts (the
-    caller starts loading the models there), and batches still waiting run at shutdown."""
+def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Starlette:
+    """The application serving service: the host's (multipy.serve.service.Service) or an
+    interpreter's front end's (multipy._inside.front_end), each of which has ``ready``,
+    ``model(name, version)`` (a multipy.serve.requests.ModelRequests, or None while it
+    loads), ``metrics``, ``max_request_size`` and ``drain()``.  on_startup() runs when
+    the server starts (the host starts loading the models there), and batches still
+    waiting run at shutdown."""
 
     async def live(request: Request) -> Response:
         return Response(status_code=200)
@@ -69,17 +73,17 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
             model = _model(service, request)
         except ProtocolError as error:
             return _error(error.status, str(error))
-        metrics, name = service.metrics, model.name
-        series = metrics.models[name]
+        name = model.name
+        series = service.metrics.models[name]
         series.requests.inc()
         started = time.perf_counter()
         status = 500
         try:
-            limit = service.options.max_request_size
+            limit = service.max_request_size
             decoded = decode_request(await _body(request, limit),
                                      request.headers.get(HEADER_LENGTH),
                                      request.headers.get("content-encoding"), limit)
-            outputs = await service.infer(model, decoded)
+            outputs = await model.infer(decoded)
             binary = dict(decoded.outputs or ())
             body, headers = encode_response(
                 name, "1", decoded.id,
@@ -94,7 +98,7 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
             logger.error("%s", error)
             return _error(500, str(error))
         except (ModelError, BatchError) as error:  # logged with the model's traceback
-            logger.error("%s%s", error, _inside_traceback(error))
+            logger.error("%s%s", error, _model_traceback(error))
             return _error(500, str(error))
         except ClientDisconnect:  # nobody to answer
             status = 499
@@ -105,7 +109,7 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
         finally:
             series.latency.observe(time.perf_counter() - started)
             if status != 200:
-                metrics.failures.labels(model=name, status=str(status)).inc()
+                series.failed(status)
 
     async def metrics(request: Request) -> Response:
         return Response(service.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -143,7 +147,7 @@ def create_app(service: Service, on_startup: Callable[[], Any] | None = None) ->
                      lifespan=lifespan)
 
 
-def _model(service: Service, request: Request) -> Any:
+def _model(service: Any, request: Request) -> Any:
     """The ready model a request names; ProtocolError (404 unknown, 503 loading)."""
     name = request.path_params["model"]
     model = service.model(name, request.path_params.get("version"))
@@ -170,14 +174,34 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _inside_traceback(error: BaseException) -> str:
-    """The traceback that error's causes bring from inside an interpreter (the model's
-    frames), as a paragraph to log, or ""."""
-    while error is not None:
-        if isinstance(error, RemoteTraceback):
-            return "\n" + error.traceback_text.rstrip("\n")
-        error = error.__cause__
-    return ""
+def _model_traceback(error: BaseException) -> str:
+    """The model's frames behind error, as a paragraph to log: the traceback that its
+    causes bring from inside an interpreter (multipy.errors.RemoteTraceback), or, in
+    the interpreter that ran the model, its cause's own; "" if it has none."""
+    cause = error.__cause__
+    while cause is not None:
+        text = getattr(cause, "traceback_text", None)
+        if isinstance(text, str):
+            return "\n" + text.rstrip("\n")
+        cause = cause.__cause__
+    cause = error.__cause__
+    if cause is None or cause.__traceback__ is None:
+        return ""
+    return "\n" + "".join(traceback.format_exception(cause)).rstrip("\n")
+
+
+def logging_config(server_lines: bool = True) -> dict:
+    """uvicorn's logging, with multipy.serve's lines formatted as uvicorn's own; without
+    server_lines, only the warnings and errors of uvicorn's server (an interpreter's
+    front end: the host says once what the server does)."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["multipy.serve"] = {"handlers": ["default"], "level": "INFO",
+                                          "propagate": False}
+    if not server_lines:
+        config["loggers"]["uvicorn.error"]["level"] = "WARNING"
+    return config
 
 
 def _version() -> str:

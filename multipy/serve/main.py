@@ -1,18 +1,17 @@
 """``multipy serve PATH [PATH ...]``: the command line, and the HTTP server's life.
 
-The Starlette application (multipy.serve.app) runs on uvicorn, on event loops of their
-own: one per interpreter, each on its own thread (one loop when batching, or a
-per-request timeout, needs every request on one loop).  The main thread's loop accepts
-the connections and hands each to the least busy loop, so that N clients' keep-alive
-connections land on N loops; a loop that serves one connection runs its model calls on
-its own thread (multipy.serve.models.serve_inline), the way a worker process of other
-servers does, with no hand-over to a worker thread and back.  However many loops call,
-one call per interpreter runs at a time (multipy.serve.models.Turns).  The main thread also
-catches the signals and runs the application's lifespan.  The models load on a thread of
-their own once the server listens, so that ``/v2/health/live`` answers at once and
-``/v2/health/ready`` says when loading is done.  SIGTERM and SIGINT stop the server
-gracefully: it stops accepting connections, answers every request it has received, and
-the process exits 0 (a second SIGINT forces it).
+Each interpreter answers requests itself, on its own GIL: its front end
+(multipy._inside.front_end) runs uvicorn and the Starlette application
+(multipy.serve.app) on an event loop of its own, which parses, decodes, runs the model
+and answers, with no Python of the host's per request.  The host's main thread accepts
+the connections and hands each to the front end with the fewest open connections
+(``FrontEnds``), so that N clients' keep-alive connections land on N interpreters; it
+also catches the signals and runs the lifespan.  The models load on a thread of their
+own once the server listens: until they are ready, the host answers the connections
+itself (``/v2/health/live`` at once, ``/v2/health/ready`` says when loading is done),
+and it keeps serving those that stay open.  SIGTERM and SIGINT stop the server
+gracefully: it stops accepting connections, every front end answers every request it
+has received, and the process exits 0 (a second SIGINT forces it).
 ``multipy serve`` runs this through ``multipy run``'s launcher, with room for 15
 interpreters; ``python -m multipy.serve`` re-executes itself to get it (make_room).
 With ``--ray``, the same options make the same application in each replica of a Ray
@@ -24,27 +23,25 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import copy
 import importlib.util
 import logging
-import math
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
 
 import uvicorn
-from uvicorn.config import LOGGING_CONFIG
 
 from .._glibc import MAX_NAMESPACES
 from .._launch import make_room
 from .._pool import capacity
 from ..manager import cores
-from .app import create_app
+from .app import create_app, logging_config
 from .archive import ArchiveError, check
-from .models import ModelSpec, ServingLoop, serve_inline
+from .models import ModelSpec
 from .protocol import MAX_REQUEST_SIZE
 from .service import Options, Service, default_interpreters
 
@@ -123,12 +120,13 @@ def specs(args: argparse.Namespace, parse: argparse.ArgumentParser) -> list[Mode
 class _Server(uvicorn.Server):
     """uvicorn's server, but a graceful stop by SIGTERM or SIGINT ends the process with
     exit status 0 (uvicorn raises the signal again once it has stopped).  It listens
-    and hands each connection it accepts to one of its loops (see the module's
-    docstring), and stops them first when it stops."""
+    and hands each connection it accepts to an interpreter's front end (see the module's
+    docstring), or serves it itself while there is none; and stops the front ends first
+    when it stops."""
 
-    def __init__(self, config: uvicorn.Config, loops: _ConnectionLoops) -> None:
+    def __init__(self, config: uvicorn.Config, fronts: FrontEnds) -> None:
         super().__init__(config)
-        self._loops = loops
+        self._fronts = fronts
         self._accepting: asyncio.Task | None = None
 
     @contextlib.contextmanager
@@ -146,11 +144,12 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         super().handle_exit(sig, frame)
-        if self.force_exit:  # a second SIGINT: the loops stop at once too
-            self._loops.force()
+        if self.force_exit:  # a second SIGINT: the front ends stop at once too
+            threading.Thread(target=self._fronts.force, name="multipy-serve-force",
+                             daemon=True).start()
 
     async def startup(self, sockets: list | None = None) -> None:
-        await super().startup([])  # the lifespan; the loops serve the connections
+        await super().startup([])  # the lifespan; connections come from accept below
         if self.should_exit:
             return
         try:
@@ -161,226 +160,156 @@ class _Server(uvicorn.Server):
         self.config.port = listener.getsockname()[1]  # the port --port 0 got, for the ready line
         listener.listen(self.config.backlog)
         listener.setblocking(False)
-        self._loops.start()
-        self._accepting = asyncio.get_running_loop().create_task(self._loops.accept(listener))
-        self._accepting.add_done_callback(self._accepted)
+        self._accepting = asyncio.get_running_loop().create_task(accept(listener, self._hand))
 
-    def _accepted(self, accepting: asyncio.Task) -> None:
-        """When accepting ends: by itself (every loop has stopped), the server stops."""
-        if not accepting.cancelled():
-            self.should_exit = True
+    def _hand(self, connection: socket.socket) -> None:
+        """To the front ends, or served here while there are none."""
+        if not self._fronts.hand(connection):
+            asyncio.get_running_loop().create_task(_connect(self, connection))
 
     async def shutdown(self, sockets: list | None = None) -> None:
         if self._accepting is not None:  # stop accepting, then answer what was received
             self._accepting.cancel()
-            await asyncio.to_thread(self._loops.stop)
+            await asyncio.to_thread(self._fronts.stop)
         await super().shutdown(sockets)
 
 
-class _ConnectionLoops:
-    """``count`` uvicorn servers of one application, each on an event loop on a thread
-    of its own and with no socket of its own: ``accept`` hands them the connections."""
-
-    def __init__(self, app: Any, count: int, inline: bool) -> None:
-        self._app, self._inline = app, inline
-        # in the order their loops started
-        self._servers: list[uvicorn.Server] = []
-        self._loops: list[asyncio.AbstractEventLoop] = []
-        self._serving: list[ServingLoop] = []
-        self._threads = [threading.Thread(target=self._run, name=f"{_LOOP_THREAD}{k}",
-                                          daemon=True) for k in range(count)]
-        self._started = threading.Barrier(count + 1)
-        self._lock = threading.Lock()
-        self._forced = False
-
-    def __len__(self) -> int:
-        return len(self._threads)
-
-    def start(self) -> None:
-        """Starts the loops and waits for them; BrokenBarrierError if one failed."""
-        for thread in self._threads:
-            thread.start()
-        self._started.wait()
-
-    def _run(self) -> None:
-        try:
-            server = _LoopServer(uvicorn.Config(self._app, lifespan="off", access_log=False,
-                                                log_config=None, timeout_graceful_shutdown=None),
-                                 self._started_serving)
-            server.run(sockets=[])
-        finally:
-            self._started.abort()  # (once started, a no-op: no one waits any more)
-
-    def _started_serving(self, server: uvicorn.Server) -> None:
-        """On each loop's thread, once its server runs."""
-        serving = ServingLoop(server.server_state.connections)
-        if self._inline:
-            serve_inline(serving)
-        with self._lock:
-            self._servers.append(server)
-            self._loops.append(asyncio.get_running_loop())
-            self._serving.append(serving)
-        self._started.wait()
-
-    def _load(self, k: int) -> float:
-        """How busy loop k is: its connections, open and arriving, and one more while it
-        calls a model on its own thread (it answers nothing else meanwhile); a loop
-        that has stopped running takes none."""
-        if not self._loops[k].is_running():
-            return math.inf
-        serving = self._serving[k]
-        return len(serving.connections) + serving.arriving + serving.calling
-
-    async def accept(self, listener: Any) -> None:
-        """Accepts connections on listener until cancelled, handing each to the least
-        busy loop.  An error accepting one (too many open files, say) is logged, and
-        accepting goes on after a pause.  Returns, with an error logged, if every loop
-        has stopped (they stop only when this is cancelled, unless one fails)."""
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                try:
-                    connection, _ = await loop.sock_accept(listener)
-                except OSError as error:
-                    logger.error("accepting a connection failed, trying again in %s s: %s",
-                                 _ACCEPT_PAUSE, error)
-                    await asyncio.sleep(_ACCEPT_PAUSE)
-                    continue
-                if not self._hand(connection):
-                    connection.close()
-                    logger.error("every connection loop has stopped: the server stops")
-                    return
-        finally:
-            listener.close()
-
-    def _hand(self, connection: Any) -> bool:
-        """Hands connection to the least busy loop that runs; False if none does."""
+async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:
+    """Accepts connections on listener until cancelled, giving each to hand.  An error
+    accepting one (too many open files, say) is logged, and accepting goes on after a
+    pause."""
+    loop = asyncio.get_running_loop()
+    try:
         while True:
-            with self._lock:
-                k = min(range(len(self._servers)), key=self._load)
-                if not self._loops[k].is_running():  # the least busy has stopped: all have
-                    return False
-                self._serving[k].arriving += 1
-            arrived = self._arrival(k)
             try:
-                handed = asyncio.run_coroutine_threadsafe(
-                    _connect(self._servers[k], connection, arrived), self._loops[k])
-            except RuntimeError:  # that loop closed meanwhile: another one
-                arrived()
+                connection, _ = await loop.sock_accept(listener)
+            except OSError as error:
+                logger.error("accepting a connection failed, trying again in %s s: %s",
+                             _ACCEPT_PAUSE, error)
+                await asyncio.sleep(_ACCEPT_PAUSE)
                 continue
-            handed.add_done_callback(lambda done, k=k, connection=connection, arrived=arrived:
-                                     self._handed(k, done, connection, arrived))
-            return True
-
-    def _arrival(self, k: int) -> Callable[[], None]:
-        """What to call when a connection handed to loop k is there (it is one of the
-        loop's connections) or will never be: it is no longer arriving.  Once."""
-        arriving = [True]
-
-        def arrived() -> None:
-            with self._lock:
-                if arriving:
-                    arriving.clear()
-                    self._serving[k].arriving -= 1
-        return arrived
-
-    def _handed(self, k: int, done: concurrent.futures.Future, connection: Any,
-                arrived: Callable[[], None]) -> None:
-        """Once the hand-over of connection to loop k has ended, well or not."""
-        arrived()
-        if done.cancelled():  # the loop ended first
-            connection.close()
-        elif done.exception() is not None:
-            logger.error("handing a connection to loop %d failed, closing it: %r",
-                         k, done.exception())
-            connection.close()
-
-    def stop(self) -> None:
-        """Stops every loop gracefully (each answers what it has received) and waits for
-        them, until ``force``."""
-        for server in self._servers:
-            server.should_exit = True
-        for thread in self._threads:
-            while thread.is_alive() and not self._forced:
-                thread.join(0.1)
-
-    def force(self) -> None:
-        """Stops the loops at once, as uvicorn does on a second SIGINT (a call running
-        on a loop's thread still ends first), and ends ``stop``'s wait."""
-        self._forced = True
-        for server in self._servers:
-            server.force_exit = True
+            hand(connection)
+    finally:
+        listener.close()
 
 
 #: seconds between a failed accept and the next try
 _ACCEPT_PAUSE = 0.1
 
 
-async def _connect(server: uvicorn.Server, connection: Any, arrived: Callable[[], None]) -> None:
-    """On server's loop: serves the accepted socket connection there, calling arrived
-    as it becomes one of the server's connections.  One that arrives once the server is
-    stopping (it waited for a call on the loop's thread) is shut down as the server shut
-    down its others, which it may have done already: a request it has received is
-    answered, then it closes; with none, it closes."""
-    def protocol() -> asyncio.Protocol:
-        arrived()
-        return server.config.http_protocol_class(
-            config=server.config, server_state=server.server_state,
-            app_state=server.lifespan.state)
-
-    _, served = await asyncio.get_running_loop().connect_accepted_socket(protocol, connection)
-    if server.should_exit:
-        await asyncio.sleep(0)  # a turn of the loop, which reads what the socket holds
-        served.shutdown()
+async def _connect(server: uvicorn.Server, connection: socket.socket) -> None:
+    """On server's loop: serves the accepted socket connection there."""
+    await asyncio.get_running_loop().connect_accepted_socket(
+        lambda: server.config.http_protocol_class(config=server.config,
+                                                  server_state=server.server_state,
+                                                  app_state=server.lifespan.state),
+        connection)
 
 
-class _LoopServer(uvicorn.Server):
-    """A server of _ConnectionLoops: calls started(self) on its loop once it runs."""
-
-    def __init__(self, config: uvicorn.Config, started: Any) -> None:
-        super().__init__(config)
-        self._started = started
-
-    async def startup(self, sockets: list | None = None) -> None:
-        await super().startup(sockets)
-        self._started(self)
-
-
-class _OneServerLines(logging.Filter):
-    """Drops uvicorn's information lines (starting, stopping) of each connection loop's
-    server: the process is one server, whose main thread says those once.  Warnings
-    and errors stay, and so do the lines of a graceful stop that say what it waits for
-    ("Waiting for connections to close"), once each."""
+class FrontEnds:
+    """The interpreters' front ends (multipy._inside.front_end), once the models are
+    ready: each runs in its interpreter on a host thread of its own, and ``hand`` gives
+    each new connection to the one with the fewest open connections (then the fewest
+    calls running), skipping any that has stopped."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._said: set[str] = set()
+        self._fronts: list[Any] = []  # the FrontEnd object in each interpreter
+        self._threads: list[threading.Thread] = []
+        self._handed: list[int] = []  # connections handed to each, ever
+        self._metrics: Any = None
+        self._handing: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stopping = False
+        self._forced = False
         self._lock = threading.Lock()
 
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno > logging.INFO or not record.threadName.startswith(_LOOP_THREAD):
-            return True
-        message = record.getMessage()
-        if not message.startswith("Waiting for"):
-            return False
+    def start(self, service: Service) -> None:
+        """Makes a front end in each interpreter of service, which is loaded, and runs
+        them; raises what failed."""
+        options, metrics = service.options, service.metrics
+        settings = {"names": list(service.models), "interpreters": service.interpreters,
+                    "board": metrics.board.address, "max_batch_size": options.max_batch_size,
+                    "batch_delay": options.batch_timeout_ms / 1000, "timeout": options.timeout,
+                    "max_request_size": options.max_request_size,
+                    "described": {name: model.metadata() for name, model in service.models.items()}}
+        fronts = []
+        for k, interpreter in enumerate(service.manager.all_instances()):
+            loaded = {name: model.instance(interpreter) for name, model in service.models.items()}
+            make = interpreter.global_("multipy._inside.front_end", "FrontEnd")
+            fronts.append(make(loaded, {**settings, "row": k + 1}))
+        threads = [threading.Thread(target=self._run, args=(k, front), daemon=True,
+                                    name=f"multipy-serve-front-{k}")
+                   for k, front in enumerate(fronts)]
         with self._lock:
-            said = message in self._said
-            self._said.add(message)
-        return not said
+            if self._stopping:
+                return
+            self._fronts, self._threads, self._metrics = fronts, threads, metrics
+            self._handed = [0] * len(fronts)
+            self._handing = concurrent.futures.ThreadPoolExecutor(
+                len(fronts), thread_name_prefix="multipy-serve-hand")
+            for thread in threads:
+                thread.start()
 
+    def _run(self, k: int, front: Any) -> None:
+        try:
+            front.call_value("run")
+        except BaseException as error:
+            if not self._stopping:
+                logger.error("interpreter %d's front end failed; the others serve its "
+                             "connections from now on: %s: %s", k, type(error).__name__,
+                             error, exc_info=error)
 
-_LOOP_THREAD = "multipy-serve-loop-"
+    def hand(self, connection: socket.socket) -> bool:
+        """Gives connection to a front end; False if none runs (the caller serves it)."""
+        with self._lock:
+            running = [k for k, thread in enumerate(self._threads) if thread.is_alive()]
+            if not running or self._stopping:
+                return False
+            metrics = self._metrics
+            k = min(running, key=lambda k: (
+                self._handed[k] - metrics.closed_connections(k + 1), metrics.busy(k + 1)))
+            self._handed[k] += 1
+            self._handing.submit(self._give, k, connection.detach())
+        return True
 
+    def _give(self, k: int, fd: int) -> None:
+        """On a hand-over thread: entering the interpreter waits for its GIL."""
+        try:
+            self._fronts[k].call_value("connect", (fd,))
+        except BaseException as error:
+            os.close(fd)
+            with self._lock:
+                self._handed[k] -= 1
+            logger.error("handing a connection to interpreter %d's front end failed, "
+                         "closing it: %s: %s", k, type(error).__name__, error)
 
-def _logging_config() -> dict:
-    """uvicorn's logging, with multipy.serve's lines formatted as uvicorn's own, and
-    uvicorn's information lines from the connection loops' servers left out."""
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["multipy.serve"] = {"handlers": ["default"], "level": "INFO",
-                                          "propagate": False}
-    config.setdefault("filters", {})["one_server"] = {"()": _OneServerLines}
-    config["loggers"]["uvicorn.error"]["filters"] = ["one_server"]
-    return config
+    def stop(self) -> None:
+        """Stops every front end gracefully (each answers what it has received) and
+        waits for them, until ``force``."""
+        with self._lock:
+            self._stopping = True
+            handing = self._handing
+        if handing is None:
+            return
+        handing.shutdown(wait=True)  # every connection handed is there: then the stop
+        for k, front in enumerate(self._fronts):
+            self._call(k, front, "stop")
+        for thread in self._threads:
+            while thread.is_alive() and not self._forced:
+                thread.join(0.1)
+
+    def force(self) -> None:
+        """Stops the front ends at once, as uvicorn does on a second SIGINT (a model
+        call still ends first), and ends ``stop``'s wait."""
+        self._forced = True
+        for k, front in enumerate(self._fronts):
+            self._call(k, front, "force")
+
+    @staticmethod
+    def _call(k: int, front: Any, method: str) -> None:
+        try:
+            front.call_value(method)
+        except Exception as error:  # that interpreter stopped: nothing to stop
+            logger.warning("interpreter %d's front end: %s failed: %s", k, method, error)
 
 
 def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options:
@@ -434,20 +363,16 @@ def main(argv: list[str] | None = None) -> int:
 
         return serve_on_ray(served, replicas=args.replicas or 1, replica_cpus=args.replica_cpus,
                             address=args.ray_address, host=args.host, port=args.port,
-                            logging_config=_logging_config())
+                            logging_config=logging_config())
     service = Service(served)
-    loader = threading.Thread(target=lambda: _load(service, server), daemon=True,
+    fronts = FrontEnds()
+    loader = threading.Thread(target=lambda: _load(service, server, fronts), daemon=True,
                               name="multipy-serve-start")
     app = create_app(service, loader.start)
-    # A loop per interpreter, which calls models on its own thread while it serves one
-    # connection; one loop when batching (a batch gathers requests on one loop) or a
-    # per-request timeout (bounded by the loop, on a worker thread) needs it.
-    inline = served.max_batch_size == 1 and served.timeout is None
-    loops = _ConnectionLoops(app, served.interpreters if inline else 1, inline)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
-                            access_log=False, log_config=_logging_config(),
+                            access_log=False, log_config=logging_config(),
                             timeout_graceful_shutdown=None)
-    server = _Server(config, loops)
+    server = _Server(config, fronts)
     server.run()
     if loader.is_alive():  # stopped while loading: the interpreters stop at exit
         return 0
@@ -455,15 +380,16 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if service.failure is not None else 0
 
 
-def _load(service: Service, server: uvicorn.Server) -> None:
-    """Loads the models once the server listens; stops the server if loading fails."""
+def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds) -> None:
+    """Loads the models once the server listens, then starts the interpreters' front
+    ends; stops the server if either fails."""
     while not server.started and not server.should_exit:
         time.sleep(0.01)
     if server.should_exit:
         return
     started = time.monotonic()
     try:
-        service.start()
+        service.start(before_ready=lambda: fronts.start(service))
     except BaseException as error:
         if server.should_exit:  # stopped meanwhile: nothing failed
             return

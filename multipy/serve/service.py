@@ -8,11 +8,10 @@ parallel.  The server is ready when all of that is done.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from .. import _glibc
 from .._pool import capacity
@@ -21,7 +20,8 @@ from . import archive
 from .metrics import Metrics
 from .models import ModelSpec, ServedModel, Turns
 from .progress import Progress
-from .protocol import MAX_REQUEST_SIZE, InferRequest, ProtocolError, Tensor
+from .protocol import MAX_REQUEST_SIZE
+from .requests import named
 
 logger = logging.getLogger("multipy.serve")
 
@@ -32,10 +32,6 @@ def default_interpreters() -> int:
     room = capacity()
     fit = min(room["free"] + room["more"], _glibc.torch_interpreters_that_fit())
     return max(1, min(cores(), fit))
-
-
-class ServiceTimeout(Exception):
-    """A request ran past --timeout; its call was cancelled."""
 
 
 @dataclass(frozen=True)
@@ -66,8 +62,10 @@ class Service:
         self.options = options
         self.specs = {spec.name: spec for spec in options.models}
         self.interpreters = options.interpreters
-        self.timeout = options.timeout
-        self.metrics = Metrics(list(self.specs), options.interpreters)
+        self.max_request_size = options.max_request_size
+        # row 0 the host's, row k + 1 interpreter k's front end's
+        self.metrics = Metrics(list(self.specs), options.interpreters,
+                               rows=options.interpreters + 1)
         self._batching = (options.max_batch_size, options.batch_timeout_ms / 1000)
         self.manager: InterpreterManager | None = None
         self.models: dict[str, ServedModel] = {}
@@ -76,9 +74,10 @@ class Service:
 
     # -- start-up: on its own thread --
 
-    def start(self) -> None:
+    def start(self, before_ready: Callable[[], None] | None = None) -> None:
         """Starts the interpreters and materialises every model on each, with a
-        progress bar and a log line per stage; raises what failed."""
+        progress bar and a log line per stage, then calls before_ready() and is ready;
+        raises what failed."""
         n, m = self.interpreters, len(self.specs)
         progress = Progress(n + n * m, logger)
         try:
@@ -89,7 +88,8 @@ class Service:
             progress.advance(n, "interpreters started")
             max_batch_size, delay = self._batching
             turns = Turns(n)  # one call per interpreter, of whichever model
-            models = [ServedModel(spec, self.manager, self.metrics, turns, max_batch_size, delay)
+            models = [ServedModel(spec, self.manager, self.metrics, turns, max_batch_size, delay,
+                                  self.options.timeout)
                       for spec in self.specs.values()]
             progress.stage(f"materialising {m} model(s) on {n} interpreter(s): torch is "
                            f"imported and each archive loaded in every interpreter "
@@ -100,6 +100,8 @@ class Service:
                                    for i in model.metadata()["inputs"])
                 progress.stage(f"model {model.name!r} from {model.spec.path}: inputs {inputs}")
             self.models = {model.name: model for model in models}
+            if before_ready is not None:
+                before_ready()
             self.ready = True
         finally:
             progress.close()
@@ -130,25 +132,7 @@ class Service:
     def model(self, name: str, version: str | None = None) -> ServedModel | None:
         """The model called name (and version, if given), or None while it loads;
         ProtocolError (404) if the server has no such model or version."""
-        if name not in self.specs:
-            raise ProtocolError(f"unknown model {name!r}; this server serves "
-                                f"{', '.join(map(repr, self.specs))}", 404)
-        if version not in (None, "", "1"):
-            raise ProtocolError(f"model {name!r} has no version {version!r}; its only "
-                                f"version is '1'", 404)
-        return self.models.get(name)
-
-    async def infer(self, model: ServedModel, request: InferRequest) -> list[Tensor]:
-        """model's outputs for request; ServiceTimeout past the per-request timeout (the
-        call is cancelled inside)."""
-        if self.timeout is None:
-            return await model.infer(request)
-        try:
-            return await asyncio.wait_for(model.infer(request), self.timeout)
-        except asyncio.TimeoutError:
-            raise ServiceTimeout(
-                f"model {model.name!r} did not answer within {self.timeout} s (--timeout); "
-                f"the call was cancelled") from None
+        return named(self.models, self.specs, name, version)
 
     async def drain(self) -> None:
         """Runs every batch still waiting and waits for it."""

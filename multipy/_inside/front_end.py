@@ -1,0 +1,307 @@
+"""An interpreter's front end for ``multipy serve``: HTTP, the protocol and the model
+calls, all in this interpreter, on its own GIL.
+
+The host accepts the connections and hands each to the front end of the interpreter with
+the fewest open ones (``connect``).  From then on, every request on it is parsed,
+decoded, checked, run and answered here, by uvicorn and the same Starlette application
+as the host's (multipy.serve.app), on an event loop that runs on the host thread that
+called ``run``.  A model runs on that thread, blocking the loop: one call at a time in
+this interpreter, as in one worker process of other servers.  With a per-request
+timeout, calls run one at a time on a thread of this interpreter instead, where a call
+whose request has waited too long is cancelled.  Counts go to this interpreter's row of
+the server's metrics board (multipy.serve.metrics), which ``/metrics`` sums, whichever
+front end answers it.
+
+Imports uvicorn, Starlette, prometheus_client and numpy (the ``serve`` extra), and of
+multipy only the request path that host and interpreters share (``multipy.serve``'s
+protocol, batching, metrics, requests and app).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging.config
+import os
+import queue
+import socket
+import threading
+from typing import Any, Callable
+
+import _multipy_bootstrap
+import uvicorn
+
+from ..serve.app import create_app, logging_config
+from ..serve.metrics import Metrics
+from ..serve.requests import ModelRequests, Started, named
+from .serving import Served
+
+
+class FrontEnd:
+    """This interpreter's front end for the models it has loaded (name -> Served), as
+    settings say: ``names`` (every model, in the server's order), ``described`` (name ->
+    the model's metadata), ``interpreters``, ``row`` and ``board`` (this front end's
+    row of the metrics board at that address), ``max_batch_size``, ``batch_delay``
+    (seconds), ``timeout`` (seconds or None) and ``max_request_size`` (bytes).
+
+    The host calls ``run`` on a thread of its own (it returns once the server has
+    stopped) and, from other threads, ``connect``, ``stop`` and ``force``."""
+
+    def __init__(self, models: dict[str, Served], settings: dict[str, Any]) -> None:
+        logging.config.dictConfig(logging_config(server_lines=False))
+        names = settings["names"]
+        self.metrics = Metrics(names, settings["interpreters"], rows=settings["interpreters"] + 1,
+                               row=settings["row"], address=settings["board"])
+        self.max_request_size = settings["max_request_size"]
+        self.ready = True
+        timeout = settings["timeout"]
+        self._worker = _Worker() if timeout is not None else None
+        self.models: dict[str, _Model] = {}
+        for name in names:
+            model = _Model(name, models[name], self.metrics.models[name], self._worker,
+                           settings["max_batch_size"], settings["batch_delay"], timeout)
+            model.describe(settings["described"][name])
+            self.models[name] = model
+        self._app = create_app(self)
+        self._server: _Server | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiting: list[int] = []  # connections handed before the loop ran
+        self._connecting: set[asyncio.Task] = set()
+        self._protocol: Any = None
+        self._stopping = False
+        self._lock = threading.Lock()
+
+    # -- what the application asks (see multipy.serve.app.create_app) --
+
+    def model(self, name: str, version: str | None = None) -> _Model | None:
+        return named(self.models, self.models, name, version)
+
+    async def drain(self) -> None:
+        for model in self.models.values():
+            await model.drain()
+
+    # -- what the host calls --
+
+    def run(self) -> None:
+        """Serves the connections handed to it until ``stop``: every request it has
+        received is answered, then its connections close."""
+        config = uvicorn.Config(self._app, lifespan="off", access_log=False, log_config=None,
+                                timeout_graceful_shutdown=None)
+        self._server = _Server(config, self._started, self.drain)
+        try:
+            with self._lock:
+                stopping = self._stopping
+            if not stopping:
+                self._server.run(sockets=[])
+        finally:
+            with self._lock:
+                self._loop, waiting, self._waiting = None, self._waiting, []
+            for fd in waiting:  # handed as it stopped: never served
+                os.close(fd)
+                self.metrics.closed_connection()
+            if self._worker is not None:
+                self._worker.stop()
+
+    def connect(self, fd: int) -> None:
+        """Serves the accepted connection whose socket is fd (this front end owns it now)."""
+        with self._lock:
+            loop = self._loop
+            if loop is None:
+                self._waiting.append(fd)
+                return
+        try:
+            loop.call_soon_threadsafe(self._connect, fd)
+        except RuntimeError:  # it has closed: never served
+            os.close(fd)
+            self.metrics.closed_connection()
+
+    def stop(self) -> None:
+        """Stops gracefully: a connection handed before is still served, each request
+        received is answered, and then ``run`` returns."""
+        with self._lock:
+            self._stopping = True
+            loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(lambda: loop.create_task(self._stop()))
+            except RuntimeError:  # it has closed: stopped already
+                pass
+
+    def force(self) -> None:
+        """Stops at once, as uvicorn does on a second Ctrl-C (a model call still ends first)."""
+        self.stop()
+        if self._server is not None:
+            self._server.force_exit = True
+
+    # -- on the loop --
+
+    def _started(self, server: uvicorn.Server) -> None:
+        base = server.config.http_protocol_class
+        metrics = self.metrics
+
+        class Counted(base):  # type: ignore[valid-type,misc]
+            """uvicorn's protocol, counting the connection when it closes."""
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                try:
+                    super().connection_lost(exc)
+                finally:
+                    metrics.closed_connection()
+
+        self._protocol = Counted
+        with self._lock:
+            self._loop = asyncio.get_running_loop()
+            waiting, self._waiting = self._waiting, []
+            stopping = self._stopping
+        for fd in waiting:
+            self._connect(fd)
+        if stopping:
+            self._loop.create_task(self._stop())
+
+    def _connect(self, fd: int) -> None:
+        task = asyncio.get_running_loop().create_task(self._serve(socket.socket(fileno=fd)))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _serve(self, connection: socket.socket) -> None:
+        server = self._server
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: self._protocol(config=server.config, server_state=server.server_state,
+                                       app_state=server.lifespan.state), connection)
+        except OSError:  # closed by the client meanwhile
+            connection.close()
+            self.metrics.closed_connection()
+
+    async def _stop(self) -> None:
+        """Once every connection handed before has been set up and has read what its
+        client sent, the server stops: uvicorn answers each request it has received and
+        closes each connection that has none."""
+        if self._connecting:
+            await asyncio.gather(*self._connecting, return_exceptions=True)
+        for _ in range(2):  # turns of the loop, which read what the new sockets hold
+            await asyncio.sleep(0)
+        self._server.should_exit = True
+
+
+class _Server(uvicorn.Server):
+    """A front end's uvicorn server: no socket of its own; started(self) on its loop
+    once it runs, and drain() once it has stopped (batches still waiting run)."""
+
+    def __init__(self, config: uvicorn.Config, started: Callable[[uvicorn.Server], None],
+                 drain: Callable[[], Any]) -> None:
+        super().__init__(config)
+        self._started_hook, self._drain = started, drain
+
+    async def startup(self, sockets: list | None = None) -> None:
+        await super().startup(sockets)
+        self._started_hook(self)
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        await super().shutdown(sockets)
+        await self._drain()
+
+
+class _Model(ModelRequests):
+    """A model loaded in this interpreter; see ModelRequests."""
+
+    def __init__(self, name: str, served: Served, series: Any, worker: _Worker | None,
+                 max_batch_size: int, batch_delay: float, timeout: float | None) -> None:
+        super().__init__(name, series, max_batch_size, batch_delay, timeout)
+        self._served, self._worker = served, worker
+
+    async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
+                   arrays: list[Any], started: Started) -> tuple:
+        if self._worker is None:  # here, blocking the loop
+            with started:
+                return self._served.infer(names, datatypes, *arrays)
+        return await self._worker.run(lambda: self._served.infer(names, datatypes, *arrays),
+                                      started)
+
+
+class _Worker:
+    """This interpreter's thread for model calls that a timeout may cancel: they run
+    there one at a time, in order.  A call whose caller is cancelled (the timeout) never
+    runs if it has not started, and has CallCancelled raised in it at its next bytecode
+    if it has."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="multipy-serve-call",
+                                        daemon=True)
+        self._thread.start()
+
+    async def run(self, call: Callable[[], tuple], started: Started) -> tuple:
+        """call()'s value (or exception), the call run on the worker thread within
+        ``started`` (entered and left on the caller's loop)."""
+        job = _Job(call, started, asyncio.get_running_loop())
+        self._jobs.put(job)
+        try:
+            return await job.answer
+        except asyncio.CancelledError:
+            job.abandon()
+            raise
+
+    def _work(self) -> None:
+        while True:
+            try:
+                while True:
+                    job = self._jobs.get()
+                    if job is None:
+                        return
+                    job.run()
+            except _multipy_bootstrap.CallCancelled:  # cancelled as its call ended
+                pass
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
+class _Job:
+    """One call of a _Worker: run on its thread, answered on the caller's loop."""
+
+    def __init__(self, call: Callable[[], tuple], started: Started,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self._call, self._started, self._loop = call, started, loop
+        self.answer = loop.create_future()
+        self._thread: int | None = None
+        self._abandoned = False
+        self._lock = threading.Lock()
+
+    def run(self) -> None:
+        with self._lock:
+            if self._abandoned:
+                return
+            self._thread = threading.get_ident()
+        try:
+            self._post(self._started.__enter__)
+            try:
+                outcome: tuple[Any, BaseException | None] = (self._call(), None)
+            except Exception as error:
+                outcome = (None, error)
+            finally:
+                self._post(self._started.__exit__, None, None, None)
+        finally:
+            with self._lock:
+                self._thread = None
+        self._post(self._settle, outcome)
+
+    def _settle(self, outcome: tuple[Any, BaseException | None]) -> None:
+        value, error = outcome
+        if self.answer.done():  # abandoned
+            return
+        if error is not None:
+            self.answer.set_exception(error)
+        else:
+            self.answer.set_result(value)
+
+    def _post(self, callback: Callable, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop has closed: no one waits any more
+            pass
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            if self._thread is not None:
+                _multipy_bootstrap.cancel(self._thread)

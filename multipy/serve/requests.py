@@ -1,0 +1,174 @@
+"""One model's inference requests, from decoded request to outputs: the path that every
+front end of a server shares, in each interpreter (``multipy._inside.front_end``) and in
+the host (Ray Serve's replicas, and connections that arrive while the interpreters
+start: ``multipy.serve.models``).  Each side says only how the model runs there.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Iterable, Mapping
+
+from .batching import Batcher
+from .metrics import ModelSeries
+from .protocol import InferRequest, ProtocolError, Tensor
+
+
+class ModelError(Exception):
+    """The model failed on a request (its fault, not the client's): answered with 500."""
+
+
+class ServiceTimeout(Exception):
+    """A request ran past --timeout; its call was cancelled."""
+
+
+def named(models: Mapping[str, Any], served: Iterable[str], name: str,
+          version: str | None = None) -> Any:
+    """The model called name (and version, if given) in models, or None while it loads;
+    ProtocolError (404) if the server serves no such model or version."""
+    served = list(served)
+    if name not in served:
+        raise ProtocolError(f"unknown model {name!r}; this server serves "
+                            f"{', '.join(map(repr, served))}", 404)
+    if version not in (None, "", "1"):
+        raise ProtocolError(f"model {name!r} has no version {version!r}; its only "
+                            f"version is '1'", 404)
+    return models.get(name)
+
+
+class ModelRequests:
+    """The requests of one model: ``infer(request)`` answers one, through the batcher
+    when batching is on (max_batch_size > 1) and within ``timeout`` seconds when one is
+    given.  Subclasses define ``_run``, which runs the model once."""
+
+    def __init__(self, name: str, series: ModelSeries, max_batch_size: int = 1,
+                 batch_delay: float = 0.0, timeout: float | None = None) -> None:
+        self.name = name
+        self._series = series
+        self._timeout = timeout
+        self._described: dict[str, list[dict]] | None = None
+        self._parameters: list[str] = []
+        self._batcher = Batcher(self._call, max_batch_size, batch_delay) \
+            if max_batch_size > 1 else None
+
+    def describe(self, described: dict[str, list[dict]]) -> None:
+        """Sets the model's inputs and outputs, as ``multipy._inside.serving.Served.metadata``
+        gives them."""
+        self._described = described
+        self._parameters = [spec["name"] for spec in described["inputs"]]
+
+    @property
+    def ready(self) -> bool:
+        """Whether the model answers (the host's may still load on some interpreters)."""
+        return True
+
+    def metadata(self) -> dict[str, Any]:
+        """The protocol's model metadata: inputs named after forward's parameters."""
+        described = self._described or {"inputs": [], "outputs": []}
+        return {"name": self.name, "versions": ["1"], "platform": "pytorch_torch_package",
+                "inputs": described["inputs"], "outputs": described["outputs"]}
+
+    async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
+                   arrays: list[Any], started: Started) -> tuple:
+        """Runs the model once, entering ``started`` as the call begins; returns what
+        ``Served.infer`` returns.  Cancelling it cancels the call."""
+        raise NotImplementedError
+
+    async def infer(self, request: InferRequest) -> list[Tensor]:
+        """The outputs for request, as the request selects them; ProtocolError for an
+        output it names that the model does not give, ModelError if the model fails,
+        BatchError if a batch's outputs cannot be split, ServiceTimeout past the
+        timeout (the call is cancelled)."""
+        if self._timeout is None:
+            outputs = await self._queued(request)
+        else:
+            try:
+                outputs = await asyncio.wait_for(self._queued(request), self._timeout)
+            except asyncio.TimeoutError:
+                raise ServiceTimeout(
+                    f"model {self.name!r} did not answer within {self._timeout} s "
+                    f"(--timeout); the call was cancelled") from None
+        return self._select(outputs, request)
+
+    async def _queued(self, request: InferRequest) -> list[Tensor]:
+        place = _Place(self._series.queued)
+        try:
+            if self._batcher is not None:
+                return await self._batcher.submit(request.inputs, place)
+            return await self._call(request.inputs, [place])
+        finally:
+            place.leave()
+
+    async def _call(self, inputs: list[Tensor], places: list[_Place]) -> list[Tensor]:
+        """One call of the model, with inputs that hold the requests at places."""
+        names = self._names(inputs)
+        datatypes = tuple(t.datatype for t in inputs)
+        try:
+            outputs = await self._run(names, datatypes, [t.array for t in inputs],
+                                      Started(self._series, places))
+        except ModelError:
+            raise
+        except Exception as error:
+            raise ModelError(f"model {self.name!r} raised {type(error).__name__}: "
+                             f"{error}") from error
+        output_names, output_datatypes, *arrays = outputs
+        return [Tensor(*output) for output in zip(output_names, output_datatypes, arrays)]
+
+    def _names(self, inputs: list[Tensor]) -> tuple[str, ...] | None:
+        """The inputs' names when every one names one of forward's parameters (they are
+        given by name), else None (by position in request order)."""
+        names = tuple(t.name for t in inputs)
+        if self._parameters and set(names) <= set(self._parameters):
+            return names
+        return None
+
+    def _select(self, outputs: list[Tensor], request: InferRequest) -> list[Tensor]:
+        if request.outputs is None:
+            return outputs
+        given = {t.name: t for t in outputs}
+        missing = [name for name, _ in request.outputs if name not in given]
+        if missing:
+            raise ProtocolError(f"model {self.name!r} has no output {missing[0]!r}; its "
+                                f"outputs are {', '.join(given) or 'none'}")
+        return [given[name] for name, _ in request.outputs]
+
+    async def drain(self) -> None:
+        """Runs what waits in the batcher now and waits for it (at shutdown)."""
+        if self._batcher is not None:
+            await self._batcher.drain()
+
+
+class Started:
+    """A call as it begins, in the metrics (``with started:`` around the call): its
+    requests leave the queue, the model has one more call and one more busy interpreter
+    while it runs, and the call's request count is observed."""
+
+    __slots__ = ("_series", "_places")
+
+    def __init__(self, series: ModelSeries, places: list[_Place]) -> None:
+        self._series, self._places = series, places
+
+    def __enter__(self) -> None:
+        for place in self._places:
+            place.leave()
+        self._series.busy.inc()
+        self._series.calls.inc()
+        self._series.batched.observe(len(self._places))
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._series.busy.dec()
+
+
+class _Place:
+    """A request's place in its model's queue, which it leaves once, when its call
+    starts or, failing that, when it is answered."""
+
+    __slots__ = ("_gauge",)
+
+    def __init__(self, gauge: Any) -> None:
+        gauge.inc()
+        self._gauge = gauge
+
+    def leave(self) -> None:
+        if self._gauge is not None:
+            self._gauge.dec()
+            self._gauge = None

@@ -2,7 +2,10 @@
 calls, all in this interpreter, on its own GIL.
 
 The host accepts the connections and hands each to the front end of the interpreter with
-the fewest open ones (``connect``).  From then on, every request on it is parsed,
+the fewest open ones, by writing its socket's file descriptor into the front end's
+inbox, a pipe whose read end the front end's event loop watches (the host never waits
+for this interpreter's GIL); a stop comes the same way, after every connection handed
+before it.  From then on, every request on it is parsed,
 decoded, checked, run and answered here, by uvicorn and the same Starlette application
 as the host's (multipy.serve.app), on an event loop that runs on the host thread that
 called ``run``.  A model runs on that thread, blocking the loop: one call at a time in
@@ -13,14 +16,13 @@ the server's metrics board (multipy.serve.metrics), which ``/metrics`` sums, whi
 front end answers it.
 
 Imports uvicorn, Starlette, prometheus_client and numpy (the ``serve`` extra), and of
-multipy only the request path that host and interpreters share (``multipy.serve``'s
-protocol, batching, metrics, requests and app).
+multipy only what host and interpreters share of ``multipy.serve`` (the request path:
+protocol, batching, metrics, requests and app; and the inbox).
 """
 from __future__ import annotations
 
 import asyncio
 import logging.config
-import os
 import queue
 import socket
 import threading
@@ -30,6 +32,7 @@ import _multipy_bootstrap
 import uvicorn
 
 from ..serve.app import create_app, logging_config
+from ..serve.inbox import FORCE, receive
 from ..serve.metrics import Metrics
 from ..serve.requests import ModelRequests, Started, named
 from .serving import Served
@@ -37,13 +40,15 @@ from .serving import Served
 
 class FrontEnd:
     """This interpreter's front end for the models it has loaded (name -> Served), as
-    settings say: ``names`` (every model, in the server's order), ``described`` (name ->
-    the model's metadata), ``interpreters``, ``row`` and ``board`` (this front end's
-    row of the metrics board at that address), ``max_batch_size``, ``batch_delay``
-    (seconds), ``timeout`` (seconds or None) and ``max_request_size`` (bytes).
+    settings say: ``inbox`` (the read end of its inbox, multipy.serve.inbox, which the
+    host owns), ``names`` (every model, in the server's order),
+    ``described`` (name -> the model's metadata), ``interpreters``, ``row`` and
+    ``board`` (this front end's row of the metrics board at that address),
+    ``max_batch_size``, ``batch_delay`` (seconds), ``timeout`` (seconds or None) and
+    ``max_request_size`` (bytes).
 
-    The host calls ``run`` on a thread of its own (it returns once the server has
-    stopped) and, from other threads, ``connect``, ``stop`` and ``force``."""
+    The host calls ``run`` on a thread of its own; it returns once a STOP or FORCE from
+    the inbox has stopped the server."""
 
     def __init__(self, models: dict[str, Served], settings: dict[str, Any]) -> None:
         logging.config.dictConfig(logging_config(server_lines=False))
@@ -61,13 +66,11 @@ class FrontEnd:
             model.describe(settings["described"][name])
             self.models[name] = model
         self._app = create_app(self)
+        self._inbox = settings["inbox"]
         self._server: _Server | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._waiting: list[int] = []  # connections handed before the loop ran
         self._connecting: set[asyncio.Task] = set()
         self._protocol: Any = None
         self._stopping = False
-        self._lock = threading.Lock()
 
     # -- what the application asks (see multipy.serve.app.create_app) --
 
@@ -81,55 +84,16 @@ class FrontEnd:
     # -- what the host calls --
 
     def run(self) -> None:
-        """Serves the connections handed to it until ``stop``: every request it has
-        received is answered, then its connections close."""
+        """Serves the connections handed to it until told to stop: every request it
+        has received is answered, then its connections close."""
         config = uvicorn.Config(self._app, lifespan="off", access_log=False, log_config=None,
                                 timeout_graceful_shutdown=None)
         self._server = _Server(config, self._started, self.drain)
         try:
-            with self._lock:
-                stopping = self._stopping
-            if not stopping:
-                self._server.run(sockets=[])
+            self._server.run(sockets=[])
         finally:
-            with self._lock:
-                self._loop, waiting, self._waiting = None, self._waiting, []
-            for fd in waiting:  # handed as it stopped: never served
-                os.close(fd)
-                self.metrics.closed_connection()
             if self._worker is not None:
                 self._worker.stop()
-
-    def connect(self, fd: int) -> None:
-        """Serves the accepted connection whose socket is fd (this front end owns it now)."""
-        with self._lock:
-            loop = self._loop
-            if loop is None:
-                self._waiting.append(fd)
-                return
-        try:
-            loop.call_soon_threadsafe(self._connect, fd)
-        except RuntimeError:  # it has closed: never served
-            os.close(fd)
-            self.metrics.closed_connection()
-
-    def stop(self) -> None:
-        """Stops gracefully: a connection handed before is still served, each request
-        received is answered, and then ``run`` returns."""
-        with self._lock:
-            self._stopping = True
-            loop = self._loop
-        if loop is not None:
-            try:
-                loop.call_soon_threadsafe(lambda: loop.create_task(self._stop()))
-            except RuntimeError:  # it has closed: stopped already
-                pass
-
-    def force(self) -> None:
-        """Stops at once, as uvicorn does on a second Ctrl-C (a model call still ends first)."""
-        self.stop()
-        if self._server is not None:
-            self._server.force_exit = True
 
     # -- on the loop --
 
@@ -147,14 +111,20 @@ class FrontEnd:
                     metrics.closed_connection()
 
         self._protocol = Counted
-        with self._lock:
-            self._loop = asyncio.get_running_loop()
-            waiting, self._waiting = self._waiting, []
-            stopping = self._stopping
-        for fd in waiting:
-            self._connect(fd)
-        if stopping:
-            self._loop.create_task(self._stop())
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self._inbox, self._read_inbox)
+        self._read_inbox()  # what came before the loop ran
+
+    def _read_inbox(self) -> None:
+        for value in receive(self._inbox):
+            if value >= 0:
+                self._connect(value)
+                continue
+            if value == FORCE:
+                self._server.force_exit = True
+            if not self._stopping:
+                self._stopping = True
+                asyncio.get_running_loop().create_task(self._stop())
 
     def _connect(self, fd: int) -> None:
         task = asyncio.get_running_loop().create_task(self._serve(socket.socket(fileno=fd)))

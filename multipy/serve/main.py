@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import contextlib
 import importlib.util
 import logging
@@ -41,6 +40,7 @@ from .._pool import capacity
 from ..manager import cores
 from .app import create_app, logging_config
 from .archive import ArchiveError, check
+from .inbox import FORCE, STOP, open_inbox, receive, send
 from .models import ModelSpec
 from .protocol import MAX_REQUEST_SIZE
 from .service import Options, Service, default_interpreters
@@ -208,16 +208,19 @@ async def _connect(server: uvicorn.Server, connection: socket.socket) -> None:
 
 class FrontEnds:
     """The interpreters' front ends (multipy._inside.front_end), once the models are
-    ready: each runs in its interpreter on a host thread of its own, and ``hand`` gives
+    ready: each runs in its interpreter on a host thread of its own.  ``hand`` gives
     each new connection to the one with the fewest open connections (then the fewest
-    calls running), skipping any that has stopped."""
+    calls running), skipping any that has stopped, by writing its file descriptor into
+    that front end's inbox: the host never waits for an interpreter's GIL to hand one.
+    The host owns the inboxes: what a front end leaves in its inbox when it ends, the
+    host closes."""
 
     def __init__(self) -> None:
         self._fronts: list[Any] = []  # the FrontEnd object in each interpreter
         self._threads: list[threading.Thread] = []
+        self._inboxes: list[tuple[int, int]] = []  # (read end, write end) of each
         self._handed: list[int] = []  # connections handed to each, ever
         self._metrics: Any = None
-        self._handing: concurrent.futures.ThreadPoolExecutor | None = None
         self._stopping = False
         self._forced = False
         self._lock = threading.Lock()
@@ -231,68 +234,70 @@ class FrontEnds:
                     "batch_delay": options.batch_timeout_ms / 1000, "timeout": options.timeout,
                     "max_request_size": options.max_request_size,
                     "described": {name: model.metadata() for name, model in service.models.items()}}
-        fronts = []
-        for k, interpreter in enumerate(service.manager.all_instances()):
-            loaded = {name: model.instance(interpreter) for name, model in service.models.items()}
-            make = interpreter.global_("multipy._inside.front_end", "FrontEnd")
-            fronts.append(make(loaded, {**settings, "row": k + 1}))
-        threads = [threading.Thread(target=self._run, args=(k, front), daemon=True,
-                                    name=f"multipy-serve-front-{k}")
-                   for k, front in enumerate(fronts)]
+        fronts, inboxes = [], []
+        try:
+            for k, interpreter in enumerate(service.manager.all_instances()):
+                inboxes.append(open_inbox())
+                loaded = {name: model.instance(interpreter)
+                          for name, model in service.models.items()}
+                make = interpreter.global_("multipy._inside.front_end", "FrontEnd")
+                fronts.append(make(loaded, {**settings, "row": k + 1, "inbox": inboxes[k][0]}))
+        except BaseException:
+            for pipe in inboxes:
+                os.close(pipe[0])
+                os.close(pipe[1])
+            raise
+        threads = [threading.Thread(target=self._run, args=(k,), daemon=True,
+                                    name=f"multipy-serve-front-{k}") for k in range(len(fronts))]
         with self._lock:
-            if self._stopping:
-                return
-            self._fronts, self._threads, self._metrics = fronts, threads, metrics
-            self._handed = [0] * len(fronts)
-            self._handing = concurrent.futures.ThreadPoolExecutor(
-                len(fronts), thread_name_prefix="multipy-serve-hand")
+            self._fronts, self._threads, self._inboxes = fronts, threads, inboxes
+            self._metrics, self._handed = metrics, [0] * len(fronts)
             for thread in threads:
                 thread.start()
+            if self._stopping:  # stopped while they were made
+                self._tell(STOP)
 
-    def _run(self, k: int, front: Any) -> None:
+    def _run(self, k: int) -> None:
         try:
-            front.call_value("run")
+            self._fronts[k].call_value("run")
         except BaseException as error:
             if not self._stopping:
                 logger.error("interpreter %d's front end failed; the others serve its "
                              "connections from now on: %s: %s", k, type(error).__name__,
                              error, exc_info=error)
+        finally:
+            with self._lock:  # nothing is written into its inbox any more
+                read, write = self._inboxes[k]
+                self._inboxes[k] = (-1, -1)
+            _close_left(read)
+            os.close(write)
 
     def hand(self, connection: socket.socket) -> bool:
         """Gives connection to a front end; False if none runs (the caller serves it)."""
         with self._lock:
-            running = [k for k, thread in enumerate(self._threads) if thread.is_alive()]
+            running = [k for k, (_, write) in enumerate(self._inboxes) if write >= 0]
             if not running or self._stopping:
                 return False
             metrics = self._metrics
             k = min(running, key=lambda k: (
                 self._handed[k] - metrics.closed_connections(k + 1), metrics.busy(k + 1)))
+            fd = connection.detach()
+            try:
+                send(self._inboxes[k][1], fd)
+            except OSError as error:  # its inbox is full: thousands wait there
+                os.close(fd)
+                logger.error("interpreter %d's front end has not taken the connections "
+                             "handed to it (%s): closing a new one", k, error)
+                return True
             self._handed[k] += 1
-            self._handing.submit(self._give, k, connection.detach())
         return True
 
-    def _give(self, k: int, fd: int) -> None:
-        """On a hand-over thread: entering the interpreter waits for its GIL."""
-        try:
-            self._fronts[k].call_value("connect", (fd,))
-        except BaseException as error:
-            os.close(fd)
-            with self._lock:
-                self._handed[k] -= 1
-            logger.error("handing a connection to interpreter %d's front end failed, "
-                         "closing it: %s: %s", k, type(error).__name__, error)
-
     def stop(self) -> None:
-        """Stops every front end gracefully (each answers what it has received) and
-        waits for them, until ``force``."""
+        """Stops every front end gracefully (each serves the connections handed to it
+        and answers what it has received) and waits for them, until ``force``."""
         with self._lock:
             self._stopping = True
-            handing = self._handing
-        if handing is None:
-            return
-        handing.shutdown(wait=True)  # every connection handed is there: then the stop
-        for k, front in enumerate(self._fronts):
-            self._call(k, front, "stop")
+            self._tell(STOP)
         for thread in self._threads:
             while thread.is_alive() and not self._forced:
                 thread.join(0.1)
@@ -301,15 +306,30 @@ class FrontEnds:
         """Stops the front ends at once, as uvicorn does on a second SIGINT (a model
         call still ends first), and ends ``stop``'s wait."""
         self._forced = True
-        for k, front in enumerate(self._fronts):
-            self._call(k, front, "force")
+        with self._lock:
+            self._tell(FORCE)
 
-    @staticmethod
-    def _call(k: int, front: Any, method: str) -> None:
-        try:
-            front.call_value(method)
-        except Exception as error:  # that interpreter stopped: nothing to stop
-            logger.warning("interpreter %d's front end: %s failed: %s", k, method, error)
+    def _tell(self, message: int) -> None:
+        """Under the lock: message to every front end that runs."""
+        for k, (_, write) in enumerate(self._inboxes):
+            if write >= 0:
+                try:
+                    send(write, message)
+                except OSError as error:
+                    logger.error("interpreter %d's front end could not be told to stop: %s",
+                                 k, error)
+
+
+def _close_left(inbox: int) -> None:
+    """Closes the connections left in an inbox that no front end reads any more, and
+    the inbox."""
+    try:
+        while left := receive(inbox):
+            for fd in left:
+                if fd >= 0:
+                    os.close(fd)
+    finally:
+        os.close(inbox)
 
 
 def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options:

@@ -4,7 +4,7 @@ interpreters, and against the same model behind KServe's own Python model server
 (kserve.ModelServer) with N worker processes, each holding its own copy of the model;
 for each example model named (by default a small one and the Python-heavy one).  Prints
 requests/s, p50 and p99 latency, the memory (PSS) of each server's whole process tree,
-and the cores each server kept busy while timed, measured in one run; every answer is
+and the cores each server (and the clients) kept busy while timed, measured in one run; every answer is
 checked against the model run eagerly here.  With --rounds R each server runs R times,
 the two taking turns (who goes first alternates), and the figures are the medians: a
 busy spell on a shared machine then skews one round, not the ratio.
@@ -155,9 +155,11 @@ def load(port: int, model: str, clients: int, seconds: float, warm_up: float, in
         start.wait(timeout=300)
         begun = time.perf_counter()
         probed = [probe()] if probe is not None else []
+        clients_before = sum(sum(cpu_seconds(p.pid).values()) for p in processes)
         answers = [results.get(timeout=seconds + 300) for _ in processes]
         elapsed = time.perf_counter() - begun
         probed += [probe()] if probe is not None else []
+        clients_used = sum(sum(cpu_seconds(p.pid).values()) for p in processes) - clients_before
     finally:
         for process in processes:
             process.join(timeout=60)
@@ -168,6 +170,7 @@ def load(port: int, model: str, clients: int, seconds: float, warm_up: float, in
             "p50_ms": statistics.median(every) * 1e3,
             "p99_ms": every[min(len(every) - 1, int(len(every) * 0.99))] * 1e3,
             "requests": len(every), "wrong": sum(wrong for _, wrong in answers),
+            "client_cores": clients_used / elapsed,
             **({"probed": probed} if probe is not None else {})}
 
 
@@ -275,13 +278,15 @@ def main() -> None:
                         help="example packages, each measured in turn (simple,python_heavy)")
     parser.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv", "kserve-peer"),
                         help="KServe's virtual environment, made if missing (.venv/kserve-peer)")
+    parser.add_argument("--peer-python",
+                        help="a python that already has KServe, instead of --peer-venv")
     parser.add_argument("--no-peer", action="store_true",
                         help="multipy only (where KServe cannot be installed)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
     servers = ("multipy",) if args.no_peer else ("multipy", "kserve")
-    peer = None if args.no_peer else ensure_peer_venv(args.peer_venv)
+    peer = None if args.no_peer else args.peer_python or ensure_peer_venv(args.peer_venv)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for model in args.models.split(","):
@@ -309,7 +314,7 @@ def main() -> None:
           f"warm-up; the median of {args.rounds} round(s), the servers taking turns; "
           f"{os.cpu_count()} cores")
     print(f"{'model':13s} {'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
-          f"{'PSS MiB':>8s} {'cores':>6s} {'wrong':>6s}")
+          f"{'PSS MiB':>8s} {'cores':>6s} {'clients':>7s} {'wrong':>6s}")
     for row in rows:
         for name in servers:
             label = (f"multipy serve, {row['n']} interp." if name == "multipy"
@@ -317,7 +322,7 @@ def main() -> None:
             f = row[name]
             print(f"{row['model']:13s} {label:28s} {row['n']:2d} {f['requests_per_second']:8.1f} "
                   f"{f['p50_ms']:8.2f} {f['p99_ms']:8.2f} {f['pss_mib']:8.1f} "
-                  f"{f['server_cores']:6.2f} {f['wrong']:6d}")
+                  f"{f['server_cores']:6.2f} {f['client_cores']:7.2f} {f['wrong']:6d}")
         if "kserve" not in row:
             continue
         ours, theirs = row["multipy"], row["kserve"]

@@ -643,6 +643,41 @@ def test_metrics(served):
     assert after[("multipy_interpreters", ())] == 2
 
 
+def test_metrics_sum_every_writers_row():
+    """Writers that each count in their own row of one board (as the interpreters'
+    front ends do, at its address) are summed by /metrics's text, whoever renders it."""
+    from multipy.serve.metrics import Metrics
+
+    host = Metrics(["a", "b"], 2, rows=3, row=0)
+    fronts = [Metrics(["a", "b"], 2, rows=3, row=k, address=host.board.address) for k in (1, 2)]
+    for k, front in enumerate(fronts):
+        series = front.models["a"]
+        for _ in range(k + 1):
+            series.requests.inc()
+            series.latency.observe(0.003)
+        series.failed(413)
+        series.busy.inc()
+        front.closed_connection()
+    fronts[0].models["b"].batched.observe(3)
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(fronts[1].render().decode())
+               for sample in family.samples}
+    assert samples[("multipy_inference_requests_total", (("model", "a"),))] == 3
+    assert samples[("multipy_inference_requests_total", (("model", "b"),))] == 0
+    assert samples[("multipy_inference_failures_total", (("model", "a"), ("status", "413")))] == 2
+    latency = "multipy_inference_request_duration_seconds"
+    assert samples[(f"{latency}_bucket", (("le", "0.0025"), ("model", "a")))] == 0
+    assert samples[(f"{latency}_bucket", (("le", "0.005"), ("model", "a")))] == 3
+    assert samples[(f"{latency}_count", (("model", "a"),))] == 3
+    assert samples[(f"{latency}_sum", (("model", "a"),))] == pytest.approx(0.009)
+    assert samples[("multipy_busy_interpreters", (("model", "a"),))] == 2
+    assert samples[("multipy_batch_requests_bucket", (("le", "2.0"), ("model", "b")))] == 0
+    assert samples[("multipy_batch_requests_bucket", (("le", "4.0"), ("model", "b")))] == 1
+    assert samples[("multipy_interpreters", ())] == 2
+    assert [host.closed_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
+    assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 1]
+
+
 def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
     """Turns(1): calls waiting on two loops on two threads get the turn in the order
     they asked for it; one whose wait is cancelled takes none; a turn given back goes

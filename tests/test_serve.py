@@ -88,6 +88,25 @@ class Slow(nn.Module):
         return {"doubled": seconds * 2, "together": torch.tensor([peak])}
 
 
+class Blocks(nn.Module):
+    """Blocks in C, opening the FIFO whose path its input holds (as UINT8), until a
+    writer opens it: a call that a cancel cannot stop."""
+
+    def forward(self, path):
+        with open(bytes(path.tolist()).decode(), "rb") as fifo:
+            fifo.read(1)
+        return path
+
+
+class Crashes(nn.Module):
+    """Writes to address 16: a segmentation fault."""
+
+    def forward(self, x):
+        import ctypes
+        ctypes.memset(16, 0, 1)
+        return x
+
+
 class Thread(nn.Module):
     """Says which host thread runs it: the one that entered the interpreter."""
 
@@ -165,7 +184,8 @@ def packages(tmp_path_factory):
         spec.loader.exec_module(module)
         paths = {}
         examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3))}
-        for name in ("Cast", "Pair", "Fails", "Slow", "Thread", "Rows", "Total", "Wrapped"):
+        for name in ("Cast", "Pair", "Fails", "Slow", "Blocks", "Crashes", "Thread", "Rows",
+                     "Total", "Wrapped"):
             path = folder / f"{name.lower()}.pt"
             with torch.package.PackageExporter(str(path)) as exporter:
                 exporter.extern(["torch.**"])
@@ -243,7 +263,7 @@ def _stop(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def served(packages, tmp_path_factory):
-    names = ["python_heavy", "cast", "pair", "fails", "slow"]
+    names = ["python_heavy", "cast", "pair", "fails", "slow", "blocks"]
     server = _start(tmp_path_factory.mktemp("served"), [packages[n] for n in names],
                     "--interpreters", "2", "--timeout", "5")
     try:
@@ -264,7 +284,8 @@ def batching(packages, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def per_loop(packages, tmp_path_factory):
-    server = _start(tmp_path_factory.mktemp("per_loop"), [packages["thread"], packages["slow"]],
+    server = _start(tmp_path_factory.mktemp("per_loop"),
+                    [packages["thread"], packages["slow"], packages["blocks"]],
                     "--interpreters", "2")
     try:
         yield server
@@ -597,6 +618,236 @@ def test_small_hostile_requests_are_refused_without_stalling_or_exhausting(serve
     status, answer = _infer_json(served, "cast", good)
     assert status == 200 and answer["outputs"][0]["data"] == [1.0, 2.0]
     assert _rss(served) - before < 400 << 20
+
+
+def test_request_heads_are_bounded_in_size_and_fields(served):
+    """A head past --max-header-size (64 KiB by default), in one huge header or in many,
+    or with more than --max-headers fields (100), is a 431 before the rest is parsed;
+    a head just inside both is served, and so is the next request."""
+    good = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                   "data": [3]}]}).encode()
+    start = b"POST /v2/models/cast/infer HTTP/1.1\r\nHost: test\r\n"
+    end = b"Content-Length: %d\r\n\r\n" % len(good) + good
+    huge = start + b"X-Huge: " + b"a" * (1 << 20) + b"\r\n" + end
+    status, message = _answer_while_sending(served, [huge[i:i + 65536]
+                                                     for i in range(0, len(huge), 65536)])
+    assert status == 431 and "--max-header-size" in message
+    many = start + b"".join(b"X-%d: %s\r\n" % (i, b"b" * 1000) for i in range(70)) + end
+    assert _answer_while_sending(served, [many])[0] == 431
+    fields = start + b"".join(b"X-%d: c\r\n" % i for i in range(150)) + end
+    status, message = _answer_while_sending(served, [fields])
+    assert status == 431 and "--max-headers" in message
+    inside = start + b"".join(b"X-%d: %s\r\n" % (i, b"d" * 500) for i in range(90)) + end
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        sock.sendall(inside)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 200, response.read()
+        assert json.loads(response.read())["outputs"][0]["data"] == [3.0]
+    status, answer = _infer_json(served, "cast", json.loads(good))
+    assert status == 200 and answer["outputs"][0]["data"] == [3.0]
+
+
+def test_slow_requests_idle_connections_and_a_stalled_stop_are_bounded(packages, tmp_path):
+    """With --read-timeout 1: a request whose head, or body, stops arriving is a 408, a
+    connection that sends nothing is closed, and a client that keeps its request
+    coming in time is served.  With --graceful-timeout 1, a client stalled in the middle
+    of its body does not keep SIGTERM from ending the server (exit status 0)."""
+    server = _start(tmp_path, [packages["cast"]], "--interpreters", "1", "--read-timeout", "1",
+                    "--graceful-timeout", "1")
+    try:
+        good = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                       "data": [5]}]}).encode()
+        start = b"POST /v2/models/cast/infer HTTP/1.1\r\nHost: test\r\n"
+        status, message = _answer_while_sending(server, [start + b"X-Slow: "])
+        assert status == 408 and "--read-timeout" in message
+        status, message = _answer_while_sending(
+            server, [start + b"Content-Length: %d\r\n\r\n" % len(good) + good[:5]])
+        assert status == 408
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as idle:
+            assert idle.recv(1) == b""  # closed by the server
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            for piece in (start, b"Content-Length: %d\r\n\r\n" % len(good), good):
+                sock.sendall(piece)
+                time.sleep(0.2)  # in time: well inside the second
+            response = http.client.HTTPResponse(sock)
+            response.begin()
+            assert response.status == 200
+            assert json.loads(response.read())["outputs"][0]["data"] == [5.0]
+        # a client that stalls halfway through its body, as SIGTERM comes
+        stalled = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        try:
+            stalled.sendall(start + b"Content-Length: 1000\r\n\r\n{")
+            _until_accepted(server.port)
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(timeout=60) == 0, server.output()
+            assert stalled.recv(1 << 16) is not None  # answered (408) or closed: not left open
+        finally:
+            stalled.close()
+    finally:
+        _stop(server)
+
+
+def _busy(server: Server, model: str) -> float:
+    return _metrics(server)[("multipy_busy_interpreters", (("model", model),))]
+
+
+def _until(check, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_interpreters_stuck_past_the_timeout_are_named_counted_and_passed_by(served, tmp_path):
+    """Calls blocked in C run on past --timeout (5 s) in both interpreters: their
+    requests get a 500 naming their model; then the server is not ready and says why,
+    counts 2 stuck interpreters, answers liveness at once, and answers another model's
+    request with a 503 naming the model that holds them; once the calls end, it serves
+    again."""
+    fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    answers: list = []
+
+    def blocked(fifo: str) -> None:
+        path = np.frombuffer(fifo.encode(), np.uint8)
+        try:
+            served.client().infer("blocks", [_input("path", path, "UINT8", True)])
+            answers.append(None)
+        except InferenceServerException as error:
+            answers.append(error)
+
+    threads = []
+    for k, fifo in enumerate(fifos):  # one on each interpreter: the second goes to the free one
+        threads.append(threading.Thread(target=blocked, args=(fifo,)))
+        threads[-1].start()
+        _until(lambda: _busy(served, "blocks") == k + 1)
+    try:
+        for thread in threads:
+            thread.join(timeout=60)
+        assert [a.status() for a in answers] == ["500", "500"], answers
+        assert all("'blocks' did not answer" in a.message() for a in answers)
+        status, _, body = _request(served, "GET", "/v2/health/ready")
+        reason = json.loads(body)["error"]
+        assert status == 400 and "no interpreter can take a call" in reason and "'blocks'" in reason
+        status, _, body = _request(served, "GET", "/v2/models/cast/ready")
+        assert status == 400 and "'blocks'" in json.loads(body)["error"]
+        assert _request(served, "GET", "/v2/health/live")[0] == 200
+        assert _metrics(served)[("multipy_stuck_interpreters", ())] == 2
+        status, answer = _infer_json(served, "cast", {"inputs": [
+            {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
+        assert status == 503 and "'blocks'" in answer["error"], answer
+    finally:
+        for fifo in fifos:
+            _until(lambda: _write_one_byte(fifo))
+    _until(lambda: _request(served, "GET", "/v2/health/ready")[0] == 200)
+    assert _metrics(served)[("multipy_stuck_interpreters", ())] == 0
+    status, answer = _infer_json(served, "cast", {"inputs": [
+        {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
+    assert status == 200 and answer["outputs"][0]["data"] == [1.0]
+
+
+def _write_one_byte(fifo: str) -> bool:
+    """Writes a byte into fifo if a reader has it open; whether it did."""
+    try:
+        descriptor = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no reader yet
+        return False
+    try:
+        os.write(descriptor, b"x")
+    except BrokenPipeError:  # the reader has gone: nothing waits on it
+        pass
+    finally:
+        os.close(descriptor)
+    return True
+
+
+def _requests_to_fuzz():
+    """Inference requests, well formed and not: any JSON the protocol's request object
+    could be confused with, and valid requests with one field changed."""
+    from hypothesis import strategies as st
+
+    leaf = st.one_of(st.integers(-2 ** 70, 2 ** 70), st.floats(), st.booleans(),
+                     st.text(max_size=4), st.none())
+    data = st.recursive(leaf, lambda inner: st.lists(inner, max_size=4)
+                        | st.dictionaries(st.text(max_size=3), inner, max_size=2), max_leaves=16)
+    datatype = st.one_of(st.sampled_from(DATATYPES + ["BYTES", "FP8", "", "fp32"]), data)
+    shape = st.one_of(st.lists(st.integers(-2, 2 ** 64), max_size=4),
+                      st.lists(st.integers(0, 3), max_size=3), data)
+    tensor = st.fixed_dictionaries(
+        {"name": st.sampled_from(["x", "y", ""]), "datatype": datatype, "shape": shape,
+         "data": data}, optional={"parameters": st.dictionaries(st.text(max_size=12), data,
+                                                                 max_size=2)})
+    request = st.fixed_dictionaries(
+        {"inputs": st.one_of(st.lists(tensor, max_size=3), data)},
+        optional={"id": data, "parameters": st.dictionaries(st.text(max_size=12), data, max_size=2),
+                  "outputs": st.one_of(st.lists(st.fixed_dictionaries(
+                      {"name": st.sampled_from(["same", "as_fp64", "other"])},
+                      optional={"parameters": data}), max_size=3), data)})
+
+    @st.composite
+    def changed(draw):
+        rows = draw(st.integers(0, 3))
+        kind = draw(st.sampled_from(DATATYPES))
+        good = {"name": "x", "datatype": kind, "shape": [rows],
+                "data": [1] * rows if kind != "BOOL" else [True] * rows}
+        field = draw(st.sampled_from(["name", "datatype", "shape", "data", None]))
+        if field is not None:
+            good[field] = draw({"name": st.text(max_size=3), "datatype": datatype,
+                                "shape": shape, "data": data}[field])
+        return {"inputs": [good]}
+
+    return st.one_of(request, changed(), data)
+
+
+def test_fuzzed_requests_get_an_answer_that_says_what_is_wrong(served):
+    """Generated requests (hypothesis; FUZZ_EXAMPLES of them, 300 by default): each is
+    answered 200, or 400 with a message, or 500 only where the model itself raised;
+    never a server error, never no answer; and a normal request is served after."""
+    from hypothesis import HealthCheck, given, settings
+
+    examples = int(os.environ.get("FUZZ_EXAMPLES", "300"))
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=examples, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(_requests_to_fuzz())
+    def answered(body):
+        status, headers, answer = _request(served, "POST", "/v2/models/cast/infer",
+                                           json.dumps(body).encode())
+        seen[status] = seen.get(status, 0) + 1
+        reply = json.loads(answer)
+        if status == 200:
+            assert reply["model_name"] == "cast" and "outputs" in reply
+        else:
+            assert status in (400, 500), (status, body, reply)
+            assert isinstance(reply["error"], str) and reply["error"], (body, reply)
+            if status == 500:
+                assert reply["error"].startswith("model 'cast' raised"), (body, reply)
+
+    answered()
+    print(f"fuzzed requests by status: {dict(sorted(seen.items()))}")  # (pytest -s)
+    assert sum(seen.values()) >= examples and seen.get(400), seen
+    status, answer = _infer_json(served, "cast", {"inputs": [
+        {"name": "x", "shape": [1], "datatype": "FP32", "data": [2]}]})
+    assert status == 200 and answer["outputs"][0]["data"] == [2.0]
+
+
+def test_a_crash_report_names_the_model_and_the_request(packages, tmp_path):
+    """A model that crashes its interpreter ends the process (one address space); the
+    report on stderr names the interpreter, the model and the request."""
+    server = _start(tmp_path, [packages["crashes"]], "--interpreters", "1")
+    try:
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            _infer_json(server, "crashes", {"id": "req-42", "inputs": [
+                {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
+        assert server.process.wait(timeout=60) != 0
+        output = server.output()
+        assert "fatal signal 11 in interpreter #0" in output, output
+        assert "inference of model 'crashes', request 'req-42'" in output, output
+    finally:
+        _stop(server)
 
 
 def test_a_request_past_the_timeout_is_answered_and_cancelled(served):
@@ -958,6 +1209,49 @@ def test_at_most_one_call_per_interpreter_whatever_the_loop(per_loop):
     assert not errors, (errors[0], per_loop.output())
     assert [a.as_numpy("doubled")[0] for a in answers] == [np.float32(1.0)] * 4
     assert [a.as_numpy("together")[0] for a in answers] == [1] * 4
+
+
+def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(per_loop,
+                                                                            tmp_path):
+    """Both interpreters are in a call that does not end (no --timeout): liveness,
+    readiness and the metrics, each on a new connection, are answered meanwhile; then
+    the calls end and are answered."""
+    fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
+    writers: list[int] = []
+    calls = []
+    try:
+        for fifo in fifos:  # the second connection goes to the interpreter not in a call
+            os.mkfifo(fifo)
+            connection = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
+            connection.request("POST", "/v2/models/blocks/infer", body=json.dumps({"inputs": [
+                {"name": "path", "shape": [len(fifo)], "datatype": "UINT8",
+                 "data": list(fifo.encode())}]}).encode())
+            calls.append(connection)
+            writers.append(_until_opened(fifo))  # the call runs: it opened the FIFO
+        for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
+            assert _request(per_loop, "GET", path)[0] == 200, path
+        assert _metrics(per_loop)[("multipy_busy_interpreters", (("model", "blocks"),))] == 2
+        assert not any(_readable(call.sock) for call in calls)  # still running
+    finally:
+        for writer in writers:
+            os.write(writer, b"x")
+            os.close(writer)
+    for call, fifo in zip(calls, fifos):
+        response = call.getresponse()
+        assert response.status == 200
+        assert bytes(json.loads(response.read())["outputs"][0]["data"]).decode() == fifo
+        call.close()
+
+
+def _until_opened(fifo: str) -> int:
+    """A writer's descriptor of fifo, once a reader has opened it (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # no reader yet
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
 
 
 def test_a_new_connection_goes_to_a_loop_that_is_not_in_a_call(per_loop):

@@ -32,10 +32,16 @@ import _multipy_bootstrap
 import uvicorn
 
 from ..serve.app import create_app, logging_config
+from ..serve.connection import Limits, guarded
 from ..serve.inbox import FORCE, receive
 from ..serve.metrics import Metrics
+from ..serve.protocol import ProtocolError
 from ..serve.requests import ModelRequests, Started, named
 from .serving import Served
+
+
+#: What a crash report names while a front end runs no model call.
+_SERVING = (b"serving", b"the HTTP requests of multipy serve")
 
 
 class FrontEnd:
@@ -44,8 +50,9 @@ class FrontEnd:
     host owns), ``names`` (every model, in the server's order),
     ``described`` (name -> the model's metadata), ``interpreters``, ``row`` and
     ``board`` (this front end's row of the metrics board at that address),
-    ``max_batch_size``, ``batch_delay`` (seconds), ``timeout`` (seconds or None) and
-    ``max_request_size`` (bytes).
+    ``max_batch_size``, ``batch_delay`` (seconds), ``timeout`` (seconds or None),
+    ``max_request_size`` (bytes), ``limits`` (multipy.serve.connection.Limits, as a dict)
+    and ``graceful_timeout`` (seconds or None).
 
     The host calls ``run`` on a thread of its own; it returns once a STOP or FORCE from
     the inbox has stopped the server."""
@@ -54,8 +61,11 @@ class FrontEnd:
         logging.config.dictConfig(logging_config(server_lines=False))
         names = settings["names"]
         self.metrics = Metrics(names, settings["interpreters"], rows=settings["interpreters"] + 1,
-                               row=settings["row"], address=settings["board"])
+                               row=settings["row"], address=settings["board"],
+                               stuck_after=settings["stuck_after"])
         self.max_request_size = settings["max_request_size"]
+        self._limits = Limits(**settings["limits"])
+        self._graceful_timeout = settings["graceful_timeout"]
         self.ready = True
         timeout = settings["timeout"]
         self._worker = _Worker() if timeout is not None else None
@@ -86,8 +96,9 @@ class FrontEnd:
     def run(self) -> None:
         """Serves the connections handed to it until told to stop: every request it
         has received is answered, then its connections close."""
+        _multipy_bootstrap.note(*_SERVING)
         config = uvicorn.Config(self._app, lifespan="off", access_log=False, log_config=None,
-                                timeout_graceful_shutdown=None)
+                                timeout_graceful_shutdown=self._graceful_timeout)
         self._server = _Server(config, self._started, self.drain)
         try:
             self._server.run(sockets=[])
@@ -98,19 +109,8 @@ class FrontEnd:
     # -- on the loop --
 
     def _started(self, server: uvicorn.Server) -> None:
-        base = server.config.http_protocol_class
-        metrics = self.metrics
-
-        class Counted(base):  # type: ignore[valid-type,misc]
-            """uvicorn's protocol, counting the connection when it closes."""
-
-            def connection_lost(self, exc: Exception | None) -> None:
-                try:
-                    super().connection_lost(exc)
-                finally:
-                    metrics.closed_connection()
-
-        self._protocol = Counted
+        self._protocol = guarded(server.config.http_protocol_class, self._limits,
+                                 self.metrics.closed_connection)
         loop = asyncio.get_running_loop()
         loop.add_reader(self._inbox, self._read_inbox)
         self._read_inbox()  # what came before the loop ran
@@ -181,10 +181,21 @@ class _Model(ModelRequests):
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started) -> tuple:
         if self._worker is None:  # here, blocking the loop
-            with started:
-                return self._served.infer(names, datatypes, *arrays)
+            # what a crash report names while it runs (kept alive until then)
+            running = (b"inference", f"model {self.name!r}, {started.requests()}".encode())
+            _multipy_bootstrap.note(*running)
+            try:
+                with started:
+                    return self._served.infer(names, datatypes, *arrays)
+            finally:
+                _multipy_bootstrap.note(*_SERVING)
+        stuck = self._worker.stuck
+        if stuck is not None:
+            raise ProtocolError(f"this interpreter still runs a call of model {stuck!r} that "
+                                f"passed its --timeout, and takes no other call until that one "
+                                f"ends; try again later", 503)
         return await self._worker.run(lambda: self._served.infer(names, datatypes, *arrays),
-                                      started)
+                                      started, self._series, self.name)
 
 
 class _Worker:
@@ -194,20 +205,32 @@ class _Worker:
     if it has."""
 
     def __init__(self) -> None:
+        #: the model whose call, given up on by its request, still runs here, or None
+        self.stuck: str | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="multipy-serve-call",
                                         daemon=True)
         self._thread.start()
 
-    async def run(self, call: Callable[[], tuple], started: Started) -> tuple:
-        """call()'s value (or exception), the call run on the worker thread within
-        ``started`` (entered and left on the caller's loop)."""
+    async def run(self, call: Callable[[], tuple], started: Started, series: Any,
+                  name: str) -> tuple:
+        """call()'s value (or exception), the call (of model name, counted in series) run
+        on the worker thread within ``started`` (entered and left on the caller's
+        loop).  Cancelled once running, it makes the worker ``stuck`` until it ends."""
         job = _Job(call, started, asyncio.get_running_loop())
         self._jobs.put(job)
         try:
             return await job.answer
         except asyncio.CancelledError:
-            job.abandon()
+            if job.abandon():
+                self.stuck = name
+                series.abandoned(True)
+
+                def ended(_: asyncio.Future) -> None:
+                    self.stuck = None
+                    series.abandoned(False)
+
+                job.ended.add_done_callback(ended)
             raise
 
     def _work(self) -> None:
@@ -233,6 +256,8 @@ class _Job:
                  loop: asyncio.AbstractEventLoop) -> None:
         self._call, self._started, self._loop = call, started, loop
         self.answer = loop.create_future()
+        #: done (on the loop) once the call has ended, answered or not
+        self.ended = loop.create_future()
         self._thread: int | None = None
         self._abandoned = False
         self._lock = threading.Lock()
@@ -242,10 +267,11 @@ class _Job:
             if self._abandoned:
                 return
             self._thread = threading.get_ident()
+        outcome: tuple[Any, BaseException | None] = (None, None)  # if cancelled
         try:
             self._post(self._started.__enter__)
             try:
-                outcome: tuple[Any, BaseException | None] = (self._call(), None)
+                outcome = (self._call(), None)
             except Exception as error:
                 outcome = (None, error)
             finally:
@@ -253,10 +279,12 @@ class _Job:
         finally:
             with self._lock:
                 self._thread = None
-        self._post(self._settle, outcome)
+            self._post(self._settle, outcome)
 
     def _settle(self, outcome: tuple[Any, BaseException | None]) -> None:
         value, error = outcome
+        if not self.ended.done():
+            self.ended.set_result(None)
         if self.answer.done():  # abandoned
             return
         if error is not None:
@@ -270,8 +298,12 @@ class _Job:
         except RuntimeError:  # the loop has closed: no one waits any more
             pass
 
-    def abandon(self) -> None:
+    def abandon(self) -> bool:
+        """Gives up on the call: it never runs, or CallCancelled is raised in it; True
+        if it was running."""
         with self._lock:
             self._abandoned = True
-            if self._thread is not None:
-                _multipy_bootstrap.cancel(self._thread)
+            if self._thread is None:
+                return False
+            _multipy_bootstrap.cancel(self._thread)
+            return True

@@ -47,7 +47,10 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
         return Response(status_code=200)
 
     async def ready(request: Request) -> Response:
-        return Response(status_code=200 if service.ready else 400)
+        if not service.ready:
+            return Response(status_code=400)
+        stuck = service.metrics.all_stuck()
+        return _error(400, stuck) if stuck else Response(status_code=200)
 
     async def server_metadata(request: Request) -> Response:
         return JSONResponse({"name": "multipy", "version": _version(),
@@ -66,7 +69,10 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
                                   request.path_params.get("version"))
         except ProtocolError as error:
             return _error(error.status, str(error))
-        return Response(status_code=200 if model is not None and model.ready else 400)
+        if model is None or not model.ready:
+            return Response(status_code=400)
+        stuck = service.metrics.all_stuck()
+        return _error(400, stuck) if stuck else Response(status_code=200)
 
     async def infer(request: Request) -> Response:
         try:
@@ -148,7 +154,8 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
 
 
 def _model(service: Any, request: Request) -> Any:
-    """The ready model a request names; ProtocolError (404 unknown, 503 loading)."""
+    """The ready model a request names; ProtocolError (404 unknown, 503 loading, or no
+    interpreter can take a call)."""
     name = request.path_params["model"]
     model = service.model(name, request.path_params.get("version"))
     if model is None:

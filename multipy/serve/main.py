@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import contextlib
 import importlib.util
 import logging
@@ -40,10 +41,11 @@ from .._pool import capacity
 from ..manager import cores
 from .app import create_app, logging_config
 from .archive import ArchiveError, check
+from .connection import MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, guarded
 from .inbox import FORCE, STOP, open_inbox, receive, send
 from .models import ModelSpec
 from .protocol import MAX_REQUEST_SIZE
-from .service import Options, Service, default_interpreters
+from .service import GRACEFUL_TIMEOUT, Options, Service, default_interpreters
 
 logger = logging.getLogger("multipy.serve")
 
@@ -77,6 +79,20 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--timeout", type=float, metavar="S",
                        help="answer a request with an error after S seconds, cancelling "
                             "its call (default: no limit)")
+    parse.add_argument("--max-header-size", type=int, default=MAX_HEADER_SIZE, metavar="BYTES",
+                       help=f"answer 431 to a request whose request line and headers have "
+                            f"more than BYTES (default: {MAX_HEADER_SIZE})")
+    parse.add_argument("--max-headers", type=int, default=MAX_HEADERS, metavar="N",
+                       help=f"answer 431 to a request with more than N header fields "
+                            f"(default: {MAX_HEADERS})")
+    parse.add_argument("--read-timeout", type=float, default=READ_TIMEOUT, metavar="S",
+                       help=f"answer 408 to a request that has not arrived whole S seconds "
+                            f"after its first byte, and close a new connection that sends "
+                            f"nothing for S seconds (default: {READ_TIMEOUT:g})")
+    parse.add_argument("--graceful-timeout", type=float, default=GRACEFUL_TIMEOUT, metavar="S",
+                       help=f"on SIGTERM or SIGINT, wait at most S seconds for the requests in "
+                            f"flight, then close what is left and exit (default: "
+                            f"{GRACEFUL_TIMEOUT:g}; 0: no limit)")
     parse.add_argument("--max-request-size", type=int, default=MAX_REQUEST_SIZE, metavar="BYTES",
                        help=f"answer 413 to a request body, or a compressed body expanded, "
                             f"of more than BYTES (default: {MAX_REQUEST_SIZE}, 64 MiB)")
@@ -124,9 +140,11 @@ class _Server(uvicorn.Server):
     docstring), or serves it itself while there is none; and stops the front ends first
     when it stops."""
 
-    def __init__(self, config: uvicorn.Config, fronts: FrontEnds) -> None:
+    def __init__(self, config: uvicorn.Config, fronts: FrontEnds, limits: Limits) -> None:
         super().__init__(config)
         self._fronts = fronts
+        self._limits = limits
+        self._protocol: Any = None
         self._accepting: asyncio.Task | None = None
 
     @contextlib.contextmanager
@@ -152,6 +170,10 @@ class _Server(uvicorn.Server):
         await super().startup([])  # the lifespan; connections come from accept below
         if self.should_exit:
             return
+        # one request per connection served here: the next comes on a new connection,
+        # which goes to a front end if one can take it
+        self._protocol = guarded(self.config.http_protocol_class, self._limits,
+                                 one_request=True)
         try:
             listener = self.config.bind_socket()  # says why it cannot, and exits
         except SystemExit:  # (the port is taken, say): the lifespan ends first, as uvicorn's
@@ -163,9 +185,40 @@ class _Server(uvicorn.Server):
         self._accepting = asyncio.get_running_loop().create_task(accept(listener, self._hand))
 
     def _hand(self, connection: socket.socket) -> None:
-        """To the front ends, or served here while there are none."""
-        if not self._fronts.hand(connection):
-            asyncio.get_running_loop().create_task(_connect(self, connection))
+        """To a front end that can take it; served here while none runs or every one is
+        stuck; and, while every one is in a call, served here if it asks for a GET
+        (health, readiness, metadata, metrics: answered at once), else handed."""
+        loop = asyncio.get_running_loop()
+        if self._fronts.hand(connection, busy_ones=False):
+            return
+        if self._fronts.can_take():
+            loop.create_task(self._get_here(connection))
+        else:
+            loop.create_task(self._serve_here(connection))
+
+    async def _get_here(self, connection: socket.socket) -> None:
+        """Every front end can take a connection but is in a call: connection's first
+        request is served here if it is a GET, else handed to a front end."""
+        loop = asyncio.get_running_loop()
+        readable = loop.create_future()
+        loop.add_reader(connection.fileno(),
+                        lambda: readable.done() or readable.set_result(None))
+        try:
+            await asyncio.wait_for(readable, self._limits.read_timeout)
+            first = connection.recv(4, socket.MSG_PEEK)
+        except (asyncio.TimeoutError, OSError):  # nothing came, or it went
+            loop.remove_reader(connection.fileno())
+            connection.close()
+            return
+        loop.remove_reader(connection.fileno())
+        if first == b"GET " or not self._fronts.hand(connection, busy_ones=True):
+            await self._serve_here(connection)
+
+    async def _serve_here(self, connection: socket.socket) -> None:
+        """Serves the accepted connection here."""
+        await asyncio.get_running_loop().connect_accepted_socket(
+            lambda: self._protocol(config=self.config, server_state=self.server_state,
+                                   app_state=self.lifespan.state), connection)
 
     async def shutdown(self, sockets: list | None = None) -> None:
         if self._accepting is not None:  # stop accepting, then answer what was received
@@ -197,15 +250,6 @@ async def accept(listener: socket.socket, hand: Callable[[socket.socket], None])
 _ACCEPT_PAUSE = 0.1
 
 
-async def _connect(server: uvicorn.Server, connection: socket.socket) -> None:
-    """On server's loop: serves the accepted socket connection there."""
-    await asyncio.get_running_loop().connect_accepted_socket(
-        lambda: server.config.http_protocol_class(config=server.config,
-                                                  server_state=server.server_state,
-                                                  app_state=server.lifespan.state),
-        connection)
-
-
 class FrontEnds:
     """The interpreters' front ends (multipy._inside.front_end), once the models are
     ready: each runs in its interpreter on a host thread of its own.  ``hand`` gives
@@ -233,6 +277,9 @@ class FrontEnds:
                     "board": metrics.board.address, "max_batch_size": options.max_batch_size,
                     "batch_delay": options.batch_timeout_ms / 1000, "timeout": options.timeout,
                     "max_request_size": options.max_request_size,
+                    "limits": dataclasses.asdict(options.limits),
+                    "stuck_after": metrics.stuck_after,
+                    "graceful_timeout": options.graceful_timeout,
                     "described": {name: model.metadata() for name, model in service.models.items()}}
         fronts, inboxes = [], []
         try:
@@ -272,13 +319,28 @@ class FrontEnds:
             _close_left(read)
             os.close(write)
 
-    def hand(self, connection: socket.socket) -> bool:
-        """Gives connection to a front end; False if none runs (the caller serves it)."""
+    def _open(self) -> list[int]:
+        """Under the lock: the front ends that run and are not stuck (multipy.serve.
+        metrics.Metrics.stuck)."""
+        if self._stopping:
+            return []
+        return [k for k, (_, write) in enumerate(self._inboxes)
+                if write >= 0 and self._metrics.stuck(k + 1) is None]
+
+    def can_take(self) -> bool:
+        """Whether a front end runs that is not stuck."""
         with self._lock:
-            running = [k for k, (_, write) in enumerate(self._inboxes) if write >= 0]
-            if not running or self._stopping:
-                return False
+            return bool(self._open())
+
+    def hand(self, connection: socket.socket, busy_ones: bool) -> bool:
+        """Gives connection to the front end with the fewest open connections (then the
+        fewest calls running) among those that run and are not stuck, and, unless
+        busy_ones, are not in a call; False if there is none (the caller serves it)."""
+        with self._lock:
             metrics = self._metrics
+            running = [k for k in self._open() if busy_ones or not metrics.busy(k + 1)]
+            if not running:
+                return False
             k = min(running, key=lambda k: (
                 self._handed[k] - metrics.closed_connections(k + 1), metrics.busy(k + 1)))
             fd = connection.detach()
@@ -351,8 +413,13 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
         parse.error("--max-batch-size must be at least 1")
     if args.timeout is not None and not args.timeout > 0:
         parse.error("--timeout must be a number of seconds above 0")
-    if args.max_request_size < 1:
-        parse.error("--max-request-size must be at least 1 byte")
+    for option in ("max_request_size", "max_header_size", "max_headers"):
+        if getattr(args, option) < 1:
+            parse.error(f"--{option.replace('_', '-')} must be at least 1")
+    if not args.read_timeout > 0:
+        parse.error("--read-timeout must be a number of seconds above 0")
+    if args.graceful_timeout < 0:
+        parse.error("--graceful-timeout must be a number of seconds, 0 for no limit")
     if args.ray and args.replicas is not None and args.replicas < 1:
         parse.error("--replicas must be at least 1")
     if args.ray and args.replica_cpus is not None and not args.replica_cpus > 0:
@@ -363,7 +430,9 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
     except ArchiveError as error:
         parse.exit(2, f"multipy serve: {error}\n")
     return Options(tuple(models), interpreters, args.max_batch_size, args.batch_timeout_ms,
-                   args.timeout, max_request_size=args.max_request_size)
+                   args.timeout, max_request_size=args.max_request_size,
+                   limits=Limits(args.max_header_size, args.max_headers, args.read_timeout),
+                   graceful_timeout=args.graceful_timeout or None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -391,8 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(service, loader.start)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
                             access_log=False, log_config=logging_config(),
-                            timeout_graceful_shutdown=None)
-    server = _Server(config, fronts)
+                            timeout_graceful_shutdown=served.graceful_timeout)
+    server = _Server(config, fronts, served.limits)
     server.run()
     if loader.is_alive():  # stopped while loading: the interpreters stop at exit
         return 0

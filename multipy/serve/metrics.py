@@ -9,14 +9,17 @@ its own that only it writes, and ``render``, wherever ``/metrics`` is answered, 
 rows (an aligned float64 is read whole).  Per model: requests, failures (by HTTP
 status), latency, requests queued (waiting for their batch, or for the model to be
 free), interpreters busy with it, and calls (a batch is one), with how many requests
-each answered.  A row also counts the connections its writer has closed, by which the
-host hands new connections to the least busy front end.
+each answered.  A row also counts the connections its writer has closed, says since
+when it runs a call and whether that call's request gave up on it (the call passed
+--timeout and still runs): by these the host hands new connections to the least busy
+front end, and the server says when its interpreters are stuck.
 """
 from __future__ import annotations
 
 import bisect
 import ctypes
 import mmap
+import time
 from typing import Any, Iterator, Sequence
 
 from prometheus_client import generate_latest
@@ -32,14 +35,20 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _BATCHED = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The HTTP statuses an inference request can fail with (499: the client went away);
 #: any other is counted as 500.
-STATUSES = (400, 404, 413, 499, 500, 503)
+STATUSES = (400, 404, 408, 413, 431, 499, 500, 503)
+#: Seconds after which an interpreter in one call counts as stuck, without --timeout.
+STUCK_AFTER = 30.0
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# A row: [connections closed, then per model: requests, failures by status, latency
-# (a count per bucket and one past the last, then the sum), queued, busy, calls,
-# batched (the same)].
+# A row: [connections closed, since when it runs a call (time.monotonic(), 0 if it
+# runs none), 1 + the index of the model whose call its request gave up on (0 if
+# none), then per model: requests, failures by status, latency (a count per bucket and
+# one past the last, then the sum), queued, busy, calls, batched (the same)].
 _CLOSED = 0
+_SINCE = 1
+_ABANDONED = 2
+_ROW = 3
 _REQUESTS = 0
 _FAILURES = 1
 _LATENCY_AT = _FAILURES + len(STATUSES)
@@ -100,18 +109,28 @@ class _Histogram:
 
 
 class ModelSeries:
-    """One model's series in one row."""
+    """One model's series in one row, and the row's state as its calls begin and end."""
 
-    __slots__ = ("requests", "latency", "queued", "busy", "calls", "batched", "_values", "_at")
+    __slots__ = ("requests", "latency", "queued", "busy", "calls", "batched", "_values", "_at",
+                 "_index")
 
-    def __init__(self, values: memoryview, at: int) -> None:
+    def __init__(self, values: memoryview, at: int, index: int) -> None:
         self.requests = _Count(values, at + _REQUESTS)
         self.latency = _Histogram(values, at + _LATENCY_AT, _LATENCY)
         self.queued = _Count(values, at + _QUEUED)
         self.busy = _Count(values, at + _BUSY)
         self.calls = _Count(values, at + _CALLS)
         self.batched = _Histogram(values, at + _BATCHED_AT, _BATCHED)
-        self._values, self._at = values, at
+        self._values, self._at, self._index = values, at, index
+
+    def calling(self, running: bool) -> None:
+        """A call of the model begins (True) or ends in this row's interpreter."""
+        self._values[_SINCE] = time.monotonic() if running else 0.0
+
+    def abandoned(self, running: bool) -> None:
+        """A call of the model that its request gave up on still runs (True), or has
+        ended."""
+        self._values[_ABANDONED] = self._index + 1.0 if running else 0.0
 
     def failed(self, status: int) -> None:
         """One request answered with an error of that HTTP status."""
@@ -125,14 +144,15 @@ class Metrics:
     row ``row``.  Every model's series exist (at 0) from the start."""
 
     def __init__(self, models: list[str], interpreters: int, rows: int = 1, row: int = 0,
-                 address: int | None = None) -> None:
+                 address: int | None = None, stuck_after: float = STUCK_AFTER) -> None:
         self.names = list(models)
         self.interpreters = interpreters
-        self.board = Board(rows, 1 + _PER_MODEL * len(self.names), address)
+        self.stuck_after = stuck_after
+        self.board = Board(rows, _ROW + _PER_MODEL * len(self.names), address)
         values = self.board.row(row)
         self._closed = _Count(values, _CLOSED)
         #: model name -> its series in this writer's row
-        self.models = {name: ModelSeries(values, 1 + _PER_MODEL * k)
+        self.models = {name: ModelSeries(values, _ROW + _PER_MODEL * k, k)
                        for k, name in enumerate(self.names)}
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_Collector(self))
@@ -147,8 +167,34 @@ class Metrics:
     def busy(self, row: int) -> int:
         """How many calls the writer of row runs now."""
         values = self.board.row(row)
-        return int(sum(values[1 + _PER_MODEL * k + _BUSY] for k in range(len(self.names))))
+        return int(sum(values[_ROW + _PER_MODEL * k + _BUSY] for k in range(len(self.names))))
 
+    def calling_for(self, row: int) -> float:
+        """How long the writer of row has been in its current call (0: in none)."""
+        since = self.board.row(row)[_SINCE]
+        return time.monotonic() - since if since else 0.0
+
+    def stuck(self, row: int) -> str | None:
+        """Why the interpreter of row is stuck, or None: it runs a call of a model that
+        its request gave up on (it passed --timeout), or one that has run longer than
+        stuck_after seconds."""
+        values = self.board.row(row)
+        if values[_ABANDONED]:
+            name = self.names[int(values[_ABANDONED]) - 1]
+            return f"it still runs a call of model {name!r} that passed its --timeout"
+        running = self.calling_for(row)
+        if running > self.stuck_after:
+            return f"it has been in one call for {running:.0f} s"
+        return None
+
+    def all_stuck(self) -> str | None:
+        """Why no interpreter can take a call (every one is stuck: see ``stuck``), or
+        None if one can.  Rows 1 to interpreters are the interpreters'."""
+        reasons = [self.stuck(k) for k in range(1, self.interpreters + 1)]
+        if self.board.rows <= self.interpreters or not all(reasons):
+            return None
+        return "no interpreter can take a call: " + "; ".join(
+            f"interpreter {k}: {reason}" for k, reason in enumerate(reasons))
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, summed over the rows."""
         return generate_latest(self._registry)
@@ -164,7 +210,7 @@ class _Collector:
         board, names = self._metrics.board, self._metrics.names
 
         def total(k: int, offset: int) -> float:
-            return board.total(1 + _PER_MODEL * k + offset)
+            return board.total(_ROW + _PER_MODEL * k + offset)
 
         def histogram(family: HistogramMetricFamily, k: int, at: int,
                       bounds: Sequence[float]) -> None:
@@ -208,7 +254,13 @@ class _Collector:
             histogram(batched, k, _BATCHED_AT, _BATCHED)
         interpreters = GaugeMetricFamily("multipy_interpreters", "Interpreters serving the models")
         interpreters.add_metric([], self._metrics.interpreters)
-        yield from (requests, failures, latency, queued, busy, calls, batched, interpreters)
+        stuck = GaugeMetricFamily(
+            "multipy_stuck_interpreters",
+            "Interpreters that take no call: each runs one that passed --timeout, or has "
+            "run one call longer than the time after which it counts as stuck")
+        rows = range(1, self._metrics.interpreters + 1) if board.rows > 1 else ()
+        stuck.add_metric([], sum(self._metrics.stuck(k) is not None for k in rows))
+        yield from (requests, failures, latency, queued, busy, calls, batched, interpreters, stuck)
 
 
 def _bound(value: float) -> str:

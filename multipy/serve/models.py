@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InterpreterError
 from ..replicated import ReplicatedObj
 from . import archive
+from .protocol import ProtocolError
 from .requests import ModelError, ModelRequests, Started
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class ServedModel(ModelRequests):
         super().__init__(spec.name, metrics.models[spec.name], max_batch_size, batch_delay,
                          timeout)
         self.spec = spec
+        self._metrics = metrics
         self._manager = manager
         self._turns = turns
         self._storages: dict[str, Any] | None = None
@@ -94,6 +96,9 @@ class ServedModel(ModelRequests):
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started) -> tuple:
+        stuck = self._metrics.all_stuck()  # (the front ends' interpreters)
+        if stuck:
+            raise ProtocolError(f"{stuck}; try again later", 503)
         try:
             async with self._turns:
                 with started:

@@ -90,7 +90,7 @@ class ModelRequests:
         return self._select(outputs, request)
 
     async def _queued(self, request: InferRequest) -> list[Tensor]:
-        place = _Place(self._series.queued)
+        place = _Place(self._series.queued, request.id)
         try:
             if self._batcher is not None:
                 return await self._batcher.submit(request.inputs, place)
@@ -105,7 +105,7 @@ class ModelRequests:
         try:
             outputs = await self._run(names, datatypes, [t.array for t in inputs],
                                       Started(self._series, places))
-        except ModelError:
+        except (ModelError, ProtocolError):  # said already
             raise
         except Exception as error:
             raise ModelError(f"model {self.name!r} raised {type(error).__name__}: "
@@ -147,26 +147,37 @@ class Started:
     def __init__(self, series: ModelSeries, places: list[_Place]) -> None:
         self._series, self._places = series, places
 
+    def requests(self) -> str:
+        """The requests the call answers, as a crash report names them."""
+        names = [f"{place.id!r}" if place.id is not None else "(no id)"
+                 for place in self._places]
+        if len(names) == 1:
+            return f"request {names[0]}"
+        return f"a batch of {len(names)} requests: {', '.join(names)}"
+
     def __enter__(self) -> None:
         for place in self._places:
             place.leave()
         self._series.busy.inc()
         self._series.calls.inc()
         self._series.batched.observe(len(self._places))
+        self._series.calling(True)
 
     def __exit__(self, *exc_info: Any) -> None:
+        self._series.calling(False)
         self._series.busy.dec()
 
 
 class _Place:
     """A request's place in its model's queue, which it leaves once, when its call
-    starts or, failing that, when it is answered."""
+    starts or, failing that, when it is answered; id: the request's, if it has one."""
 
-    __slots__ = ("_gauge",)
+    __slots__ = ("_gauge", "id")
 
-    def __init__(self, gauge: Any) -> None:
+    def __init__(self, gauge: Any, id: str | None = None) -> None:
         gauge.inc()
         self._gauge = gauge
+        self.id = id
 
     def leave(self) -> None:
         if self._gauge is not None:

@@ -17,13 +17,17 @@ from .. import _glibc
 from .._pool import capacity
 from ..manager import InterpreterManager, cores
 from . import archive
-from .metrics import Metrics
+from .connection import Limits
+from .metrics import STUCK_AFTER, Metrics
 from .models import ModelSpec, ServedModel, Turns
 from .progress import Progress
 from .protocol import MAX_REQUEST_SIZE
 from .requests import named
 
 logger = logging.getLogger("multipy.serve")
+
+#: Seconds a graceful stop waits for requests in flight, by default (--graceful-timeout).
+GRACEFUL_TIMEOUT = 30.0
 
 
 def default_interpreters() -> int:
@@ -40,7 +44,9 @@ class Options:
     the server that uvicorn runs and for each replica that Ray Serve runs
     (multipy.serve.on_ray).  batch_timeout_ms: --batch-timeout-ms; torch_threads: each
     interpreter's intra-op threads (None: the manager's default, the cores divided
-    among the interpreters); max_request_size: --max-request-size, in bytes."""
+    among the interpreters); max_request_size: --max-request-size, in bytes; limits: what
+    a connection may send (--max-header-size, --max-headers, --read-timeout);
+    graceful_timeout: --graceful-timeout, seconds (None: no limit)."""
 
     models: tuple[ModelSpec, ...]
     interpreters: int
@@ -49,6 +55,8 @@ class Options:
     timeout: float | None = None
     torch_threads: int | None = None
     max_request_size: int = MAX_REQUEST_SIZE
+    limits: Limits = Limits()
+    graceful_timeout: float | None = GRACEFUL_TIMEOUT
 
 
 class Service:
@@ -65,7 +73,8 @@ class Service:
         self.max_request_size = options.max_request_size
         # row 0 the host's, row k + 1 interpreter k's front end's
         self.metrics = Metrics(list(self.specs), options.interpreters,
-                               rows=options.interpreters + 1)
+                               rows=options.interpreters + 1,
+                               stuck_after=options.timeout or STUCK_AFTER)
         self._batching = (options.max_batch_size, options.batch_timeout_ms / 1000)
         self.manager: InterpreterManager | None = None
         self.models: dict[str, ServedModel] = {}

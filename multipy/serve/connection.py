@@ -1,0 +1,147 @@
+"""One HTTP connection of ``multipy serve``: uvicorn's protocol (httptools), with the
+limits a server on the open network needs, the same wherever a connection is served
+(in an interpreter's front end, or on the host while the models load).
+
+- A request's head (request line and headers) of more than ``max_header_size`` bytes,
+  or with more than ``max_headers`` header fields, is answered 431 and the connection
+  closed, before the rest is parsed.
+- A request must arrive whole (head and body) within ``read_timeout`` seconds of its
+  first byte, and a new connection must start one within as long: else 408 (or, for a
+  connection that sent nothing, it is closed).  Between requests, uvicorn's keep-alive
+  timeout closes an idle connection.
+"""
+from __future__ import annotations
+
+import http
+import json
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import httptools
+
+#: The head of a request (request line and headers), in bytes.
+MAX_HEADER_SIZE = 64 << 10
+#: Header fields in a request.
+MAX_HEADERS = 100
+#: Seconds for a request to arrive whole, from its first byte.
+READ_TIMEOUT = 60.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_header_size: int = MAX_HEADER_SIZE
+    max_headers: int = MAX_HEADERS
+    read_timeout: float = READ_TIMEOUT
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing a request that is refused."""
+
+
+def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = None,
+            one_request: bool = False) -> type:
+    """A subclass of uvicorn's httptools protocol ``base`` that enforces limits (see the
+    module's docstring), calls on_lost() when a connection ends, and with one_request
+    closes each connection once it has answered one request."""
+
+    class Guarded(base):  # type: ignore[valid-type,misc]
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._limits = limits
+            self._heading = True  # bytes that come now belong to a request's head
+            self._head = 0
+            self._tail = b""
+            self._fields = 0
+            self._refusal: tuple[int, str] | None = None
+            self._deadline = None
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            try:
+                super().connection_lost(exc)
+            finally:
+                if on_lost is not None:
+                    on_lost()
+
+        def data_received(self, data: bytes) -> None:
+            self._unset_keepalive_if_required()
+            if self._deadline is None:
+                self._arm()  # the first byte of a request
+            if self._heading:
+                end = (self._tail + data).find(b"\r\n\r\n")
+                head = self._head + (end + 4 - len(self._tail) if end >= 0 else len(data))
+                if head > limits.max_header_size:
+                    self._refuse(431, f"the request's head (its request line and headers) "
+                                      f"has more than the {limits.max_header_size} bytes this "
+                                      f"server takes (--max-header-size)")
+                    return
+                self._head, self._tail = head, (self._tail + data)[-3:]
+            try:
+                self.parser.feed_data(data)
+            except httptools.HttpParserUpgrade:
+                self._unsupported_upgrade_warning()
+            except httptools.HttpParserError:
+                if self._refusal is not None:
+                    self._refuse(*self._refusal)
+                    return
+                message = "Invalid HTTP request received."
+                self.logger.warning(message)
+                self.send_400_response(message)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._fields += 1
+            if self._fields > limits.max_headers:
+                self._refusal = (431, f"the request has more than the {limits.max_headers} "
+                                      f"header fields this server takes (--max-headers)")
+                raise _Refused
+            super().on_header(name, value)
+
+        def on_headers_complete(self) -> None:
+            self._heading = False
+            super().on_headers_complete()
+            if one_request and self.cycle is not None:
+                self.cycle.keep_alive = False
+
+        def on_message_complete(self) -> None:
+            self._disarm()  # arrived whole
+            self._heading, self._head, self._tail, self._fields = True, 0, b"", 0
+            super().on_message_complete()
+
+        def _arm(self) -> None:
+            self._deadline = self.loop.call_later(limits.read_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self._head == 0 and self._heading:  # not a byte of a request: just close
+                self.transport.close()
+                return
+            self._refuse(408, f"the request did not arrive whole within {limits.read_timeout:g} s "
+                              f"(--read-timeout)")
+
+        def _refuse(self, status: int, message: str) -> None:
+            """Answers status with message and closes the connection, unless a response
+            has begun on it (then it is closed)."""
+            self._disarm()
+            if self.cycle is not None and not self.cycle.response_complete \
+                    and self.cycle.response_started:
+                self.transport.close()
+                return
+            if self.cycle is not None:
+                self.cycle.disconnected = True  # the application's answer goes nowhere
+            body = json.dumps({"error": message}).encode()
+            self.transport.write(b"".join([
+                f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}\r\n".encode(),
+                b"content-type: application/json\r\n",
+                f"content-length: {len(body)}\r\n".encode(),
+                b"connection: close\r\n\r\n", body]))
+            self.transport.close()
+
+    return Guarded

@@ -69,14 +69,17 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             if self._deadline is None:
                 self._arm()  # the first byte of a request
             if self._heading:
-                end = (self._tail + data).find(b"\r\n\r\n")
+                seen = self._tail + data if self._tail else data  # the end may straddle
+                end = seen.find(b"\r\n\r\n")
                 head = self._head + (end + 4 - len(self._tail) if end >= 0 else len(data))
                 if head > limits.max_header_size:
                     self._refuse(431, f"the request's head (its request line and headers) "
                                       f"has more than the {limits.max_header_size} bytes this "
                                       f"server takes (--max-header-size)")
                     return
-                self._head, self._tail = head, (self._tail + data)[-3:]
+                self._head = head
+                if end < 0:  # the head goes on in the next piece
+                    self._tail = seen[-3:]
             try:
                 self.parser.feed_data(data)
             except httptools.HttpParserUpgrade:

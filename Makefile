@@ -1,6 +1,7 @@
-# Set-up and entry points.  PYTHON picks the CPython (3.10-3.13, with a shared libpython);
-# TORCH the torch build the PyTorch tests run with on CPython 3.11: cpu (torch 2.13.0, the
-# CPU wheel) or cuda (torch 2.14.1, PyPI's default build; it runs on the CPU too).
+# Set-up and entry points.  PYTHON picks the CPython (3.10 or later, with a shared
+# libpython); TORCH the torch build the PyTorch tests run with on CPython 3.11: cpu (torch
+# 2.13.0, the CPU wheel) or cuda (torch 2.14.1, PyPI's default build; it runs on the CPU
+# too).  VENV_FLAGS go to `python -m venv` (--system-site-packages: a distribution's torch).
 PYTHON ?= python3
 TORCH ?= cpu
 VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')$(if $(filter cpu,$(TORCH)),,-$(TORCH))
@@ -9,7 +10,7 @@ EXTRAS = test,torch-$(TORCH)
 .PHONY: serve demo test bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@

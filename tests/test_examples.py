@@ -14,8 +14,9 @@ SCRIPTS = sorted(os.path.join(folder, name) for folder in ("examples", "benchmar
                  for name in os.listdir(os.path.join(ROOT, folder)) if name.endswith(".py"))
 
 NEED_NO_TORCH = {"benchmarks/core.py", "examples/hello.py"}
-#: run by benchmarks/serve_load.py in KServe's own environment, not this one
-PEER_SCRIPTS = {"benchmarks/kserve_model.py": "kserve"}
+#: scripts that need a module beyond torch (the bench extra's, or, run by
+#: benchmarks/serve_load.py in KServe's own environment, KServe)
+PEER_SCRIPTS = {"benchmarks/kserve_model.py": "kserve", "benchmarks/bench.py": "rich"}
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -1,7 +1,8 @@
 # Set-up and entry points.  PYTHON picks the CPython (3.10-3.13, with a shared libpython;
-# .ci/debian_sid runs 3.14 and 3.15); TORCH the torch build the PyTorch tests run with on CPython 3.11: cpu (torch
-# 2.13.0, the CPU wheel) or cuda (torch 2.14.1, PyPI's default build; it runs on the CPU
-# too).  VENV_FLAGS go to `python -m venv` (--system-site-packages: a distribution's torch).
+# .ci/debian_sid tries 3.14 and 3.15); TORCH the torch build the PyTorch tests run with on
+# CPython 3.11: cpu (torch 2.13.0, the CPU wheel) or cuda (torch 2.14.1, PyPI's default
+# build; it runs on the CPU too).  VENV_FLAGS go to `python -m venv`
+# (--system-site-packages: a distribution's torch).
 PYTHON ?= python3
 TORCH ?= cpu
 VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')$(if $(filter cpu,$(TORCH)),,-$(TORCH))

@@ -14,10 +14,11 @@ import os
 import sys
 import threading
 import time
+from typing import NoReturn
 
 from . import _glibc, _host
 from ._runtime import Runtime, prepare_process
-from .errors import InterpreterLimitError, InterpreterStartError
+from .errors import InterpreterClosedError, InterpreterLimitError, InterpreterStartError
 
 #: How long exiting waits for calls in progress to end ...
 EXIT_GRACE_SECONDS = 2.0
@@ -148,6 +149,21 @@ def reset_now(runtime: Runtime) -> None:
             _lent.discard(runtime)
 
 
+#: Set once the process has begun to exit (_shutdown).
+_exiting = threading.Event()
+
+
+def refuse(message: str) -> NoReturn:
+    """Raises InterpreterClosedError(message): the interpreter or manager a call asked
+    for is closed.  But a daemon thread that asks once the process is exiting waits here
+    until the process ends, as CPython's own daemon threads do at finalisation: the
+    error would end the thread with a traceback written while the process finalises,
+    which CPython 3.14 and later turn into a fatal error (stderr's lock held at exit)."""
+    if _exiting.is_set() and threading.current_thread().daemon:
+        threading.Event().wait()  # never set
+    raise InterpreterClosedError(message)
+
+
 def _shutdown() -> None:
     """At exit: stop every interpreter, let calls in progress end, finalise each on its
     own thread and join it.
@@ -156,6 +172,7 @@ def _shutdown() -> None:
     the process leaves without the library destructors that would wait for it
     (docs/design.md, "exit").
     """
+    _exiting.set()
     running = [r for r in _runtimes if not r.finished and not r.closed_because]
     for runtime in running:
         runtime.stop()

@@ -238,7 +238,7 @@ class InterpreterManager:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InterpreterClosedError("the manager is closed")
+            _pool.refuse("the manager is closed")
 
     def __enter__(self) -> InterpreterManager:
         return self

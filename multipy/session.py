@@ -13,8 +13,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from . import _glibc, _pool, _protocol, _sharing
 from ._protocol import CALL, CALL_LENT, CALL_VALUE, DEREF, GETATTR, GLOBAL, HASATTR
 from ._runtime import Runtime, exports
-from .errors import (InterpreterClosedError, InterpreterError, InterpreterLimitError,
-                     RemoteTraceback, WrongInterpreterError)
+from .errors import InterpreterError, InterpreterLimitError, RemoteTraceback, WrongInterpreterError
 
 if TYPE_CHECKING:
     from ._runtime import _Job
@@ -202,7 +201,7 @@ class Interpreter:
         InterpreterClosedError if its manager is closed."""
         with self._lock:
             if self._closed:
-                raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
+                _pool.refuse(f"{self} belongs to a manager that was closed")
             self._sessions += 1
         return self
 
@@ -248,7 +247,7 @@ class Interpreter:
         InterpreterClosedError once this interpreter's manager is closed,
         WrongInterpreterError for another interpreter's Obj."""
         if self._closed:
-            raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
+            _pool.refuse(f"{self} belongs to a manager that was closed")
         handle = 0
         if target is not None:
             if target._interpreter is not self:
@@ -315,8 +314,8 @@ class Interpreter:
             if status == _protocol.CANCELLED:  # by Ctrl-C (a timed call's caller is gone)
                 raise KeyboardInterrupt
             if self._closed:  # refused: the interpreter went to another manager
-                raise InterpreterClosedError(f"{self} belongs to a manager that was closed")
-            raise InterpreterClosedError(f"{self}: {self._runtime.closed_because or 'stopped'}")
+                _pool.refuse(f"{self} belongs to a manager that was closed")
+            _pool.refuse(f"{self}: {self._runtime.closed_because or 'stopped'}")
         text = payload.decode(errors="replace")  # BROKEN: multipy's own code inside raised
         if text.startswith("KeyboardInterrupt"):
             raise KeyboardInterrupt
@@ -333,7 +332,7 @@ class Interpreter:
     def _check_owns(self, obj: Obj) -> None:
         owner = obj._interpreter
         if owner._closed:
-            raise InterpreterClosedError(f"{obj!r} belongs to a manager that was closed")
+            _pool.refuse(f"{obj!r} belongs to a manager that was closed")
         if owner is not self:
             if owner.manager is not self.manager:
                 raise WrongInterpreterError(
@@ -395,7 +394,7 @@ class InterpreterSession:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise InterpreterClosedError(f"{self} is closed: open another session")
+            _pool.refuse(f"{self} is closed: open another session")
 
     def is_owner(self, obj: Obj) -> bool:
         """Whether obj lives in this session's interpreter."""

@@ -227,15 +227,17 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
 
 def _count(name: str, shape: Any) -> int:
     """How many elements shape claims, checked in time bounded by MAX_RANK: a list of at
-    most MAX_RANK sizes from 0 to MAX_ELEMENTS whose product is at most MAX_ELEMENTS."""
+    most MAX_RANK sizes from 0 to MAX_ELEMENTS whose product, zeros left out, is at most
+    MAX_ELEMENTS (numpy refuses an empty array whose other sizes multiply past its
+    limit)."""
     if (not isinstance(shape, list) or len(shape) > MAX_RANK
             or not all(type(size) is int and 0 <= size <= MAX_ELEMENTS for size in shape)):
         raise ProtocolError(f"input {name!r}: shape must be a list of at most {MAX_RANK} "
                             f"sizes (integers from 0 to {MAX_ELEMENTS}), not {_short(shape)}")
     count = math.prod(shape)  # of at most MAX_RANK sizes that small: quick
-    if count > MAX_ELEMENTS:
+    if math.prod(size for size in shape if size) > MAX_ELEMENTS:
         raise ProtocolError(f"input {name!r}: shape {_short(shape)} has more than "
-                            f"{MAX_ELEMENTS} elements")
+                            f"{MAX_ELEMENTS} elements (its sizes that are not 0 multiplied)")
     return count
 
 

@@ -201,16 +201,18 @@ class _Server(uvicorn.Server):
         request is served here if it is a GET, else handed to a front end."""
         loop = asyncio.get_running_loop()
         readable = loop.create_future()
-        loop.add_reader(connection.fileno(),
-                        lambda: readable.done() or readable.set_result(None))
+        fd = connection.fileno()
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
         try:
             await asyncio.wait_for(readable, self._limits.read_timeout)
             first = connection.recv(4, socket.MSG_PEEK)
         except (asyncio.TimeoutError, OSError):  # nothing came, or it went
-            loop.remove_reader(connection.fileno())
+            first = None
+        finally:
+            loop.remove_reader(fd)
+        if first is None:
             connection.close()
             return
-        loop.remove_reader(connection.fileno())
         if first == b"GET " or not self._fronts.hand(connection, busy_ones=True):
             await self._serve_here(connection)
 

@@ -5,6 +5,7 @@ start: ``multipy.serve.models``).  Each side says only how the model runs there.
 """
 from __future__ import annotations
 
+import abc
 import asyncio
 from typing import Any, Iterable, Mapping
 
@@ -35,7 +36,7 @@ def named(models: Mapping[str, Any], served: Iterable[str], name: str,
     return models.get(name)
 
 
-class ModelRequests:
+class ModelRequests(abc.ABC):
     """The requests of one model: ``infer(request)`` answers one, through the batcher
     when batching is on (max_batch_size > 1) and within ``timeout`` seconds when one is
     given.  Subclasses define ``_run``, which runs the model once."""
@@ -67,11 +68,11 @@ class ModelRequests:
         return {"name": self.name, "versions": ["1"], "platform": "pytorch_torch_package",
                 "inputs": described["inputs"], "outputs": described["outputs"]}
 
+    @abc.abstractmethod
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started) -> tuple:
         """Runs the model once, entering ``started`` as the call begins; returns what
         ``Served.infer`` returns.  Cancelling it cancels the call."""
-        raise NotImplementedError
 
     async def infer(self, request: InferRequest) -> list[Tensor]:
         """The outputs for request, as the request selects them; ProtocolError for an

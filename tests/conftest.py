@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -58,3 +59,27 @@ def python(tmp_path):
         return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
     return run
+
+
+def until(condition, seconds: float = 60) -> None:
+    """Waits until condition() is true; fails after seconds."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def write_one(fifo) -> bool:
+    """Writes a byte into the FIFO if a reader has it open (a call blocked in C waiting
+    on it then returns); whether a reader had it."""
+    try:
+        descriptor = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # ENXIO: nobody reads it yet
+        return False
+    try:
+        os.write(descriptor, b"x")
+    except BrokenPipeError:  # the reader's open returned, and it has gone since
+        pass
+    finally:
+        os.close(descriptor)
+    return True

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import multipy
+from conftest import until, write_one
 
 RAISERS = (
     "import sys\n"
@@ -27,28 +28,7 @@ RAISERS = (
 
 def _release(fifo) -> None:
     """Lets a wait_for(fifo) inside return, once it has opened the FIFO (60 s at most)."""
-    _until(lambda: _write_one(fifo))
-
-
-def _write_one(fifo) -> bool:
-    try:
-        descriptor = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:  # ENXIO: nobody reads it yet
-        return False
-    try:
-        os.write(descriptor, b"x")
-    except BrokenPipeError:  # the reader's open returned, and the pending cancel closed it
-        pass
-    finally:
-        os.close(descriptor)
-    return True
-
-
-def _until(condition, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    until(lambda: write_one(fifo))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +72,7 @@ def test_timeout_holds_the_interpreter_until_the_call_ends(raisers, tmp_path):
             assert s.interpreter is raisers[1]
             assert s.global_("raisers", "echo")(7).deref() == ((7,), {})
     _release(fifo)
-    _until(lambda: not raisers[0].running_abandoned_call)
+    until(lambda: not raisers[0].running_abandoned_call)
     seen = set()
     for _ in range(4):
         held = [raisers.acquire_one() for _ in range(2)]
@@ -176,7 +156,7 @@ def test_close_under_a_timeout_returns_every_interpreter(tmp_path):
         m.close()  # close does not wait for the abandoned call ...
     assert capacity()["free"] == free  # ... which still holds the interpreter, ...
     _release(fifo)
-    _until(lambda: capacity()["free"] == free + 1)  # ... but back once it ends
+    until(lambda: capacity()["free"] == free + 1)  # ... but back once it ends
     with multipy.InterpreterManager(1) as again, again.acquire_one() as fresh:
         with pytest.raises(ModuleNotFoundError):  # the reset ran before anything new
             fresh.global_("slow_close", "nap")

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from conftest import until, write_one
+
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 for _module in ("uvicorn", "starlette", "prometheus_client"):
@@ -694,13 +696,6 @@ def _busy(server: Server, model: str) -> float:
     return _metrics(server)[("multipy_busy_interpreters", (("model", model),))]
 
 
-def _until(check, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-
-
 def test_interpreters_stuck_past_the_timeout_are_named_counted_and_passed_by(served, tmp_path):
     """Calls blocked in C run on past --timeout (5 s) in both interpreters: their
     requests get a 500 naming their model; then the server is not ready and says why,
@@ -724,7 +719,7 @@ def test_interpreters_stuck_past_the_timeout_are_named_counted_and_passed_by(ser
     for k, fifo in enumerate(fifos):  # one on each interpreter: the second goes to the free one
         threads.append(threading.Thread(target=blocked, args=(fifo,)))
         threads[-1].start()
-        _until(lambda: _busy(served, "blocks") == k + 1)
+        until(lambda: _busy(served, "blocks") == k + 1)
     try:
         for thread in threads:
             thread.join(timeout=60)
@@ -742,27 +737,12 @@ def test_interpreters_stuck_past_the_timeout_are_named_counted_and_passed_by(ser
         assert status == 503 and "'blocks'" in answer["error"], answer
     finally:
         for fifo in fifos:
-            _until(lambda: _write_one_byte(fifo))
-    _until(lambda: _request(served, "GET", "/v2/health/ready")[0] == 200)
+            until(lambda: write_one(fifo))
+    until(lambda: _request(served, "GET", "/v2/health/ready")[0] == 200)
     assert _metrics(served)[("multipy_stuck_interpreters", ())] == 0
     status, answer = _infer_json(served, "cast", {"inputs": [
         {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
     assert status == 200 and answer["outputs"][0]["data"] == [1.0]
-
-
-def _write_one_byte(fifo: str) -> bool:
-    """Writes a byte into fifo if a reader has it open; whether it did."""
-    try:
-        descriptor = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:  # no reader yet
-        return False
-    try:
-        os.write(descriptor, b"x")
-    except BrokenPipeError:  # the reader has gone: nothing waits on it
-        pass
-    finally:
-        os.close(descriptor)
-    return True
 
 
 def _requests_to_fuzz():

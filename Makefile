@@ -1,5 +1,5 @@
-# Set-up and entry points.  PYTHON picks the CPython (3.10-3.13, with a shared libpython;
-# .ci/debian_sid tries 3.14 and 3.15); TORCH the torch build the PyTorch tests run with on
+# Set-up and entry points.  PYTHON picks the CPython (3.10 or later, with a shared
+# libpython); TORCH the torch build the PyTorch tests run with on
 # CPython 3.11: cpu (torch 2.13.0, the CPU wheel) or cuda (torch 2.14.1, PyPI's default
 # build; it runs on the CPU too).  VENV_FLAGS go to `python -m venv`
 # (--system-site-packages: a distribution's torch).

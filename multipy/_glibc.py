@@ -5,10 +5,14 @@ explains each limit this module reports.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import os
 import platform
+import struct
 import sysconfig
+import threading
 
 from . import _host
 from ._launch import LAUNCH_STATIC_TLS, LAUNCH_TUNABLES, tunables_at_start
@@ -140,17 +144,13 @@ def glibc_version() -> str:
     return platform.libc_ver()[1] or "unknown"
 
 
-#: glibc 2.3x on x86-64 reserves static TLS for (nns - 1) libc copies at this size ...
-_LIBC_IE_TLS = 192
-#: ... and for nns other libraries at this size, plus optional_static_tls.
-_OTHER_IE_TLS = 144
-#: What one bare interpreter's namespace takes from that reserve: its libc's TLS block.
-_NAMESPACE_STATIC_TLS = 144
-#: What importing torch adds: libgomp's initial-exec TLS (120 bytes), aligned.  An
-#: estimate: glibc also places other libraries' TLS in the reserve while it lasts.
-#: Measured with glibc's defaults: 6 interpreters that import torch fit (this says 6),
-#: and with nns=8, 10 (this says 11; docs/design.md, "Static TLS").
+#: What importing torch adds to a namespace's static TLS: libgomp's initial-exec TLS
+#: (120 bytes), aligned.  An estimate: glibc also places other libraries' TLS in the
+#: area while it lasts.  Measured with glibc's defaults: 6 interpreters that import torch
+#: fit (this says 6), and with nns=8, 10 (this says 11; docs/design.md, "Static TLS").
 _TORCH_STATIC_TLS = 128
+
+_PT_DYNAMIC, _PT_TLS, _DT_FLAGS, _DF_STATIC_TLS = 2, 7, 30, 0x10
 
 
 def _tunable(tunables: dict[str, str], name: str, default: int) -> int:
@@ -160,28 +160,138 @@ def _tunable(tunables: dict[str, str], name: str, default: int) -> int:
         return default
 
 
-def _reserve() -> int:
-    """The static TLS glibc reserved at exec time for namespaces' libraries, in bytes."""
-    tunables = tunables_at_start()
-    nns = min(_tunable(tunables, "glibc.rtld.nns", 4), MAX_NAMESPACES + 1)
-    optional = _tunable(tunables, "glibc.rtld.optional_static_tls", 512)
-    return (nns - 1) * _LIBC_IE_TLS + nns * _OTHER_IE_TLS + optional
+def _descriptor(name: str) -> tuple[int, int, int] | None:
+    """One of glibc's thread_db descriptors (bits or size, count, offset), or None."""
+    try:
+        return tuple((ctypes.c_uint32 * 3).in_dll(_libc, name))
+    except ValueError:
+        return None
+
+
+def _measure_free_static_tls() -> int | None:
+    """On a thread started after every library was loaded: the bytes of static TLS that
+    glibc can still place libraries in, or None where glibc does not say.
+
+    A new thread's DTV (glibc's table of where each module's TLS block is) points into
+    the thread's static TLS area for every block placed there, in every namespace; the
+    lowest of them, or the rseq area where glibc keeps it below the thread pointer
+    (2.42 and later), marks the area's used end.
+    """
+    report = _host.static_tls()
+    tcb, dtv_at = _descriptor("_thread_db_sizeof_pthread"), _descriptor("_thread_db_pthread_dtvp")
+    entry, value = _descriptor("_thread_db_dtv_dtv"), _descriptor("_thread_db_dtv_t_pointer_val")
+    if report is None or None in (tcb, dtv_at, entry, value) or entry[0] % 64:
+        return None
+    size, pointer = report
+    area = size - tcb[0]  # the thread's static TLS blocks lie in [pointer - area, pointer)
+    step = entry[0] // 8
+    dtv = ctypes.c_uint64.from_address(pointer + dtv_at[2]).value
+    length = ctypes.c_uint64.from_address(dtv - step).value  # its entry -1 counts the rest
+    used = 0
+    for module in range(1, length + 1):
+        block = ctypes.c_uint64.from_address(dtv + module * step + value[2]).value
+        if pointer - area <= block < pointer:
+            used = max(used, pointer - block)
+    try:
+        rseq = ctypes.c_ssize_t.in_dll(_libc, "__rseq_offset").value
+    except ValueError:
+        rseq = 0
+    return area - max(used, -rseq)
+
+
+def _free_static_tls() -> int | None:
+    measured: list[int | None] = []
+    thread = threading.Thread(target=lambda: measured.append(_measure_free_static_tls()),
+                              name="multipy-static-tls")
+    thread.start()
+    thread.join()
+    return measured[0] if measured else None
+
+
+def _static_tls_block(path: str) -> tuple[int, int, int] | None:
+    """The (size, alignment, first-byte offset) that the ELF object at path takes from
+    static TLS when it is loaded after start (it has initial-exec TLS), else None."""
+    with open(path, "rb") as elf:
+        header = elf.read(64)
+        if header[:4] != b"\x7fELF" or header[4] != 2:  # 64-bit objects only
+            return None
+        (table,) = struct.unpack_from("<Q", header, 32)  # e_phoff, then e_phentsize, e_phnum
+        entry_size, count = struct.unpack_from("<HH", header, 54)
+        elf.seek(table)
+        entries = [struct.unpack_from("<IIQQQQQQ", elf.read(entry_size))
+                   for _ in range(count)]
+        tls = next((e for e in entries if e[0] == _PT_TLS), None)
+        dynamic = next((e for e in entries if e[0] == _PT_DYNAMIC), None)
+        if tls is None or dynamic is None:
+            return None
+        elf.seek(dynamic[2])
+        tags = struct.iter_unpack("<qQ", elf.read(dynamic[5]))
+        flags = next((v for tag, v in tags if tag == _DT_FLAGS), 0)
+    if not flags & _DF_STATIC_TLS:
+        return None  # dynamic TLS, allocated per thread outside the area
+    _, _, _, vaddr, _, _, memsz, align = tls
+    align = max(align, 1)
+    return memsz, align, vaddr & (align - 1)
+
+
+@functools.cache
+def _namespace_blocks() -> tuple[tuple[int, int, int], ...]:
+    """The static TLS blocks a bare interpreter's namespace takes, in load order."""
+    libc = file_of(ctypes.cast(_dlmopen, ctypes.c_void_p).value)
+    paths = [libc] if libc else []
+    with contextlib.suppress(UnsupportedPythonError):
+        paths.append(libpython_path())
+    blocks = (_static_tls_block(path) for path in paths)
+    return tuple(block for block in blocks if block)
+
+
+def _place(free: int, block: tuple[int, int, int]) -> int | None:
+    """What is left of free bytes after glibc places block in them, or None if it cannot
+    (glibc's _dl_try_allocate_static_tls: the block ends where its alignment allows)."""
+    size, align, first = block
+    if free < size + first:
+        return None
+    return (free - size - first) // align * align + first
 
 
 def namespaces_that_fit(started: int) -> int:
     """How many more interpreters this process can start, having started ``started``.
 
-    The static TLS reserve, fixed at exec time by the tunables, bounds bare interpreters
-    (11 with glibc's defaults); libraries with initial-exec TLS, such as torch's libgomp,
-    take more of it, which the interpreter reports when it imports them.
+    Bare interpreters are bounded by the static TLS area that glibc sized at exec time
+    (by the tunables) and by what the process has placed in it so far, both as glibc
+    reports them now; libraries with initial-exec TLS, such as torch's libgomp, take
+    more of it, which the interpreter reports when it imports them.  Where glibc does
+    not report its static TLS, only the namespace limit bounds the answer.
     """
-    return max(0, min(MAX_NAMESPACES, _reserve() // _NAMESPACE_STATIC_TLS) - started)
+    limit = max(0, MAX_NAMESPACES - started)
+    free = _free_static_tls()
+    if free is None:
+        return limit
+    for fit in range(limit):
+        for block in _namespace_blocks():
+            free = _place(free, block)
+            if free is None:
+                return fit
+    return limit
+
+
+def static_tls_room() -> tuple[int, int] | None:
+    """(bytes of static TLS free now, bytes a bare interpreter takes of them), as glibc
+    reports them, or None where it does not."""
+    free = _free_static_tls()
+    if free is None:
+        return None
+    return free, sum(-(-size // align) * align for size, align, _ in _namespace_blocks())
 
 
 def torch_interpreters_that_fit() -> int:
-    """About how many interpreters that import torch a fresh process with these tunables
-    holds (an estimate: see _TORCH_STATIC_TLS)."""
-    return min(MAX_NAMESPACES, _reserve() // (_NAMESPACE_STATIC_TLS + _TORCH_STATIC_TLS))
+    """About how many interpreters that import torch this process can still start (an
+    estimate: see _TORCH_STATIC_TLS)."""
+    room = static_tls_room()
+    if room is None:
+        return MAX_NAMESPACES
+    free, each = room
+    return min(MAX_NAMESPACES, free // (each + _TORCH_STATIC_TLS))
 
 
 def static_tls_advice() -> str:

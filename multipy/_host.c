@@ -9,6 +9,7 @@
  * - A thread that entered interpreters drops its state (and key values) in each when it
  *   exits.
  * - The fatal-signal report and the exit guard.
+ * - What glibc reports of static TLS, for the room estimate (multipy/_glibc.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -414,6 +415,24 @@ static PyObject *skip_destructors_at_exit(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* -- static TLS, as glibc reports it -- */
+
+/* ld.so's own report of the static TLS area's size (GLIBC_PRIVATE, which the sanitizers
+ * use too); weak, so that a glibc without it leaves the room unmeasured, not this module
+ * unloadable. */
+extern void _dl_get_tls_static_info(size_t *size, size_t *align) __attribute__((weak));
+
+static PyObject *static_tls(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    if (!_dl_get_tls_static_info)
+        Py_RETURN_NONE;
+    size_t size, align;
+    _dl_get_tls_static_info(&size, &align);
+    return Py_BuildValue("nK", (Py_ssize_t)size,
+                         (unsigned long long)(uintptr_t)__builtin_thread_pointer());
+}
+
 /* -- the fatal-signal report -- */
 
 static const int fatal_signals[] = {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT};
@@ -526,6 +545,10 @@ static PyMethodDef module_methods[] = {
      "interpreter's namespace (RuntimeError if the process has none left)."},
     {"skip_destructors_at_exit", skip_destructors_at_exit, METH_NOARGS,
      "Makes the process leave without running library destructors."},
+    {"static_tls", static_tls, METH_NOARGS,
+     "static_tls() -> (size, thread pointer) or None: the size of every thread's static "
+     "TLS area (TCB included, glibc's _dl_get_tls_static_info) and the calling thread's "
+     "thread pointer; None where glibc does not say."},
     {"report_crashes", report_crashes, METH_NOARGS,
      "Installs the fatal-signal report that names the interpreter and call."},
     {NULL, NULL, 0, NULL},

@@ -68,6 +68,9 @@ def _info() -> None:
     print("tunables:     " + (":".join(f"{k}={v}" for k, v in tunables.items()) or "glibc's defaults"))
     print(f"interpreters: {fits['more']} fit in this process (at most {_glibc.MAX_NAMESPACES}), "
           f"about {_glibc.torch_interpreters_that_fit()} that import torch")
+    room = _glibc.static_tls_room()
+    print("static TLS:   " + (f"{room[0]} bytes free, {room[1]} for each bare interpreter's "
+                              f"libraries (glibc's report)" if room else "glibc does not say"))
     if fits["more"] < _glibc.MAX_NAMESPACES:
         print(f"              `multipy run SCRIPT`, or multipy.make_room() first thing in the "
               f"program, gives room for {_glibc.MAX_NAMESPACES}")

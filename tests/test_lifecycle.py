@@ -287,7 +287,9 @@ def test_ctrl_c_while_a_timed_call_blocks_in_c(python):
     assert process.returncode == -signal.SIGINT  # Python re-raises an unhandled Ctrl-C
 
 
-@pytest.mark.parametrize("tunables", [None, "glibc.rtld.nns=5"])
+# glibc's defaults, and a smaller static TLS area than they give (on glibc 2.36 and 2.43
+# alike, both leave fewer than 15: the area, not the namespaces, is the limit)
+@pytest.mark.parametrize("tunables", [None, "glibc.rtld.optional_static_tls=300"])
 def test_the_room_estimate_is_exact_for_bare_interpreters(python, tunables):
     result = python("""
         import multipy
@@ -301,7 +303,7 @@ def test_the_room_estimate_is_exact_for_bare_interpreters(python, tunables):
         with multipy.InterpreterManager(fits) as m:
             ids = {i.acquire_session().global_("builtins", "id")(None).deref()
                    for i in m.all_instances()}
-        print("STARTED", len(ids) == fits)
+        print("STARTED", len(ids) == fits, fits < 15)
         try:  # one more, past the estimate, straight to glibc
             _pool.Runtime(fits)
         except _glibc.NamespaceError as error:
@@ -309,7 +311,7 @@ def test_the_room_estimate_is_exact_for_bare_interpreters(python, tunables):
     """, timeout=HANG, env={"GLIBC_TUNABLES": tunables} if tunables else None)
     assert result.returncode == 0, result.stderr
     assert "multipy run" in result.stdout and "GLIBC_TUNABLES=glibc.rtld.nns=16" in result.stdout
-    assert "STARTED True" in result.stdout and "GLIBC True" in result.stdout
+    assert "STARTED True True" in result.stdout and "GLIBC True" in result.stdout
 
 
 def test_fifteen_with_the_launcher(python):

@@ -46,6 +46,7 @@ EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
 MODELS = '''
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -153,6 +154,19 @@ class Wrapped:
 
     def __call__(self, x):
         return self.net(x)
+
+
+class Text(nn.Module):
+    """BYTES in (a numpy array of bytes, of at least one dimension) and out: its strings
+    upper-cased, as str ("upper"); their lengths in bytes, as a tensor ("lengths"); the
+    input itself ("same"); and each row's strings joined by spaces, as a list of bytes
+    ("joined")."""
+
+    def forward(self, text):
+        upper = np.vectorize(lambda s: s.decode(errors="replace").upper(), otypes=[object])
+        lengths = torch.tensor([len(s) for s in text.reshape(-1)], dtype=torch.int64)
+        return {"upper": upper(text), "lengths": lengths.reshape(text.shape), "same": text,
+                "joined": [b" ".join(row) for row in text.reshape(len(text), -1)]}
 '''
 
 #: The wrapper a server runs as: `multipy serve`'s own entry (the launcher runs the
@@ -185,12 +199,13 @@ def packages(tmp_path_factory):
     try:
         spec.loader.exec_module(module)
         paths = {}
-        examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3))}
+        examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3)),
+                    "text": (np.array([b"hello", "w\u00f6rld".encode()], dtype=object),)}
         for name in ("Cast", "Pair", "Fails", "Slow", "Blocks", "Crashes", "Thread", "Rows",
-                     "Total", "Wrapped"):
+                     "Total", "Wrapped", "Text"):
             path = folder / f"{name.lower()}.pt"
             with torch.package.PackageExporter(str(path)) as exporter:
-                exporter.extern(["torch.**"])
+                exporter.extern(["torch.**", "numpy.**"])
                 exporter.intern("serve_test_models")
                 exporter.save_pickle("model", "model.pkl", getattr(module, name)())
                 if name.lower() in examples:
@@ -265,7 +280,7 @@ def _stop(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def served(packages, tmp_path_factory):
-    names = ["python_heavy", "cast", "pair", "fails", "slow", "blocks"]
+    names = ["python_heavy", "cast", "pair", "fails", "slow", "blocks", "text"]
     server = _start(tmp_path_factory.mktemp("served"), [packages[n] for n in names],
                     "--interpreters", "2", "--timeout", "5")
     try:
@@ -276,7 +291,8 @@ def served(packages, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def batching(packages, tmp_path_factory):
-    server = _start(tmp_path_factory.mktemp("batching"), [packages["rows"], packages["total"]],
+    server = _start(tmp_path_factory.mktemp("batching"),
+                    [packages["rows"], packages["total"], packages["text"]],
                     "--interpreters", "1", "--max-batch-size", "8", "--batch-timeout-ms", "500")
     try:
         yield server
@@ -483,6 +499,140 @@ def test_compression_and_json_whatever_the_content_type(served):
                                gzip.compress(json.dumps(request).encode()),
                                {"Content-Encoding": "gzip"})
     assert status == 200, body
+
+
+# -- BYTES --
+
+#: Text for the Text model: UTF-8 beyond ASCII, an empty string, and a space.
+TEXT = np.array([[b"hello", "w\u00f6rld".encode()], [b"", b"a b"]], dtype=object)
+
+
+def _as_bytes(array: np.ndarray) -> list:
+    """The elements of a BYTES array from tritonclient, row-major, as bytes (it gives
+    bytes for binary data, str for JSON)."""
+    return [v if isinstance(v, bytes) else v.encode() for v in array.reshape(-1)]
+
+
+def test_bytes_in_and_out_in_json_and_binary(served):
+    client = served.client()
+    names = ["upper", "lengths", "same", "joined"]
+    for binary_in in (True, False):
+        for binary_out in (True, False):
+            result = client.infer("text", [_input("text", TEXT, "BYTES", binary_in)], outputs=[
+                httpclient.InferRequestedOutput(name, binary_data=binary_out) for name in names])
+            outputs = {o["name"]: o for o in result.get_response()["outputs"]}
+            assert [(outputs[n]["datatype"], outputs[n]["shape"]) for n in names] == [
+                ("BYTES", [2, 2]), ("INT64", [2, 2]), ("BYTES", [2, 2]), ("BYTES", [2])]
+            assert ("data" in outputs["upper"]) is not binary_out
+            assert _as_bytes(result.as_numpy("upper")) == [
+                b"HELLO", "W\u00d6RLD".encode(), b"", b"A B"]
+            np.testing.assert_array_equal(result.as_numpy("lengths"), [[5, 6], [0, 3]])
+            assert _as_bytes(result.as_numpy("same")) == list(TEXT.reshape(-1))
+            assert _as_bytes(result.as_numpy("joined")) == [b"hello w\xc3\xb6rld", b" a b"]
+    metadata = client.get_model_metadata("text")  # from the archive's example of bytes
+    assert metadata["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert [(o["name"], o["datatype"], o["shape"]) for o in metadata["outputs"]] == [
+        ("upper", "BYTES", [-1]), ("lengths", "INT64", [-1]), ("same", "BYTES", [-1]),
+        ("joined", "BYTES", [-1])]
+
+
+def test_bytes_in_json_are_strings_and_bytes_that_are_not_text_go_back_as_binary(served):
+    def text(data, shape):
+        return _infer_json(served, "text", {"inputs": [
+            {"name": "text", "shape": shape, "datatype": "BYTES", "data": data}]})
+
+    status, answer = text([["a", "\u00e9"], ["", "b c"]], [2, 2])  # nested, UTF-8 in JSON
+    assert status == 200, answer
+    outputs = {o["name"]: o for o in answer["outputs"]}
+    assert outputs["upper"]["data"] == ["A", "\u00c9", "", "B C"]
+    assert outputs["lengths"]["data"] == [1, 2, 0, 3]
+    status, answer = text(["a", "b", "c", "d"], [2, 2])  # flat, row-major
+    assert status == 200 and answer["outputs"][3]["data"] == ["a b", "c d"], answer
+    for data, shape, words in [([1, 2], [2], "must be strings"), (["a"], [2], "elements"),
+                               ([["a"], ["b", "c"]], [3], "one shape"),
+                               ([["a"], "b"], [2], "one shape")]:
+        status, answer = text(data, shape)
+        assert status == 400 and words in answer["error"], (data, answer)
+    status, _, body = _request(served, "POST", "/v2/models/text/infer", json.dumps(
+        {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["\ud800"]}]},
+        ensure_ascii=True).encode())  # a lone surrogate, which no UTF-8 can encode
+    assert status == 400 and "lone surrogate" in json.loads(body)["error"], body
+    # bytes that are not UTF-8: JSON cannot carry them back, binary data can
+    raw = np.array([b"\xff\xfe", b"ok"], dtype=object)
+    client = served.client()
+    with pytest.raises(InferenceServerException) as json_answer:
+        client.infer("text", [_input("text", raw, "BYTES", True)],
+                     outputs=[httpclient.InferRequestedOutput("same", binary_data=False)])
+    assert json_answer.value.status() == "400", json_answer.value
+    assert "element 0 is not UTF-8 text" in json_answer.value.message()
+    assert '"binary_data": true' in json_answer.value.message()
+    result = client.infer("text", [_input("text", raw, "BYTES", True)], outputs=[
+        httpclient.InferRequestedOutput("same", binary_data=True),
+        httpclient.InferRequestedOutput("upper", binary_data=False)])
+    assert list(result.as_numpy("same")) == [b"\xff\xfe", b"ok"]
+    assert list(result.as_numpy("upper")) == ["\ufffd\ufffd", "OK"]
+    # binary data whose lengths do not match it: what is wrong, said
+    header = json.dumps({"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 13}}]}).encode()
+    body = header + b"\x03\0\0\0abc" + b"\x09\0\0\0ab"  # 9 bytes said, 2 sent
+    status, _, answer = _request(served, "POST", "/v2/models/text/infer", body,
+                                 {"Inference-Header-Content-Length": str(len(header))})
+    assert status == 400, answer
+    assert json.loads(answer)["error"] == (
+        "input 'text': BYTES element 1 is cut short: its length says 9 bytes, but only 2 "
+        "are left (binary_data_size 13)")
+    status, answer = text(["still", "served"], [2])
+    assert status == 200 and answer["outputs"][0]["data"] == ["STILL", "SERVED"], answer
+
+
+def test_bytes_cross_between_host_and_interpreter(manager, packages):
+    """The host's own calls (Ray Serve's replicas; connections that arrive while the
+    interpreters start) send BYTES arrays into an interpreter and get them back."""
+    from multipy.serve import archive
+
+    path = packages["text"]
+    storages = archive.storages(path)
+    for interpreter in manager.all_instances():
+        served = interpreter.global_("multipy._inside.serving", "load")(
+            path, "model", "model.pkl", storages)
+        names, datatypes, upper, lengths, same, joined = served.call_value(
+            "infer", (("text",), ("BYTES",), TEXT))
+        assert names == ("upper", "lengths", "same", "joined")
+        assert datatypes == ("BYTES", "INT64", "BYTES", "BYTES")
+        assert upper.dtype == object and upper.shape == (2, 2)
+        assert upper.tolist() == [[b"HELLO", "W\u00d6RLD".encode()], [b"", b"A B"]]
+        np.testing.assert_array_equal(lengths, [[5, 6], [0, 3]])
+        assert same.dtype == object and same.tolist() == TEXT.tolist()
+        assert joined.tolist() == [b"hello w\xc3\xb6rld", b" a b"]
+        metadata = served.call_value("metadata")
+        assert metadata["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+
+
+def test_str_and_bytes_outputs_of_every_form_are_bytes(manager):
+    """What a model may return as BYTES, made outputs inside an interpreter: str and
+    bytes, lists of them (one output each, even nested), numpy arrays of dtype object,
+    S and U; an array of objects that are neither is the model's error."""
+    interpreter = manager.all_instances()[0]
+    outputs = interpreter.global_("multipy._inside.serving", "_outputs")
+    inside_torch = interpreter.global_("importlib", "import_module")("torch")
+
+    def made(value) -> list:
+        return [(name, datatype, array.tolist(), array.shape)
+                for name, datatype, array in outputs(inside_torch, value, set()).deref()]
+
+    assert made(["a", b"b\x00"]) == [("output0", "BYTES", [b"a", b"b\x00"], (2,))]
+    assert made("\u00e9") == [("output0", "BYTES", "\u00e9".encode(), ())]
+    assert made(b"\x00") == [("output0", "BYTES", b"\x00", ())]
+    assert made({"words": ["x"], "pair": (["y", "z"], [torch.tensor([1])])}) == [
+        ("words", "BYTES", [b"x"], (1,)), ("pair.0", "BYTES", [b"y", b"z"], (2,)),
+        ("pair.1.0", "INT64", [1], (1,))]
+    assert made(np.array([[b"a"], [b"bc"]])) == [("output0", "BYTES", [[b"a"], [b"bc"]], (2, 1))]
+    assert made(np.array(["\u00e9", "f"])) == [
+        ("output0", "BYTES", ["\u00e9".encode(), b"f"], (2,))]
+    assert made(np.array(["a", b"b"], dtype=object)) == [("output0", "BYTES", [b"a", b"b"], (2,))]
+    assert made([]) == []  # no items: no outputs, as before
+    with pytest.raises(TypeError, match="array of objects that holds a int"):
+        made(np.array(["a", 1], dtype=object))
 
 
 # -- errors --
@@ -1022,6 +1172,40 @@ def test_batching_keeps_shapes_apart_and_runs_big_requests_alone(batching, packa
     for index, x in enumerate(inputs):
         with torch.no_grad():
             np.testing.assert_array_equal(answers[index], model(torch.from_numpy(x)).numpy())
+
+
+def test_batching_concatenates_and_splits_bytes(batching):
+    before = _metrics(batching)
+    requests, errors, answers = 12, [], {}
+
+    def one(index: int) -> None:
+        try:
+            rows = 1 + index % 2
+            text = np.array([f"r{index}-{row}-\u00e9" * (index % 3) for row in range(rows)],
+                            dtype=object)
+            result = batching.client().infer("text", [_input("text", text, "BYTES",
+                                                             index % 3 != 0)])
+            answers[index] = (text, result)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    assert not errors, errors[0]
+    assert sorted(answers) == list(range(requests))
+    for text, result in answers.values():
+        assert _as_bytes(result.as_numpy("upper")) == [t.upper().encode() for t in text]
+        np.testing.assert_array_equal(result.as_numpy("lengths"),
+                                      [len(t.encode()) for t in text])
+        assert _as_bytes(result.as_numpy("same")) == [t.encode() for t in text]
+        assert _as_bytes(result.as_numpy("joined")) == [t.encode() for t in text]  # a list
+    key = (("model", "text"),)
+    calls = _metrics(batching)[("multipy_model_calls_total", key)] - \
+        before[("multipy_model_calls_total", key)]
+    assert 1 <= calls < requests  # some ran together
 
 
 def test_a_batch_that_cannot_be_split_is_the_models_fault(batching):

@@ -6,6 +6,12 @@ the model runs under ``torch.no_grad()``, and its outputs go back as numpy array
 the outputs' own memory, lent the same way.  BF16 has no numpy dtype: a BF16 tensor
 crosses, both ways, as a uint16 array of its bits (``tensor.view(torch.uint16)``).
 
+BYTES (text, and other data of variable length) has no tensor: a BYTES input reaches the
+model as the numpy array itself, of dtype object holding ``bytes`` (as Triton's Python
+backend gives it), and an output of str or bytes goes back as BYTES, its str UTF-8
+encoded: a str or bytes, a list of them, or a numpy array of them (of dtype object, or
+numpy's ``S`` and ``U``).  Such arrays cross between host and interpreter pickled.
+
 torch is imported on first use, not with this module.  Errors of types the host could
 only re-create by importing torch (or a packaged module) are raised as RuntimeError,
 their type named in the message and the original chained in the traceback.
@@ -13,6 +19,7 @@ their type named in the message and the original chained in the traceback.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 #: The Open Inference Protocol's datatypes of torch's dtypes (by name: torch is not
@@ -82,8 +89,9 @@ class Served:
     def infer(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any
               ) -> tuple:
         """Runs the model on the arrays, each of its datatype, given by position, or by
-        name when names are given; returns its outputs as (names, datatypes, *arrays),
-        named as ``_outputs`` says.  Flat, so that the call takes multipy's fast path."""
+        name when names are given (tensors, but BYTES arrays as they are); returns its
+        outputs as (names, datatypes, *arrays), named as ``_outputs`` says.  Flat, so
+        that the call takes multipy's fast path."""
         import torch
 
         try:
@@ -102,7 +110,8 @@ class Served:
     def metadata(self) -> dict[str, list[dict]]:
         """The inputs (forward's parameters) and, when the archive has an example, the
         outputs, each as {"name", "datatype", "shape"}: shapes are the example's with
-        -1 for the leading (batch) dimension; without an example, FP32 and [-1]."""
+        -1 for the leading (batch) dimension (BYTES for an example of str or bytes, as
+        ``_array`` takes them); without an example, FP32 and [-1]."""
         import torch
 
         inputs = []
@@ -135,11 +144,19 @@ def _described(torch: Any, value: Any) -> dict:
     if isinstance(value, torch.Tensor) and str(value.dtype).rpartition(".")[2] in _DATATYPES:
         datatype = _DATATYPES[str(value.dtype).rpartition(".")[2]]
         return {"datatype": datatype, "shape": [-1, *value.shape[1:]] if value.dim() else []}
+    if _is_strings(value):
+        import numpy
+
+        shape = numpy.shape(value)
+        return {"datatype": "BYTES", "shape": [-1, *shape[1:]] if shape else []}
     return {"datatype": "FP32", "shape": [-1]}
 
 
 def _tensor(torch: Any, array: Any, datatype: str) -> Any:
-    """A tensor over array's memory (bits of BF16 arrive as uint16)."""
+    """A tensor over array's memory (bits of BF16 arrive as uint16); a BYTES array as it
+    is (no tensor holds bytes)."""
+    if datatype == "BYTES":
+        return array
     tensor = torch.from_numpy(array)
     return tensor.view(torch.bfloat16) if datatype == "BF16" else tensor
 
@@ -147,11 +164,12 @@ def _tensor(torch: Any, array: Any, datatype: str) -> Any:
 def _outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, str, Any]]:
     """(name, datatype, array) of each output: ``output0``, ``output1``, ... for a tensor,
     tuple or list, the keys for a dict; nested tuples, lists and dicts are flattened,
-    their names joined with dots (``output1.0``, ``scores.top``).  An output over one of
-    the storages in state (the model's own) is a copy."""
+    their names joined with dots (``output1.0``, ``scores.top``).  A list of str and
+    bytes only (not empty) is one output, BYTES of shape [len], not a list of outputs.
+    An output over one of the storages in state (the model's own) is a copy."""
     if isinstance(result, dict):
         items = [(str(key), value) for key, value in result.items()]
-    elif isinstance(result, (tuple, list)):
+    elif isinstance(result, (tuple, list)) and not _is_string_list(result):
         items = [(f"output{i}", value) for i, value in enumerate(result)]
     else:
         items = [("output0", result)]
@@ -160,16 +178,37 @@ def _outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, str, A
         name, value = items.pop(0)
         if isinstance(value, dict):
             items[:0] = [(f"{name}.{key}", each) for key, each in value.items()]
-        elif isinstance(value, (tuple, list)):
+        elif isinstance(value, (tuple, list)) and not _is_string_list(value):
             items[:0] = [(f"{name}.{i}", each) for i, each in enumerate(value)]
         else:
             flat.append((name, *_array(torch, name, value, state)))
     return flat
 
 
+def _is_string_list(value: Any) -> bool:
+    """Whether value is a list (not empty) of str and bytes only: one BYTES output."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(item, (str, bytes)) for item in value)
+
+
+def _is_strings(value: Any) -> bool:
+    """Whether value is BYTES as ``_array`` takes it: a str or bytes, a list of them, or
+    a numpy array of them."""
+    if isinstance(value, (str, bytes)) or _is_string_list(value):
+        return True
+    numpy = sys.modules.get("numpy")
+    if numpy is None or not isinstance(value, numpy.ndarray):
+        return False
+    if value.dtype.kind in "SU":
+        return True
+    return value.dtype.kind == "O" and all(
+        isinstance(item, (str, bytes)) for item in value.reshape(-1))
+
+
 def _array(torch: Any, name: str, value: Any, state: set[int]) -> tuple[str, Any]:
     """(datatype, numpy array over the same memory) for an output value; a copy of a
-    tensor over one of the storages in state."""
+    tensor over one of the storages in state; for str and bytes (see the module's
+    docstring), a new array of dtype object holding bytes."""
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
         if tensor.untyped_storage().data_ptr() in state:
@@ -186,11 +225,33 @@ def _array(torch: Any, name: str, value: Any, state: set[int]) -> tuple[str, Any
         return _DATATYPES[kind], tensor.numpy()
     import numpy
 
+    if isinstance(value, (str, bytes)) or _is_string_list(value):
+        value = numpy.array(value, dtype=object)
     array = numpy.asarray(value)
+    if array.dtype.kind in "OSU":
+        return "BYTES", _bytes_array(numpy, name, array)
     if array.dtype.name not in _NUMPY_DATATYPES:
         raise TypeError(f"output {name!r} is a {type(value).__name__} ({array.dtype}), which "
                         f"the Open Inference Protocol has no datatype for: return tensors")
     return _NUMPY_DATATYPES[array.dtype.name], numpy.array(array)  # owned and writable: lent
+
+
+def _bytes_array(numpy: Any, name: str, array: Any) -> Any:
+    """An array of dtype object holding bytes, of array's shape, for an array of str or
+    bytes (of dtype object, S or U); str UTF-8 encoded.  TypeError for an array of
+    objects that holds anything else."""
+    elements = []
+    for element in array.reshape(-1).tolist():
+        if isinstance(element, str):
+            element = element.encode()
+        elif not isinstance(element, bytes):
+            raise TypeError(f"output {name!r} is an array of objects that holds a "
+                            f"{type(element).__name__}: the Open Inference Protocol's BYTES "
+                            f"holds str or bytes only")
+        elements.append(bytes(element))  # (numpy.bytes_: plain bytes)
+    result = numpy.empty(len(elements), dtype=object)
+    result[:] = elements
+    return result.reshape(array.shape)
 
 
 def _raise_plainly(error: Exception) -> None:

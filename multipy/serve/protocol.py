@@ -4,12 +4,16 @@ extension.  numpy only; nothing here knows about models or interpreters.
 
 A tensor's data is a numpy array of its shape.  BF16 has no numpy dtype: its arrays hold
 the bits, as uint16 (what the interpreters turn into bfloat16 tensors), and JSON carries
-BF16 values as numbers, rounded to nearest even on the way in.
+BF16 values as numbers, rounded to nearest even on the way in.  BYTES (text, and other
+data of variable length) arrays are of dtype object, holding ``bytes``: JSON carries them
+as strings (UTF-8 encoded on the way in; an answer in JSON must be UTF-8 text, else it is
+a 400 that says to ask for binary data).
 
 Binary data (Triton's "binary_tensor_data" extension): when a request has the header
 ``Inference-Header-Content-Length: N``, the first N bytes of its body are the JSON and the
 rest are the raw bytes of the inputs that say ``"parameters": {"binary_data_size": K}``,
-in order, little-endian, row-major (one byte per BOOL).  Without that header the whole
+in order, little-endian, row-major (one byte per BOOL; for BYTES, each element as a
+4-byte little-endian length followed by its bytes).  Without that header the whole
 body is JSON, whatever its Content-Type.  Outputs asked for with
 ``"parameters": {"binary_data": true}`` (or all of them, by the request's
 ``"parameters": {"binary_data_output": true}``) come back the same way.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import struct
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +48,14 @@ DTYPES: dict[str, np.dtype] = {
     "FP16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "FP32": np.dtype("<f4"),
     "FP64": np.dtype("<f8"),
 }
+#: The datatype of elements of variable length (text, or any bytes): its arrays are of
+#: dtype object, holding ``bytes``.
+BYTES = "BYTES"
+#: Every datatype this server takes and gives.
+DATATYPES = (*DTYPES, BYTES)
+#: The bytes of a BYTES element's length, in binary data (little-endian).
+LENGTH_PREFIX = 4
+_LENGTH = struct.Struct("<I")
 
 
 class ProtocolError(Exception):
@@ -193,13 +206,9 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
     if not isinstance(datatype, str):
         raise ProtocolError(f'input {name!r}: "datatype" must be a string, not '
                             f"{_short(datatype)}")
-    if datatype not in DTYPES:
-        supported = ", ".join(DTYPES)
-        if datatype == "BYTES":
-            raise ProtocolError(f"input {name!r}: datatype BYTES is not supported; "
-                                f"numeric datatypes are: {supported}")
+    if datatype not in DATATYPES:
         raise ProtocolError(f"input {name!r}: unknown datatype {_short(datatype)}; "
-                            f"the datatypes are {supported}")
+                            f"the datatypes are {', '.join(DATATYPES)}")
     shape = spec.get("shape")
     count = _count(name, shape)
     parameters = _object(spec.get("parameters"), f"input {name!r}'s parameters")
@@ -211,18 +220,78 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
             raise ProtocolError(f"input {name!r}: binary_data_size must be a number of bytes")
         if "data" in spec:
             raise ProtocolError(f'input {name!r} has both "data" and binary_data_size')
-        expected = count * DTYPES[datatype].itemsize
-        if size != expected:
+        if datatype != BYTES and size != count * DTYPES[datatype].itemsize:
             raise ProtocolError(f"input {name!r}: shape {shape} of {datatype} needs "
-                                f"{expected} bytes, but binary_data_size is {size}")
+                                f"{count * DTYPES[datatype].itemsize} bytes, but "
+                                f"binary_data_size is {size}")
         if offset + size > len(binary):
             raise ProtocolError(f"input {name!r}: binary_data_size is {size}, but only "
                                 f"{len(binary) - offset} bytes of binary data are left")
+        if datatype == BYTES:
+            array = from_length_prefixed(name, shape, binary[offset:offset + size])
+            return Tensor(name, datatype, array), offset + size
         array = np.frombuffer(binary, DTYPES[datatype], count, offset).reshape(shape).copy()
         return Tensor(name, datatype, array), offset + size
     if "data" not in spec:
         raise ProtocolError(f'input {name!r} has no "data" (nor binary_data_size)')
     return Tensor(name, datatype, from_json(name, datatype, shape, spec["data"])), offset
+
+
+def from_length_prefixed(name: str, shape: list[int], data: memoryview) -> np.ndarray:
+    """The BYTES array of shape (of input name) in its binary data: each element a 4-byte
+    little-endian length, then that many bytes, row-major; ProtocolError if a length or
+    an element is cut short by the data's end, or the data holds more or fewer elements
+    than the shape.  A shape that claims more elements than the data has lengths for is
+    refused before any is read."""
+    count = math.prod(shape)
+    size = len(data)
+    if count > size // LENGTH_PREFIX:
+        raise ProtocolError(f"input {name!r}: shape {shape} of BYTES has {count} elements, "
+                            f"which need at least {count * LENGTH_PREFIX} bytes (a "
+                            f"{LENGTH_PREFIX}-byte length each), but binary_data_size is "
+                            f"{size}")
+    raw = data.tobytes()  # slices of bytes are quicker to take than of a memoryview
+    elements: list[bytes] = []
+    position = 0
+    for index in range(count):
+        if size - position < LENGTH_PREFIX:
+            if position == size:
+                raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, "
+                                    f"but its binary data holds {index}")
+            raise ProtocolError(f"input {name!r}: BYTES element {index} is cut short: its "
+                                f"{LENGTH_PREFIX}-byte length at byte {position} has only "
+                                f"{size - position} bytes before the data's end "
+                                f"(binary_data_size {size})")
+        (length,) = _LENGTH.unpack_from(raw, position)
+        start = position + LENGTH_PREFIX
+        position = start + length
+        if position > size:
+            raise ProtocolError(f"input {name!r}: BYTES element {index} is cut short: its "
+                                f"length says {length} bytes, but only {size - start} are "
+                                f"left (binary_data_size {size})")
+        elements.append(raw[start:position])
+    if position != size:
+        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
+                            f"{size - position} bytes of its binary data are left after them "
+                            f"(binary_data_size {size})")
+    return _bytes_array(elements, shape)
+
+
+def to_length_prefixed(array: np.ndarray) -> bytes:
+    """The binary data of a BYTES array (of bytes objects): each element's 4-byte
+    little-endian length, then its bytes, row-major."""
+    parts = []
+    for element in array.reshape(-1):
+        parts.append(_LENGTH.pack(len(element)))
+        parts.append(element)
+    return b"".join(parts)
+
+
+def _bytes_array(elements: list[bytes], shape: list[int]) -> np.ndarray:
+    """An array of dtype object of shape, holding elements (row-major)."""
+    array = np.empty(len(elements), dtype=object)
+    array[:] = elements
+    return array.reshape(shape)
 
 
 def _count(name: str, shape: Any) -> int:
@@ -276,7 +345,10 @@ _NUMBERS = frozenset({int, float, bool})
 def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarray:
     """The array of JSON tensor data (flat or nested, row-major) of a datatype and shape;
     ProtocolError if the values do not fit the datatype or their count the shape.  The
-    values' types and count are checked before any array is built."""
+    values' types and count are checked before any array is built.  BYTES data are
+    strings, UTF-8 encoded into the array's bytes."""
+    if datatype == BYTES:
+        return _strings_from_json(name, shape, data)
     count = math.prod(shape)
     dtype = DTYPES[datatype]
     if datatype == "BOOL":
@@ -319,6 +391,38 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
     return values.astype(dtype).reshape(shape)
 
 
+def _strings_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
+    """from_json for BYTES: strings, in nested lists of one shape (or one string)."""
+    count = math.prod(shape)
+    types = _leaf_types(data, count)
+    if types is None:
+        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
+                            f"the data has more")
+    ragged = ProtocolError(f"input {name!r}: data must be a (nested) list of strings of "
+                           f"one shape")
+    if list in types:  # lists beside strings
+        raise ragged
+    if not types <= {str}:
+        wrong = sorted(t.__name__ for t in types - {str})[0]
+        raise ProtocolError(f"input {name!r}: BYTES data must be strings; got a {wrong}")
+    level = data if isinstance(data, list) else [data]
+    while level and type(level[0]) is list:  # one depth of the lists at a time
+        if any(type(item) is not list or len(item) != len(level[0]) for item in level):
+            raise ragged
+        level = [value for item in level for value in item]
+    if len(level) != count:
+        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
+                            f"the data has {len(level)}")
+    elements = []
+    for position, text in enumerate(level):
+        try:
+            elements.append(text.encode())
+        except UnicodeEncodeError:  # a lone surrogate, which JSON's \u escapes can write
+            raise ProtocolError(f"input {name!r}: string {position} is not Unicode text "
+                                f"(it holds a lone surrogate, {text[:40]!r})") from None
+    return _bytes_array(elements, shape)
+
+
 def _exact_integers(name: str, datatype: str, data: Any) -> np.ndarray:
     """The values of an integer datatype that numpy read as floats or objects (0 and
     2**64 - 1 together read as float64, say), checked one by one as Python ints."""
@@ -358,16 +462,22 @@ def encode_response(model_name: str, model_version: str | None, request_id: str 
                     outputs: list[tuple[Tensor, bool]]) -> tuple[bytes, dict[str, str]]:
     """The body and headers of the answer to an inference request: outputs, each with
     whether it goes as binary data (then the body is the JSON, then their bytes, and the
-    headers say where the JSON ends)."""
+    headers say where the JSON ends).  ProtocolError if a BYTES output to go as JSON
+    holds bytes that are not UTF-8 text: JSON cannot carry them, binary data can."""
     described, chunks = [], []
     for tensor, binary in outputs:
         array = tensor.array
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
                                  "shape": list(array.shape)}
         if binary:
-            raw = np.ascontiguousarray(array, DTYPES[tensor.datatype]).tobytes()
+            if tensor.datatype == BYTES:
+                raw = to_length_prefixed(array)
+            else:
+                raw = np.ascontiguousarray(array, DTYPES[tensor.datatype]).tobytes()
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
+        elif tensor.datatype == BYTES:
+            entry["data"] = _texts(tensor.name, array)
         else:
             if tensor.datatype == "BF16":
                 array = bf16_bits_to_float32(array)
@@ -384,6 +494,20 @@ def encode_response(model_name: str, model_version: str | None, request_id: str 
         return header, {"Content-Type": "application/json"}
     return header + b"".join(chunks), {"Content-Type": "application/octet-stream",
                                        HEADER_LENGTH: str(len(header))}
+
+
+def _texts(name: str, array: np.ndarray) -> list[str]:
+    """The strings of a BYTES output's elements, row-major, decoded as UTF-8."""
+    texts = []
+    for position, element in enumerate(array.reshape(-1)):
+        try:
+            texts.append(element.decode())
+        except UnicodeDecodeError as error:
+            raise ProtocolError(
+                f"output {name!r}: element {position} is not UTF-8 text ({error.reason} at "
+                f"byte {error.start}), which JSON cannot carry: ask for the output as "
+                f'binary data ("parameters": {{"binary_data": true}})') from None
+    return texts
 
 
 def compress(body: bytes, headers: dict[str, str], accept_encoding: str | None) -> bytes:

@@ -1,0 +1,143 @@
+"""multipy.serve.protocol on its own, without a server: BYTES tensors in JSON and in the
+binary data extension's length-prefixed encoding, both ways."""
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+
+np = pytest.importorskip("numpy")
+
+from multipy.serve.protocol import (ProtocolError, Tensor, decode_request,  # noqa: E402
+                                    encode_response, to_length_prefixed)
+
+
+def _prefixed(*elements: bytes) -> bytes:
+    return b"".join(struct.pack("<I", len(e)) + e for e in elements)
+
+
+def _binary(shape: list[int], data: bytes, size: int | None = None):
+    """The request for one BYTES input of shape whose binary data is data (and whose
+    binary_data_size is size, len(data) unless given)."""
+    header = json.dumps({"inputs": [{
+        "name": "text", "datatype": "BYTES", "shape": shape,
+        "parameters": {"binary_data_size": len(data) if size is None else size}}]}).encode()
+    return decode_request(header + data, str(len(header)))
+
+
+def _json(shape: list[int], data):
+    return decode_request(json.dumps({"inputs": [
+        {"name": "text", "datatype": "BYTES", "shape": shape, "data": data}]}).encode())
+
+
+def test_bytes_from_binary_data_are_an_array_of_bytes_of_the_shape():
+    elements = [b"hello", b"", b"\xff\x00", "w\u00f6rld".encode()]
+    array = _binary([2, 2], _prefixed(*elements)).inputs[0].array
+    assert array.dtype == object and array.shape == (2, 2)
+    assert array.reshape(-1).tolist() == elements
+    assert all(type(element) is bytes for element in array.reshape(-1))
+    assert _binary([0, 3], b"").inputs[0].array.shape == (0, 3)
+    assert _binary([], _prefixed(b"one")).inputs[0].array.tolist() == b"one"  # a scalar
+
+
+@pytest.mark.parametrize("shape, data, message", [
+    ([2], _prefixed(b"abc") + b"\x09\0\0\0ab",
+     "input 'text': BYTES element 1 is cut short: its length says 9 bytes, but only 2 are "
+     "left (binary_data_size 13)"),
+    ([3], _prefixed(b"abc", b"") + b"\x01\0",
+     "input 'text': BYTES element 2 is cut short: its 4-byte length at byte 11 has only 2 "
+     "bytes before the data's end (binary_data_size 13)"),
+    ([3], _prefixed(b"abcdefgh", b""),
+     "input 'text': shape [3] has 3 elements, but its binary data holds 2"),
+    ([1], _prefixed(b"a", b"b"),
+     "input 'text': shape [1] has 1 elements, but 5 bytes of its binary data are left after "
+     "them (binary_data_size 10)"),
+    ([2, 2], _prefixed(b"a", b"b"),
+     "input 'text': shape [2, 2] of BYTES has 4 elements, which need at least 16 bytes (a "
+     "4-byte length each), but binary_data_size is 10"),
+    ([1 << 40], b"",  # refused before anything is read or allocated
+     f"input 'text': shape [{1 << 40}] of BYTES has {1 << 40} elements, which need at least "
+     f"{4 << 40} bytes (a 4-byte length each), but binary_data_size is 0"),
+])
+def test_length_prefixed_data_that_does_not_match_says_what_is_wrong(shape, data, message):
+    with pytest.raises(ProtocolError) as error:
+        _binary(shape, data)
+    assert error.value.status == 400 and str(error.value) == message
+
+
+def test_binary_data_size_of_bytes_is_checked_against_the_body():
+    data = _prefixed(b"abc")
+    with pytest.raises(ProtocolError, match="binary_data_size is 9, but only 7 bytes"):
+        _binary([1], data, size=9)
+    with pytest.raises(ProtocolError, match="2 bytes of binary data that no input claims"):
+        _binary([1], data + b"xx", size=len(data))
+
+
+def test_bytes_in_json_are_strings_utf8_encoded():
+    array = _json([2, 2], [["a", "\u00e9"], ["", "\u20ac"]]).inputs[0].array
+    assert array.dtype == object and array.shape == (2, 2)
+    assert array.tolist() == [[b"a", b"\xc3\xa9"], [b"", b"\xe2\x82\xac"]]
+    assert _json([2, 2], ["a", "b", "c", "d"]).inputs[0].array.tolist() == \
+        [[b"a", b"b"], [b"c", b"d"]]  # flat, row-major
+    assert _json([1], "alone").inputs[0].array.tolist() == [b"alone"]
+    assert _json([0, 2], []).inputs[0].array.shape == (0, 2)
+
+
+@pytest.mark.parametrize("shape, data, message", [
+    ([2], ["a", 1], "input 'text': BYTES data must be strings; got a int"),
+    ([1], [None], "input 'text': BYTES data must be strings; got a NoneType"),
+    ([1], [{"b64": "AA=="}], "input 'text': BYTES data must be strings; got a dict"),
+    ([3], ["a", "b"], "input 'text': shape [3] has 3 elements, but the data has 2"),
+    ([1], ["a", "b"], "input 'text': shape [1] has 1 elements, but the data has more"),
+    ([3], [["a"], ["b", "c"]],
+     "input 'text': data must be a (nested) list of strings of one shape"),
+    ([2], [["a"], "b"], "input 'text': data must be a (nested) list of strings of one shape"),
+    ([2], ["a", ["b"]], "input 'text': data must be a (nested) list of strings of one shape"),
+    ([1], ["\ud800"], "input 'text': string 0 is not Unicode text (it holds a lone "
+                      "surrogate, '\\ud800')"),
+])
+def test_bytes_json_that_does_not_fit_says_what_is_wrong(shape, data, message):
+    with pytest.raises(ProtocolError) as error:
+        _json(shape, data)
+    assert error.value.status == 400 and str(error.value) == message
+
+
+def test_an_unknown_datatype_names_bytes_among_the_datatypes():
+    with pytest.raises(ProtocolError, match="unknown datatype 'STRING'; the datatypes are "
+                                            "BOOL, .*, FP64, BYTES$"):
+        decode_request(json.dumps({"inputs": [
+            {"name": "x", "datatype": "STRING", "shape": [1], "data": ["a"]}]}).encode())
+
+
+def _answer(array: np.ndarray, binary: bool) -> tuple[dict, bytes]:
+    """The JSON of the answer with one BYTES output, and its binary data."""
+    body, headers = encode_response("m", "1", None, [(Tensor("out", "BYTES", array), binary)])
+    length = int(headers.get("Inference-Header-Content-Length", len(body)))
+    return json.loads(body[:length]), body[length:]
+
+
+def test_bytes_outputs_as_json_strings_or_length_prefixed_binary_data():
+    array = np.array([[b"a", "\u00e9".encode()], [b"", b"\x00"]], dtype=object)
+    answer, rest = _answer(array, binary=False)
+    assert answer["outputs"] == [{"name": "out", "datatype": "BYTES", "shape": [2, 2],
+                                  "data": ["a", "\u00e9", "", "\x00"]}]
+    assert rest == b""
+    answer, rest = _answer(array, binary=True)
+    expected = _prefixed(b"a", b"\xc3\xa9", b"", b"\x00")
+    assert answer["outputs"] == [{"name": "out", "datatype": "BYTES", "shape": [2, 2],
+                                  "parameters": {"binary_data_size": len(expected)}}]
+    assert rest == expected == to_length_prefixed(array)
+    assert _binary([2, 2], rest).inputs[0].array.tolist() == array.tolist()  # round trip
+
+
+def test_bytes_that_are_not_utf8_cannot_go_as_json_but_can_as_binary_data():
+    array = np.array([b"ok", b"\xff\xfe"], dtype=object)
+    with pytest.raises(ProtocolError) as error:
+        _answer(array, binary=False)
+    assert error.value.status == 400
+    assert str(error.value) == (
+        "output 'out': element 1 is not UTF-8 text (invalid start byte at byte 0), which "
+        'JSON cannot carry: ask for the output as binary data ("parameters": '
+        '{"binary_data": true})')
+    assert _answer(array, binary=True)[1] == _prefixed(b"ok", b"\xff\xfe")

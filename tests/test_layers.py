@@ -14,7 +14,8 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
           "__main__", "__init__"]
 #: multipy.serve, bottom-up: each of its modules may import only those before it, and of
 #: the rest of multipy only the layers below "serve".
-SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "app", "connection", "inbox",
+SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "inference", "app",
+                "inference_pb2", "rpc", "connection", "inbox",
                 "archive", "models",
                 "progress", "service", "on_ray", "main", "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy: of multipy.serve, the
@@ -53,7 +54,10 @@ def _import_paths(path: Path) -> list[tuple[int, list[str]]]:
                     found.append((node.lineno, name))
             elif node.module and node.module.split(".")[0] == "multipy":
                 rest = node.module.split(".")[1:]
-                names = [rest] if rest else [[a.name] for a in node.names]
+                if PACKAGE.joinpath(*rest).is_dir():  # names in a package: its modules
+                    names = [rest + [a.name] for a in node.names]
+                else:
+                    names = [rest]
                 for name in names:
                     found.append((node.lineno, name))
         elif isinstance(node, ast.Import):

@@ -1,4 +1,4 @@
-"""`multipy serve`: the Open Inference Protocol over HTTP, checked with tritonclient.http
+"""`multipy serve`: the Open Inference Protocol over HTTP and gRPC, checked with tritonclient.http and tritonclient.grpc
 against servers running in subprocesses on free ports of 127.0.0.1.
 
 Three servers serve the whole module: ``served`` (2 interpreters, --timeout 5, no
@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import select
 import signal
 import socket
@@ -282,7 +283,7 @@ def _stop(server: Server) -> None:
 def served(packages, tmp_path_factory):
     names = ["python_heavy", "cast", "pair", "fails", "slow", "blocks", "text"]
     server = _start(tmp_path_factory.mktemp("served"), [packages[n] for n in names],
-                    "--interpreters", "2", "--timeout", "5")
+                    "--interpreters", "2", "--timeout", "5", "--grpc-port", "0")
     try:
         yield server
     finally:
@@ -1032,6 +1033,7 @@ def test_metrics_sum_every_writers_row():
     """Writers that each count in their own row of one board (as the interpreters'
     front ends do, at its address) are summed by /metrics's text, whoever renders it."""
     from multipy.serve.metrics import Metrics
+    from multipy.serve.requests import Timing
 
     host = Metrics(["a", "b"], 2, rows=3, row=0)
     fronts = [Metrics(["a", "b"], 2, rows=3, row=k, address=host.board.address) for k in (1, 2)]
@@ -1040,7 +1042,10 @@ def test_metrics_sum_every_writers_row():
         for _ in range(k + 1):
             series.requests.inc()
             series.latency.observe(0.003)
-        series.failed(413)
+        series.failed(413, 1000)
+        timing = Timing()
+        timing.input_ns, timing.queue_ns, timing.infer_ns, timing.output_ns = 1, 2, 3, 4
+        series.succeeded(100 * (k + 1), timing)
         series.busy.inc()
         front.closed_connection()
     fronts[0].models["b"].batched.observe(3)
@@ -1058,6 +1063,13 @@ def test_metrics_sum_every_writers_row():
     assert samples[("multipy_busy_interpreters", (("model", "a"),))] == 2
     assert samples[("multipy_batch_requests_bucket", (("le", "2.0"), ("model", "b")))] == 0
     assert samples[("multipy_batch_requests_bucket", (("le", "4.0"), ("model", "b")))] == 1
+    # and the statistics extension reads the same rows
+    stats = {s["name"]: s for s in host.statistics(["a", "b"])["model_stats"]}
+    assert stats["a"]["inference_stats"]["success"] == {"count": 2, "ns": 300}
+    assert stats["a"]["inference_stats"]["fail"] == {"count": 2, "ns": 2000}
+    assert [stats["a"]["inference_stats"][part]["ns"] for part in (
+        "compute_input", "queue", "compute_infer", "compute_output")] == [2, 4, 6, 8]
+    assert stats["b"]["inference_count"] == 3 and stats["b"]["execution_count"] == 0
     assert samples[("multipy_interpreters", ())] == 2
     assert [host.closed_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
     assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 1]
@@ -1266,6 +1278,187 @@ def test_state_that_forward_writes_is_each_interpreters_own_and_never_lent(packa
         assert pointer != buffer  # a copy, not the buffer the next call writes
 
 
+# -- gRPC (the served server also serves it, with --grpc-port 0) --
+
+def _grpc_port(server: Server) -> int:
+    """The gRPC port that server's ready line names."""
+    found = re.search(r"gRPC on [^ ]*:(\d+)", server.output())
+    assert found, server.output()
+    return int(found.group(1))
+
+
+def _grpc(server: Server):
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}")
+
+
+def _grpc_input(name: str, array: np.ndarray, datatype: str):
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _grpc_error(call) -> tuple[str, str]:
+    """(status code, message) of the error a gRPC call raises."""
+    with pytest.raises(InferenceServerException) as raised:
+        call()
+    return raised.value.status(), raised.value.message()
+
+
+def test_grpc_health_and_metadata(served):
+    client = _grpc(served)
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready("pair") and client.is_model_ready("pair", "1")
+    status, message = _grpc_error(lambda: client.is_model_ready("nope"))
+    assert status == "StatusCode.NOT_FOUND" and "unknown model 'nope'" in message
+    metadata = client.get_server_metadata(as_json=True)
+    assert metadata["name"] == "multipy"
+    assert {"binary_tensor_data", "statistics"} <= set(metadata["extensions"])
+    model = client.get_model_metadata("pair", as_json=True)
+    http = served.client().get_model_metadata("pair")
+    assert [i["name"] for i in model["inputs"]] == ["a", "b"]
+    assert model["inputs"] == [{**i, "shape": [str(s) for s in i["shape"]]}
+                               for i in http["inputs"]]  # int64 as JSON strings
+
+
+@pytest.mark.parametrize("datatype", DATATYPES)
+def test_grpc_every_datatype(served, datatype):
+    import tritonclient.grpc as grpcclient
+
+    x = _values(datatype)
+    result = _grpc(served).infer("cast", [_grpc_input("x", x, datatype)], request_id="r-7",
+                                 outputs=[grpcclient.InferRequestedOutput("same"),
+                                          grpcclient.InferRequestedOutput("as_fp64")])
+    response = result.get_response(as_json=True)
+    assert response["id"] == "r-7" and response["model_name"] == "cast"
+    assert [o["name"] for o in response["outputs"]] == ["same", "as_fp64"]
+    same = result.as_numpy("same")
+    assert same.dtype == x.dtype and np.array_equal(same, x)
+    np.testing.assert_array_equal(result.as_numpy("as_fp64"), x.astype(np.float64))
+
+
+def test_grpc_typed_contents_and_requested_outputs(served):
+    """Inputs in typed contents (as KServe's client sends them) are read as raw ones are,
+    and the outputs asked for are answered."""
+    import grpc
+
+    from multipy.serve import inference_pb2 as messages
+
+    with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}") as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=messages.ModelInferRequest.SerializeToString,
+            response_deserializer=messages.ModelInferResponse.FromString)
+        tensor = messages.ModelInferRequest.InferInputTensor
+        request = messages.ModelInferRequest(model_name="pair", inputs=[
+            tensor(name="a", datatype="FP32", shape=[1, 3],
+                   contents=messages.InferTensorContents(fp32_contents=[5, 6, 7])),
+            tensor(name="b", datatype="FP32", shape=[1, 3],
+                   contents=messages.InferTensorContents(fp32_contents=[1, 1, 2]))])
+        answer = infer(request, timeout=60)
+        assert [o.name for o in answer.outputs] == ["output0"]
+        assert list(answer.outputs[0].shape) == [1, 3] and answer.outputs[0].datatype == "FP32"
+        np.testing.assert_array_equal(np.frombuffer(answer.raw_output_contents[0], "<f4"),
+                                      [4, 5, 5])
+        request.inputs[1].contents.Clear()
+        request.inputs[1].contents.int64_contents.extend([1, 1, 2])
+        with pytest.raises(grpc.RpcError) as wrong:
+            infer(request, timeout=60)
+        assert wrong.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert wrong.value.details() == ("input 'b': FP32 values go in fp32_contents, not in "
+                                         "int64_contents")
+
+
+def test_grpc_errors_are_codes_with_the_http_messages(served):
+    """The same mistakes give the same messages over both transports, as gRPC codes."""
+    client, http = _grpc(served), served.client()
+    x = np.ones((1, 3), np.float32)
+    cases = [  # (model, inputs, HTTP status, gRPC code)
+        ("nope", [("x", x, "FP32")], "404", "StatusCode.NOT_FOUND"),
+        ("fails", [("x", -x, "FP32")], "500", "StatusCode.INTERNAL"),
+        ("pair", [("a", x, "FP32"), ("a", x, "FP32")], "400", "StatusCode.INVALID_ARGUMENT"),
+    ]
+    for model, inputs, http_status, code in cases:
+        over_http = _grpc_error(lambda: http.infer(
+            model, [_input(name, array, datatype, True) for name, array, datatype in inputs]))
+        over_grpc = _grpc_error(lambda: client.infer(
+            model, [_grpc_input(name, array, datatype) for name, array, datatype in inputs]))
+        assert over_http[0] == http_status and over_grpc[0] == code, (over_http, over_grpc)
+        assert over_grpc[1] == over_http[1], (over_grpc, over_http)
+    assert client.is_server_ready()  # and it serves on
+
+
+def test_statistics_count_both_transports_in_one_place(served):
+    """Triton's statistics extension, over HTTP and gRPC alike: each request, whichever
+    carried it, counts once, with its nanoseconds."""
+    http, client = served.client(), _grpc(served)
+
+    def stats() -> dict:
+        over_http = http.get_inference_statistics("pair")["model_stats"]
+        over_grpc = client.get_inference_statistics("pair", as_json=True)["model_stats"]
+        assert len(over_http) == len(over_grpc) == 1
+        for part in ("success", "fail"):  # (gRPC's JSON: uint64 as strings, 0 left out)
+            assert int(over_grpc[0]["inference_stats"][part].get("count", 0)) == \
+                over_http[0]["inference_stats"][part]["count"]
+        return over_http[0]
+
+    before = stats()
+    x = np.ones((1, 3), np.float32)
+    for _ in range(3):
+        http.infer("pair", [_input("a", x, "FP32", True), _input("b", x, "FP32", True)])
+        client.infer("pair", [_grpc_input("a", x, "FP32"), _grpc_input("b", x, "FP32")])
+    _grpc_error(lambda: http.infer("pair", [_input("a", x, "FP32", True)]))  # a missing input
+    after = stats()
+    counts = lambda s, part: s["inference_stats"][part].get("count", 0)  # noqa: E731
+    nanos = lambda s, part: int(s["inference_stats"][part].get("ns", 0))  # noqa: E731
+    assert after["name"] == "pair" and after["version"] == "1"
+    assert counts(after, "success") == counts(before, "success") + 6
+    assert counts(after, "fail") == counts(before, "fail") + 1
+    for part in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        assert nanos(after, part) > nanos(before, part), part
+    assert nanos(after, "success") - nanos(before, "success") >= sum(
+        nanos(after, part) - nanos(before, part)
+        for part in ("compute_input", "compute_infer", "compute_output"))
+    assert after["execution_count"] >= before.get("execution_count", 0) + 6
+    assert int(after["last_inference"]) > time.time() * 1000 - 60_000
+    every = http.get_inference_statistics()["model_stats"]
+    assert {s["name"] for s in every} == {"python_heavy", "cast", "pair", "fails", "slow",
+                                          "blocks", "text"}
+    status, _, body = _request(served, "GET", "/v2/models/nope/stats")
+    assert status == 404 and "unknown model 'nope'" in json.loads(body)["error"]
+    assert _grpc_error(lambda: client.get_inference_statistics("nope"))[0] == \
+        "StatusCode.NOT_FOUND"
+
+
+def test_grpc_bytes_raw_and_typed(served):
+    """BYTES over gRPC: tritonclient's raw (length-prefixed) contents, and bytes_contents;
+    any bytes, UTF-8 or not, go both ways."""
+    import grpc
+
+    from multipy.serve import inference_pb2 as messages
+
+    result = _grpc(served).infer("text", [_grpc_input("text", TEXT, "BYTES")])
+    assert _as_bytes(result.as_numpy("upper")) == [b"HELLO", "W\u00d6RLD".encode(), b"", b"A B"]
+    np.testing.assert_array_equal(result.as_numpy("lengths"), [[5, 6], [0, 3]])
+    assert _as_bytes(result.as_numpy("same")) == list(TEXT.reshape(-1))
+    with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}") as channel:
+        infer = channel.unary_unary(
+            "/inference.GRPCInferenceService/ModelInfer",
+            request_serializer=messages.ModelInferRequest.SerializeToString,
+            response_deserializer=messages.ModelInferResponse.FromString)
+        request = messages.ModelInferRequest(model_name="text", inputs=[
+            messages.ModelInferRequest.InferInputTensor(
+                name="text", datatype="BYTES", shape=[3],
+                contents=messages.InferTensorContents(bytes_contents=[b"ab", b"\xff\x00", b""]))])
+        answer = infer(request, timeout=60)
+    raw = dict(zip((o.name for o in answer.outputs), answer.raw_output_contents))
+    assert raw["same"] == b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xff\x00\x00\x00\x00\x00"
+    np.testing.assert_array_equal(np.frombuffer(raw["lengths"], "<i8"), [2, 2, 0])
+
+
 # -- the command line --
 
 def _cli(*args: str, patch: str = "", timeout: float = 60) -> subprocess.CompletedProcess:
@@ -1449,20 +1642,24 @@ def _readable(sock: socket.socket) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
-def _slow_requests(server: Server, seconds: float, count: int):
+def _slow_requests(server: Server, seconds: float, count: int, over_grpc: int = 0):
     """count clients, each on a thread of its own, each sending the slow model one
-    request of seconds: (the threads, the answers, the errors), filled as they end."""
+    request of seconds, the first over_grpc of them over gRPC: (the threads, the
+    answers, the errors), filled as they end."""
     array = np.array([seconds], np.float32)
     answers, errors = [], []
 
-    def slow() -> None:
+    def slow(grpc: bool) -> None:
         try:
-            result = server.client().infer("slow", [_input("seconds", array, "FP32", True)])
+            if grpc:
+                result = _grpc(server).infer("slow", [_grpc_input("seconds", array, "FP32")])
+            else:
+                result = server.client().infer("slow", [_input("seconds", array, "FP32", True)])
             answers.append(result.as_numpy("doubled"))
         except BaseException as error:  # reported by _sigterm_answers_all
             errors.append(error)
 
-    threads = [threading.Thread(target=slow) for _ in range(count)]
+    threads = [threading.Thread(target=slow, args=(k < over_grpc,)) for k in range(count)]
     for thread in threads:
         thread.start()
     return threads, answers, errors
@@ -1586,7 +1783,8 @@ def test_accepting_goes_on_after_an_error(caplog):
 
 
 def test_sigterm_answers_requests_in_flight_and_exits_0(served):
-    requests = _slow_requests(served, 1.2, 4)  # queued ones end after 2.4 s: within --timeout
+    # over HTTP and gRPC; queued ones end after 2.4 s: within --timeout
+    requests = _slow_requests(served, 1.2, 4, over_grpc=2)
     deadline = time.monotonic() + 30
     while True:  # 2 running (one per interpreter), 2 queued: all received
         metrics = _metrics(served)

@@ -11,13 +11,16 @@ as the host's (multipy.serve.app), on an event loop that runs on the host thread
 called ``run``.  A model runs on that thread, blocking the loop: one call at a time in
 this interpreter, as in one worker process of other servers.  With a per-request
 timeout, calls run one at a time on a thread of this interpreter instead, where a call
-whose request has waited too long is cancelled.  Counts go to this interpreter's row of
+whose request has waited too long is cancelled.  With gRPC (``multipy serve
+--grpc-port``), the same loop also runs this interpreter's gRPC server
+(multipy.serve.rpc) on the port that every interpreter's shares.  Counts go to this interpreter's row of
 the server's metrics board (multipy.serve.metrics), which ``/metrics`` sums, whichever
 front end answers it.
 
-Imports uvicorn, Starlette, prometheus_client and numpy (the ``serve`` extra), and of
-multipy only what host and interpreters share of ``multipy.serve`` (the request path:
-protocol, batching, metrics, requests and app; and the inbox).
+Imports uvicorn, Starlette, prometheus_client and numpy (the ``serve`` extra; grpcio and
+protobuf with gRPC), and of multipy only what host and interpreters share of
+``multipy.serve`` (the request path: protocol, batching, metrics, requests, inference,
+app and rpc; and the inbox).
 """
 from __future__ import annotations
 
@@ -51,8 +54,9 @@ class FrontEnd:
     ``described`` (name -> the model's metadata), ``interpreters``, ``row`` and
     ``board`` (this front end's row of the metrics board at that address),
     ``max_batch_size``, ``batch_delay`` (seconds), ``timeout`` (seconds or None),
-    ``max_request_size`` (bytes), ``limits`` (multipy.serve.connection.Limits, as a dict)
-    and ``graceful_timeout`` (seconds or None).
+    ``max_request_size`` (bytes), ``limits`` (multipy.serve.connection.Limits, as a dict),
+    ``graceful_timeout`` (seconds or None) and ``grpc`` (the "HOST:PORT" its gRPC server
+    shares with the other interpreters', or None for none).
 
     The host calls ``run`` on a thread of its own; it returns once a STOP or FORCE from
     the inbox has stopped the server."""
@@ -77,8 +81,13 @@ class FrontEnd:
             self.models[name] = model
         self._app = create_app(self)
         self._inbox = settings["inbox"]
+        self._grpc_address = settings["grpc"]
+        self._grpc: Any = None
+        self._grpc_stopped: asyncio.Future | None = None
         self._server: _Server | None = None
         self._connecting: set[asyncio.Task] = set()
+        self._serving = threading.Event()  # set once it serves, or has ended
+        self._running = False
         self._protocol: Any = None
         self._stopping = False
 
@@ -99,21 +108,36 @@ class FrontEnd:
         _multipy_bootstrap.note(*_SERVING)
         config = uvicorn.Config(self._app, lifespan="off", access_log=False, log_config=None,
                                 timeout_graceful_shutdown=self._graceful_timeout)
-        self._server = _Server(config, self._started, self.drain)
+        self._server = _Server(config, self._started, self._finish)
         try:
             self._server.run(sockets=[])
         finally:
+            self._running = False
+            self._serving.set()
             if self._worker is not None:
                 self._worker.stop()
 
+    def wait_serving(self, timeout: float) -> bool:
+        """Waits (at most timeout seconds) until ``run`` serves, gRPC included, or has
+        ended; whether it serves."""
+        self._serving.wait(timeout)
+        return self._running
+
     # -- on the loop --
 
-    def _started(self, server: uvicorn.Server) -> None:
+    async def _started(self, server: uvicorn.Server) -> None:
         self._protocol = guarded(server.config.http_protocol_class, self._limits,
                                  self.metrics.closed_connection)
+        if self._grpc_address is not None:
+            from ..serve.rpc import create_server
+
+            self._grpc = create_server(self, self._grpc_address)
+            await self._grpc.start()
         loop = asyncio.get_running_loop()
         loop.add_reader(self._inbox, self._read_inbox)
         self._read_inbox()  # what came before the loop ran
+        self._running = True
+        self._serving.set()
 
     def _read_inbox(self) -> None:
         for value in receive(self._inbox):
@@ -122,6 +146,8 @@ class FrontEnd:
                 continue
             if value == FORCE:
                 self._server.force_exit = True
+                if self._grpc is not None:  # its calls end now
+                    asyncio.get_running_loop().create_task(self._grpc.stop(0))
             if not self._stopping:
                 self._stopping = True
                 asyncio.get_running_loop().create_task(self._stop())
@@ -145,29 +171,38 @@ class FrontEnd:
         """Once every connection handed before has been set up and has read what its
         client sent, the server stops: uvicorn answers each request it has received and
         closes each connection that has none."""
+        if self._grpc is not None:  # no new calls; those running end within the limit
+            self._grpc_stopped = asyncio.ensure_future(self._grpc.stop(self._graceful_timeout))
         if self._connecting:
             await asyncio.gather(*self._connecting, return_exceptions=True)
         for _ in range(2):  # turns of the loop, which read what the new sockets hold
             await asyncio.sleep(0)
         self._server.should_exit = True
 
+    async def _finish(self) -> None:
+        """Once the HTTP server has stopped: the gRPC calls end, then the batches still
+        waiting run."""
+        if self._grpc_stopped is not None:
+            await self._grpc_stopped
+        await self.drain()
+
 
 class _Server(uvicorn.Server):
-    """A front end's uvicorn server: no socket of its own; started(self) on its loop
-    once it runs, and drain() once it has stopped (batches still waiting run)."""
+    """A front end's uvicorn server: no socket of its own; ``await started(self)`` on
+    its loop once it runs, and ``await finish()`` once it has stopped."""
 
-    def __init__(self, config: uvicorn.Config, started: Callable[[uvicorn.Server], None],
-                 drain: Callable[[], Any]) -> None:
+    def __init__(self, config: uvicorn.Config, started: Callable[[uvicorn.Server], Any],
+                 finish: Callable[[], Any]) -> None:
         super().__init__(config)
-        self._started_hook, self._drain = started, drain
+        self._started_hook, self._finish = started, finish
 
     async def startup(self, sockets: list | None = None) -> None:
         await super().startup(sockets)
-        self._started_hook(self)
+        await self._started_hook(self)
 
     async def shutdown(self, sockets: list | None = None) -> None:
         await super().shutdown(sockets)
-        await self._drain()
+        await self._finish()
 
 
 class _Model(ModelRequests):

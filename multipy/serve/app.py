@@ -1,20 +1,15 @@
-"""The HTTP face of a server: the Open Inference Protocol's REST endpoints and
-``/metrics``, as a Starlette application.
+"""The HTTP face of a server: the Open Inference Protocol's REST endpoints, Triton's
+statistics extension and ``/metrics``, as a Starlette application.  Inference requests
+go through the path that every transport shares (multipy.serve.inference).
 
-Every error answer is the protocol's ``{"error": "..."}``: 400 for a request the
-protocol refuses, 404 for an unknown model, version or route, 503 while a model loads,
-500 when the model fails (it raised, its outputs could not be split back into a batch's
-requests, or it ran past --timeout).  Each request is answered on its own: a failed one
-changes nothing for the others.
+Every error answer is the protocol's ``{"error": "..."}``, with the status that
+multipy.serve.inference gives it (404 also for an unknown route).  Each request is
+answered on its own: a failed one changes nothing for the others.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.metadata
-import logging
-import time
-import traceback
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.applications import Starlette
@@ -23,16 +18,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from .batching import BatchError
+from .inference import infer as infer_through, ready_model, server_metadata, statistics
 from .metrics import CONTENT_TYPE
-from .protocol import (HEADER_LENGTH, ProtocolError, compress, decode_request, encode_response,
-                       error_body)
-from .requests import ModelError, ServiceTimeout
-
-logger = logging.getLogger("multipy.serve")
-
-#: The protocol's extensions this server speaks.
-EXTENSIONS = ["binary_tensor_data"]
+from .protocol import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compress,
+                       decode_request, encode_response, error_body)
 
 
 def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Starlette:
@@ -52,16 +41,24 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
         stuck = service.metrics.all_stuck()
         return _error(400, stuck) if stuck else Response(status_code=200)
 
-    async def server_metadata(request: Request) -> Response:
-        return JSONResponse({"name": "multipy", "version": _version(),
-                             "extensions": EXTENSIONS})
+    async def metadata(request: Request) -> Response:
+        return JSONResponse(server_metadata())
 
     async def model_metadata(request: Request) -> Response:
         try:
-            model = _model(service, request)
+            model = ready_model(service, request.path_params["model"],
+                                request.path_params.get("version"))
         except ProtocolError as error:
             return _error(error.status, str(error))
         return JSONResponse(model.metadata())
+
+    async def model_statistics(request: Request) -> Response:
+        try:
+            found = statistics(service, request.path_params.get("model"),
+                               request.path_params.get("version"))
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return JSONResponse(found)
 
     async def model_ready(request: Request) -> Response:
         try:
@@ -75,47 +72,31 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
         return _error(400, stuck) if stuck else Response(status_code=200)
 
     async def infer(request: Request) -> Response:
-        try:
-            model = _model(service, request)
-        except ProtocolError as error:
-            return _error(error.status, str(error))
-        name = model.name
-        series = service.metrics.models[name]
-        series.requests.inc()
-        started = time.perf_counter()
-        status = 500
-        try:
+        async def decode() -> InferRequest:
             limit = service.max_request_size
-            decoded = decode_request(await _body(request, limit),
-                                     request.headers.get(HEADER_LENGTH),
-                                     request.headers.get("content-encoding"), limit)
-            outputs = await model.infer(decoded)
+            try:
+                body = await _body(request, limit)
+            except ClientDisconnect:  # nobody to answer
+                raise ProtocolError("the client went away", 499) from None
+            return decode_request(body, request.headers.get(HEADER_LENGTH),
+                                  request.headers.get("content-encoding"), limit)
+
+        def encode(decoded: InferRequest, outputs: list[Tensor]) -> Response:
             binary = dict(decoded.outputs or ())
             body, headers = encode_response(
                 name, "1", decoded.id,
                 [(t, binary.get(t.name, decoded.binary_outputs)) for t in outputs])
             body = compress(body, headers, request.headers.get("accept-encoding"))
-            status = 200
             return Response(body, headers=headers)
+
+        name = request.path_params["model"]
+        try:
+            return await infer_through(service, name,
+                                       request.path_params.get("version"), decode, encode)
         except ProtocolError as error:
-            status = error.status
-            return _error(status, str(error))
-        except ServiceTimeout as error:
-            logger.error("%s", error)
-            return _error(500, str(error))
-        except (ModelError, BatchError) as error:  # logged with the model's traceback
-            logger.error("%s%s", error, _model_traceback(error))
-            return _error(500, str(error))
-        except ClientDisconnect:  # nobody to answer
-            status = 499
-            return Response(status_code=499)
-        except Exception as error:  # multipy's own failure: logged whole
-            logger.exception("inference on model %r failed", name)
-            return _error(500, f"internal error: {type(error).__name__}: {error}")
-        finally:
-            series.latency.observe(time.perf_counter() - started)
-            if status != 200:
-                series.failed(status)
+            if error.status == 499:
+                return Response(status_code=499)
+            return _error(error.status, str(error))
 
     async def metrics(request: Request) -> Response:
         return Response(service.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
@@ -142,7 +123,10 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
         Route(f"{version_path}/infer", infer, methods=["POST"]),
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
-        Route("/v2", server_metadata, methods=["GET"]),
+        Route("/v2", metadata, methods=["GET"]),
+        Route("/v2/models/stats", model_statistics, methods=["GET"]),
+        Route(f"{model_path}/stats", model_statistics, methods=["GET"]),
+        Route(f"{version_path}/stats", model_statistics, methods=["GET"]),
         Route(model_path, model_metadata, methods=["GET"]),
         Route(version_path, model_metadata, methods=["GET"]),
         Route(f"{model_path}/ready", model_ready, methods=["GET"]),
@@ -151,17 +135,6 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                      lifespan=lifespan)
-
-
-def _model(service: Any, request: Request) -> Any:
-    """The ready model a request names; ProtocolError (404 unknown, 503 loading, or no
-    interpreter can take a call)."""
-    name = request.path_params["model"]
-    model = service.model(name, request.path_params.get("version"))
-    if model is None:
-        raise ProtocolError(f"model {name!r} is not ready: it is still loading "
-                            f"(GET /v2/models/{name}/ready says when it is)", 503)
-    return model
 
 
 async def _body(request: Request, limit: int) -> bytes:
@@ -181,22 +154,6 @@ async def _body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _model_traceback(error: BaseException) -> str:
-    """The model's frames behind error, as a paragraph to log: the traceback that its
-    causes bring from inside an interpreter (multipy.errors.RemoteTraceback), or, in
-    the interpreter that ran the model, its cause's own; "" if it has none."""
-    cause = error.__cause__
-    while cause is not None:
-        text = getattr(cause, "traceback_text", None)
-        if isinstance(text, str):
-            return "\n" + text.rstrip("\n")
-        cause = cause.__cause__
-    cause = error.__cause__
-    if cause is None or cause.__traceback__ is None:
-        return ""
-    return "\n" + "".join(traceback.format_exception(cause)).rstrip("\n")
-
-
 def logging_config(server_lines: bool = True) -> dict:
     """uvicorn's logging, with multipy.serve's lines formatted as uvicorn's own; without
     server_lines, only the warnings and errors of uvicorn's server (an interpreter's
@@ -209,13 +166,6 @@ def logging_config(server_lines: bool = True) -> dict:
     if not server_lines:
         config["loggers"]["uvicorn.error"]["level"] = "WARNING"
     return config
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("multipy")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree
-        return "unknown"
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] | None = None) -> Response:

@@ -11,7 +11,10 @@ own once the server listens: until they are ready, the host answers the connecti
 itself (``/v2/health/live`` at once, ``/v2/health/ready`` says when loading is done),
 and it keeps serving those that stay open.  SIGTERM and SIGINT stop the server
 gracefully: it stops accepting connections, every front end answers every request it
-has received, and the process exits 0 (a second SIGINT forces it).
+has received, and the process exits 0 (a second SIGINT forces it).  With
+``--grpc-port``, the host reserves that port (a socket bound with SO_REUSEPORT that never
+listens) and every front end serves gRPC on it too, once the models are ready: the
+kernel spreads those connections over the interpreters.
 ``multipy serve`` runs this through ``multipy run``'s launcher, with room for 15
 interpreters; ``python -m multipy.serve`` re-executes itself to get it (make_room).
 With ``--ray``, the same options make the same application in each replica of a Ray
@@ -70,6 +73,10 @@ def parser() -> argparse.ArgumentParser:
                             f"{cores()} here, at most as many as fit)")
     parse.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parse.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parse.add_argument("--grpc-port", type=int, metavar="PORT",
+                       help="also serve the protocol over gRPC on this port, once the models "
+                            "are ready (8001 by convention; 0: a free one, which the ready "
+                            "line names; default: no gRPC)")
     parse.add_argument("--max-batch-size", type=int, default=1, metavar="B",
                        help="batch requests along their first dimension up to B rows "
                             "(default: 1, no batching)")
@@ -250,6 +257,8 @@ async def accept(listener: socket.socket, hand: Callable[[socket.socket], None])
 
 #: seconds between a failed accept and the next try
 _ACCEPT_PAUSE = 0.1
+#: seconds a front end may take to start serving
+_START_TIMEOUT = 60.0
 
 
 class FrontEnds:
@@ -271,9 +280,10 @@ class FrontEnds:
         self._forced = False
         self._lock = threading.Lock()
 
-    def start(self, service: Service) -> None:
+    def start(self, service: Service, grpc: str | None = None) -> None:
         """Makes a front end in each interpreter of service, which is loaded, and runs
-        them; raises what failed."""
+        them, each also serving gRPC on grpc ("HOST:PORT") if given; raises what
+        failed."""
         options, metrics = service.options, service.metrics
         settings = {"names": list(service.models), "interpreters": service.interpreters,
                     "board": metrics.board.address, "max_batch_size": options.max_batch_size,
@@ -281,7 +291,7 @@ class FrontEnds:
                     "max_request_size": options.max_request_size,
                     "limits": dataclasses.asdict(options.limits),
                     "stuck_after": metrics.stuck_after,
-                    "graceful_timeout": options.graceful_timeout,
+                    "graceful_timeout": options.graceful_timeout, "grpc": grpc,
                     "described": {name: model.metadata() for name, model in service.models.items()}}
         fronts, inboxes = [], []
         try:
@@ -305,6 +315,10 @@ class FrontEnds:
                 thread.start()
             if self._stopping:  # stopped while they were made
                 self._tell(STOP)
+        for k, front in enumerate(fronts):  # (gRPC connections find a server listening)
+            if not front.call_value("wait_serving", (_START_TIMEOUT,)) and not self._stopping:
+                raise RuntimeError(f"interpreter {k}'s front end did not start serving "
+                                   f"within {_START_TIMEOUT} s (its error, if any, is above)")
 
     def _run(self, k: int) -> None:
         try:
@@ -408,6 +422,10 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
         for option in ("replicas", "replica_cpus", "ray_address"):
             if getattr(args, option) is not None:
                 parse.error(f"--{option.replace('_', '-')} is an option of --ray")
+    if args.ray and args.grpc_port is not None:
+        parse.error("--grpc-port is not served with --ray: Ray Serve's proxy speaks HTTP")
+    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
+        parse.error("--grpc-port must be a port number (0: a free one)")
     interpreters = args.interpreters if args.interpreters is not None else default_interpreters()
     if not 1 <= interpreters <= fit:
         parse.error(f"--interpreters must be between 1 and {fit} ({where}), not {interpreters}")
@@ -455,9 +473,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_on_ray(served, replicas=args.replicas or 1, replica_cpus=args.replica_cpus,
                             address=args.ray_address, host=args.host, port=args.port,
                             logging_config=logging_config())
+    grpc = None if args.grpc_port is None else reserve_port(args.host, args.grpc_port, parse)
     service = Service(served)
     fronts = FrontEnds()
-    loader = threading.Thread(target=lambda: _load(service, server, fronts), daemon=True,
+    loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc), daemon=True,
                               name="multipy-serve-start")
     app = create_app(service, loader.start)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
@@ -465,22 +484,47 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_graceful_shutdown=served.graceful_timeout)
     server = _Server(config, fronts, served.limits)
     server.run()
+    if grpc is not None:
+        grpc.close()
     if loader.is_alive():  # stopped while loading: the interpreters stop at exit
         return 0
     service.close()
     return 1 if service.failure is not None else 0
 
 
-def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds) -> None:
+def reserve_port(host: str, port: int, parse: argparse.ArgumentParser) -> socket.socket:
+    """A socket bound to (host, port) with SO_REUSEPORT that never listens: it keeps the
+    port (a free one for 0) for the front ends' gRPC servers, which bind it too.  Exits
+    through parse if it cannot."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    reserved = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved.bind((host, port))
+    except OSError as error:
+        reserved.close()
+        parse.exit(3, f"multipy serve: cannot listen for gRPC on {host}:{port}: {error}\n")
+    return reserved
+
+
+def _address(reserved: socket.socket) -> str:
+    """The "HOST:PORT" that a reserved socket holds, as gRPC names it."""
+    host, port = reserved.getsockname()[:2]
+    return f"[{host}]:{port}" if reserved.family == socket.AF_INET6 else f"{host}:{port}"
+
+
+def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds,
+          grpc: socket.socket | None) -> None:
     """Loads the models once the server listens, then starts the interpreters' front
-    ends; stops the server if either fails."""
+    ends (with gRPC on grpc's port, if given); stops the server if either fails."""
     while not server.started and not server.should_exit:
         time.sleep(0.01)
     if server.should_exit:
         return
     started = time.monotonic()
     try:
-        service.start(before_ready=lambda: fronts.start(service))
+        service.start(before_ready=lambda: fronts.start(
+            service, None if grpc is None else _address(grpc)))
     except BaseException as error:
         if server.should_exit:  # stopped meanwhile: nothing failed
             return
@@ -489,9 +533,10 @@ def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds) -> None:
         server.should_exit = True
         return
     names = ", ".join(service.models)
+    also = "" if grpc is None else f", gRPC on {_address(grpc)}"
     logger.info(f"ready in {time.monotonic() - started:.1f} s: {names} on "
                 f"{service.interpreters} interpreter(s), "
-                f"http://{server.config.host}:{server.config.port}/v2/models/NAME/infer")
+                f"http://{server.config.host}:{server.config.port}/v2/models/NAME/infer{also}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ its own that only it writes, and ``render``, wherever ``/metrics`` is answered, 
 rows (an aligned float64 is read whole).  Per model: requests, failures (by HTTP
 status), latency, requests queued (waiting for their batch, or for the model to be
 free), interpreters busy with it, and calls (a batch is one), with how many requests
-each answered.  A row also counts the connections its writer has closed, says since
+each answered; and, for the statistics extension (``statistics``), the successes and
+failures with their nanoseconds, and the nanoseconds that successful requests spent
+queued, being decoded, in the model's call and being encoded.  A row also counts the connections its writer has closed, says since
 when it runs a call and whether that call's request gave up on it (the call passed
 --timeout and still runs): by these the host hands new connections to the least busy
 front end, and the server says when its interpreters are stuck.
@@ -44,7 +46,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # A row: [connections closed, since when it runs a call (time.monotonic(), 0 if it
 # runs none), 1 + the index of the model whose call its request gave up on (0 if
 # none), then per model: requests, failures by status, latency (a count per bucket and
-# one past the last, then the sum), queued, busy, calls, batched (the same)].
+# one past the last, then the sum), queued, busy, calls, batched (the same), successes,
+# then nanoseconds: of successes, of failures, and of successes queued, decoding, in
+# calls and encoding; then when the last call began (milliseconds since the epoch)].
 _CLOSED = 0
 _SINCE = 1
 _ABANDONED = 2
@@ -56,7 +60,15 @@ _QUEUED = _LATENCY_AT + len(_LATENCY) + 2
 _BUSY = _QUEUED + 1
 _CALLS = _BUSY + 1
 _BATCHED_AT = _CALLS + 1
-_PER_MODEL = _BATCHED_AT + len(_BATCHED) + 2
+_SUCCESSES = _BATCHED_AT + len(_BATCHED) + 2
+_SUCCESS_NS = _SUCCESSES + 1
+_FAILURE_NS = _SUCCESS_NS + 1
+_QUEUE_NS = _FAILURE_NS + 1
+_INPUT_NS = _QUEUE_NS + 1
+_INFER_NS = _INPUT_NS + 1
+_OUTPUT_NS = _INFER_NS + 1
+_LAST_CALL = _OUTPUT_NS + 1
+_PER_MODEL = _LAST_CALL + 1
 
 
 class Board:
@@ -78,6 +90,9 @@ class Board:
 
     def total(self, column: int) -> float:
         return sum(self.values[column::self.width])
+
+    def most(self, column: int) -> float:
+        return max(self.values[column::self.width])
 
 
 class _Count:
@@ -126,16 +141,31 @@ class ModelSeries:
     def calling(self, running: bool) -> None:
         """A call of the model begins (True) or ends in this row's interpreter."""
         self._values[_SINCE] = time.monotonic() if running else 0.0
+        if running:
+            self._values[self._at + _LAST_CALL] = time.time() * 1000.0
 
     def abandoned(self, running: bool) -> None:
         """A call of the model that its request gave up on still runs (True), or has
         ended."""
         self._values[_ABANDONED] = self._index + 1.0 if running else 0.0
 
-    def failed(self, status: int) -> None:
-        """One request answered with an error of that HTTP status."""
+    def failed(self, status: int, elapsed_ns: int) -> None:
+        """One request answered with an error of that HTTP status, elapsed_ns after it
+        arrived."""
         where = STATUSES.index(status) if status in STATUSES else STATUSES.index(500)
         self._values[self._at + _FAILURES + where] += 1.0
+        self._values[self._at + _FAILURE_NS] += elapsed_ns
+
+    def succeeded(self, elapsed_ns: int, timing: Any) -> None:
+        """One request answered elapsed_ns after it arrived, with timing's parts
+        (multipy.serve.requests.Timing)."""
+        values, at = self._values, self._at
+        values[at + _SUCCESSES] += 1.0
+        values[at + _SUCCESS_NS] += elapsed_ns
+        values[at + _QUEUE_NS] += timing.queue_ns
+        values[at + _INPUT_NS] += timing.input_ns
+        values[at + _INFER_NS] += timing.infer_ns
+        values[at + _OUTPUT_NS] += timing.output_ns
 
 
 class Metrics:
@@ -198,6 +228,43 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric, summed over the rows."""
         return generate_latest(self._registry)
+
+    def statistics(self, names: list[str]) -> dict[str, Any]:
+        """The statistics extension's answer (Triton's, which tritonclient's
+        get_inference_statistics reads) for the models names, summed over the rows: per
+        model, the requests answered and failed, with their nanoseconds; the nanoseconds
+        that successful ones spent queued, being decoded (compute_input), in the model's
+        calls (compute_infer: a batch's call counts for each of its requests) and being
+        encoded (compute_output); the requests run in calls (inference_count), the calls
+        (execution_count) and when the last began (last_inference, milliseconds since
+        the epoch).  No result cache: cache_hit and cache_miss stay 0."""
+        board = self.board
+        stats = []
+        for name in names:
+            at = _ROW + _PER_MODEL * self.names.index(name)
+            total = lambda offset: int(board.total(at + offset))  # noqa: E731
+            successes = total(_SUCCESSES)
+            failures = sum(total(_FAILURES + i) for i in range(len(STATUSES)))
+
+            def duration(count: int, offset: int) -> dict[str, int]:
+                return {"count": count, "ns": total(offset)}
+
+            stats.append({
+                "name": name, "version": "1",
+                "last_inference": int(board.most(at + _LAST_CALL)),
+                "inference_count": total(_BATCHED_AT + len(_BATCHED) + 1),
+                "execution_count": total(_CALLS),
+                "inference_stats": {
+                    "success": duration(successes, _SUCCESS_NS),
+                    "fail": duration(failures, _FAILURE_NS),
+                    "queue": duration(successes, _QUEUE_NS),
+                    "compute_input": duration(successes, _INPUT_NS),
+                    "compute_infer": duration(successes, _INFER_NS),
+                    "compute_output": duration(successes, _OUTPUT_NS),
+                    "cache_hit": {"count": 0, "ns": 0},
+                    "cache_miss": {"count": 0, "ns": 0}},
+                "batch_stats": []})
+        return {"model_stats": stats}
 
 
 class _Collector:

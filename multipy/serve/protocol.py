@@ -116,6 +116,14 @@ def decode_request(body: bytes, header_length: str | None = None,
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
         # an integer literal over Python's digit limit, nesting deeper than the stack
         raise ProtocolError(f"malformed JSON in the request: {error}") from None
+    return parse_request(request, binary)
+
+
+def parse_request(request: Any, binary: memoryview) -> InferRequest:
+    """The request record of a request in the protocol's JSON form (as parsed), whose
+    inputs with binary_data_size take their data from binary, in order: what every
+    transport's request becomes (an HTTP body, or a gRPC message translated).
+    ProtocolError if it is not a well-formed inference request."""
     if not isinstance(request, dict):
         raise ProtocolError("the request must be a JSON object")
     inputs = request.get("inputs")
@@ -274,7 +282,7 @@ def from_length_prefixed(name: str, shape: list[int], data: memoryview) -> np.nd
         raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
                             f"{size - position} bytes of its binary data are left after them "
                             f"(binary_data_size {size})")
-    return _bytes_array(elements, shape)
+    return bytes_array(elements, shape)
 
 
 def to_length_prefixed(array: np.ndarray) -> bytes:
@@ -287,7 +295,7 @@ def to_length_prefixed(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
-def _bytes_array(elements: list[bytes], shape: list[int]) -> np.ndarray:
+def bytes_array(elements: list[bytes], shape: list[int]) -> np.ndarray:
     """An array of dtype object of shape, holding elements (row-major)."""
     array = np.empty(len(elements), dtype=object)
     array[:] = elements
@@ -420,7 +428,7 @@ def _strings_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
         except UnicodeEncodeError:  # a lone surrogate, which JSON's \u escapes can write
             raise ProtocolError(f"input {name!r}: string {position} is not Unicode text "
                                 f"(it holds a lone surrogate, {text[:40]!r})") from None
-    return _bytes_array(elements, shape)
+    return bytes_array(elements, shape)
 
 
 def _exact_integers(name: str, datatype: str, data: Any) -> np.ndarray:
@@ -470,10 +478,7 @@ def encode_response(model_name: str, model_version: str | None, request_id: str 
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
                                  "shape": list(array.shape)}
         if binary:
-            if tensor.datatype == BYTES:
-                raw = to_length_prefixed(array)
-            else:
-                raw = np.ascontiguousarray(array, DTYPES[tensor.datatype]).tobytes()
+            raw = tensor_bytes(tensor)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         elif tensor.datatype == BYTES:
@@ -508,6 +513,14 @@ def _texts(name: str, array: np.ndarray) -> list[str]:
                 f"byte {error.start}), which JSON cannot carry: ask for the output as "
                 f'binary data ("parameters": {{"binary_data": true}})') from None
     return texts
+
+
+def tensor_bytes(tensor: Tensor) -> bytes:
+    """A tensor's data as the binary data extension and gRPC's raw contents carry it:
+    little-endian, row-major (BYTES: length-prefixed)."""
+    if tensor.datatype == BYTES:
+        return to_length_prefixed(tensor.array)
+    return np.ascontiguousarray(tensor.array, DTYPES[tensor.datatype]).tobytes()
 
 
 def compress(body: bytes, headers: dict[str, str], accept_encoding: str | None) -> bytes:

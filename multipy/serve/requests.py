@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import time
 from typing import Any, Iterable, Mapping
 
 from .batching import Batcher
@@ -74,24 +75,25 @@ class ModelRequests(abc.ABC):
         """Runs the model once, entering ``started`` as the call begins; returns what
         ``Served.infer`` returns.  Cancelling it cancels the call."""
 
-    async def infer(self, request: InferRequest) -> list[Tensor]:
-        """The outputs for request, as the request selects them; ProtocolError for an
-        output it names that the model does not give, ModelError if the model fails,
-        BatchError if a batch's outputs cannot be split, ServiceTimeout past the
-        timeout (the call is cancelled)."""
+    async def infer(self, request: InferRequest, timing: Timing | None = None) -> list[Tensor]:
+        """The outputs for request, as the request selects them, with the time it waited
+        and its call took in timing; ProtocolError for an output it names that the model
+        does not give, ModelError if the model fails, BatchError if a batch's outputs
+        cannot be split, ServiceTimeout past the timeout (the call is cancelled)."""
+        timing = timing or Timing()
         if self._timeout is None:
-            outputs = await self._queued(request)
+            outputs = await self._queued(request, timing)
         else:
             try:
-                outputs = await asyncio.wait_for(self._queued(request), self._timeout)
+                outputs = await asyncio.wait_for(self._queued(request, timing), self._timeout)
             except asyncio.TimeoutError:
                 raise ServiceTimeout(
                     f"model {self.name!r} did not answer within {self._timeout} s "
                     f"(--timeout); the call was cancelled") from None
         return self._select(outputs, request)
 
-    async def _queued(self, request: InferRequest) -> list[Tensor]:
-        place = _Place(self._series.queued, request.id)
+    async def _queued(self, request: InferRequest, timing: Timing) -> list[Tensor]:
+        place = _Place(self._series.queued, request.id, timing)
         try:
             if self._batcher is not None:
                 return await self._batcher.submit(request.inputs, place)
@@ -143,10 +145,11 @@ class Started:
     requests leave the queue, the model has one more call and one more busy interpreter
     while it runs, and the call's request count is observed."""
 
-    __slots__ = ("_series", "_places")
+    __slots__ = ("_series", "_places", "_began")
 
     def __init__(self, series: ModelSeries, places: list[_Place]) -> None:
         self._series, self._places = series, places
+        self._began = 0
 
     def requests(self) -> str:
         """The requests the call answers, as a crash report names them."""
@@ -157,8 +160,9 @@ class Started:
         return f"a batch of {len(names)} requests: {', '.join(names)}"
 
     def __enter__(self) -> None:
+        self._began = time.perf_counter_ns()
         for place in self._places:
-            place.leave()
+            place.leave(self._began)
         self._series.busy.inc()
         self._series.calls.inc()
         self._series.batched.observe(len(self._places))
@@ -167,20 +171,39 @@ class Started:
     def __exit__(self, *exc_info: Any) -> None:
         self._series.calling(False)
         self._series.busy.dec()
+        took = time.perf_counter_ns() - self._began
+        for place in self._places:
+            place.timing.infer_ns = took
+
+
+class Timing:
+    """Where one request's time went, in nanoseconds: decoding it (input), waiting for
+    its call (queue), the call (infer: a batch's, for each of its requests) and encoding
+    its answer (output); filled in as it goes (multipy.serve.inference.infer)."""
+
+    __slots__ = ("input_ns", "queue_ns", "infer_ns", "output_ns")
+
+    def __init__(self) -> None:
+        self.input_ns = self.queue_ns = self.infer_ns = self.output_ns = 0
 
 
 class _Place:
     """A request's place in its model's queue, which it leaves once, when its call
-    starts or, failing that, when it is answered; id: the request's, if it has one."""
+    starts (at ``now``, from time.perf_counter_ns, which timing records) or, failing
+    that, when it is answered; id: the request's, if it has one."""
 
-    __slots__ = ("_gauge", "id")
+    __slots__ = ("_gauge", "id", "timing", "_since")
 
-    def __init__(self, gauge: Any, id: str | None = None) -> None:
+    def __init__(self, gauge: Any, id: str | None = None, timing: Timing | None = None) -> None:
         gauge.inc()
         self._gauge = gauge
         self.id = id
+        self.timing = timing or Timing()
+        self._since = time.perf_counter_ns()
 
-    def leave(self) -> None:
+    def leave(self, now: int | None = None) -> None:
         if self._gauge is not None:
             self._gauge.dec()
             self._gauge = None
+            if now is not None:
+                self.timing.queue_ns = now - self._since

@@ -1,0 +1,123 @@
+"""One inference request's way through a server, whatever carries it: the model it
+names, its decoding, the model's call, its encoding, and its counts and timings in the
+metrics.  The HTTP face (multipy.serve.app) and the gRPC face (multipy.serve.rpc) each
+only translate their wire format to and from the protocol's records
+(multipy.serve.protocol) around ``infer``, so that validation, turns, batching, metrics
+and statistics are written once.
+
+Every failure comes out as a ProtocolError whose status is an HTTP status (the gRPC
+face turns it into a gRPC code): 400 a request the protocol refuses, 404 an unknown
+model or version, 413 too large, 499 the client went away, 500 the model failed (it
+raised, its outputs could not be split back into a batch's requests, or it ran past
+--timeout) or multipy did, 503 the model is loading or no interpreter can take a call.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import time
+import traceback
+from typing import Any, Awaitable, Callable, TypeVar
+
+from .batching import BatchError
+from .protocol import InferRequest, ProtocolError, Tensor
+from .requests import ModelError, ModelRequests, ServiceTimeout, Timing
+
+logger = logging.getLogger("multipy.serve")
+
+Answer = TypeVar("Answer")
+
+#: The protocol's extensions this server speaks.
+EXTENSIONS = ["binary_tensor_data", "statistics"]
+
+
+def server_metadata() -> dict[str, Any]:
+    """The protocol's server metadata: name, version and extensions."""
+    try:
+        version = importlib.metadata.version("multipy")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        version = "unknown"
+    return {"name": "multipy", "version": version, "extensions": EXTENSIONS}
+
+
+def statistics(service: Any, name: str | None, version: str | None) -> dict[str, Any]:
+    """The statistics extension's answer for model name (and version) of service, or for
+    every model when name is None: its counts and durations since the server started,
+    from the same counters as /metrics (multipy.serve.metrics.Metrics.statistics).
+    ProtocolError (404) for a model or version that service does not serve."""
+    if name is None:
+        return service.metrics.statistics(service.metrics.names)
+    service.model(name, version)  # 404 if it serves no such model or version
+    return service.metrics.statistics([name])
+
+
+def ready_model(service: Any, name: str, version: str | None) -> ModelRequests:
+    """The model name (and version) that service serves, ready; ProtocolError: 404 if it
+    serves no such model, 503 while the model loads."""
+    model = service.model(name, version)
+    if model is None:
+        raise ProtocolError(f"model {name!r} is not ready: it is still loading "
+                            f"(GET /v2/models/{name}/ready says when it is)", 503)
+    return model
+
+
+async def infer(service: Any, name: str, version: str | None,
+                decode: Callable[[], Awaitable[InferRequest]],
+                encode: Callable[[InferRequest, list[Tensor]], Answer]) -> Answer:
+    """The answer to one inference request for model name of service (see
+    multipy.serve.app.create_app for what a service has): ``decode()`` reads and decodes
+    the request, the model answers it, and ``encode(request, outputs)`` makes the
+    answer.  The request is counted in the model's metrics and statistics, and a model's
+    or multipy's failure is logged.  ProtocolError for every failure (see the module's
+    docstring)."""
+    model = ready_model(service, name, version)
+    series = service.metrics.models[model.name]
+    series.requests.inc()
+    began = time.perf_counter_ns()
+    timing = Timing()
+    status = 500
+    try:
+        request = await decode()
+        decoded = time.perf_counter_ns()
+        timing.input_ns = decoded - began
+        outputs = await model.infer(request, timing)
+        encoding = time.perf_counter_ns()
+        answer = encode(request, outputs)
+        timing.output_ns = time.perf_counter_ns() - encoding
+        status = 200
+        return answer
+    except ProtocolError as error:
+        status = error.status
+        raise
+    except ServiceTimeout as error:
+        logger.error("%s", error)
+        raise ProtocolError(str(error), 500) from None
+    except (ModelError, BatchError) as error:  # logged with the model's traceback
+        logger.error("%s%s", error, _model_traceback(error))
+        raise ProtocolError(str(error), 500) from None
+    except Exception as error:  # multipy's own failure: logged whole
+        logger.exception("inference on model %r failed", name)
+        raise ProtocolError(f"internal error: {type(error).__name__}: {error}", 500) from None
+    finally:
+        elapsed = time.perf_counter_ns() - began
+        series.latency.observe(elapsed / 1e9)
+        if status == 200:
+            series.succeeded(elapsed, timing)
+        else:
+            series.failed(status, elapsed)
+
+
+def _model_traceback(error: BaseException) -> str:
+    """The model's frames behind error, as a paragraph to log: the traceback that its
+    causes bring from inside an interpreter (multipy.errors.RemoteTraceback), or, in
+    the interpreter that ran the model, its cause's own; "" if it has none."""
+    cause = error.__cause__
+    while cause is not None:
+        text = getattr(cause, "traceback_text", None)
+        if isinstance(text, str):
+            return "\n" + text.rstrip("\n")
+        cause = cause.__cause__
+    cause = error.__cause__
+    if cause is None or cause.__traceback__ is None:
+        return ""
+    return "\n" + "".join(traceback.format_exception(cause)).rstrip("\n")

@@ -1,0 +1,198 @@
+"""The gRPC face of a server: the Open Inference Protocol's
+``inference.GRPCInferenceService``, with Triton's statistics extension, on grpcio's
+asyncio server, next to the HTTP face (multipy.serve.app) on the same event loop.  Its
+messages are generated from multipy/serve/inference.proto; each RPC is registered here
+under the protocol's service name.
+
+It only translates: a ModelInferRequest becomes the same request record as an HTTP body
+(multipy.serve.protocol.parse_request, with its checks and limits), and the answer goes
+through the same path (multipy.serve.inference).  Typed ``contents`` and
+``raw_input_contents`` are read; outputs go back as ``raw_output_contents``, as Triton
+answers.  Errors are gRPC status codes with the messages of the HTTP answers.
+
+Every interpreter's front end runs one such server on the same port (``grpc.so_reuseport``):
+the kernel spreads the connections over them, and each connection's calls stay with its
+interpreter, as an HTTP keep-alive connection does.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from . import inference_pb2 as messages
+from .inference import infer, ready_model, server_metadata, statistics
+from .protocol import (BYTES, InferRequest, ProtocolError, Tensor, bytes_array, parse_request,
+                       tensor_bytes, to_length_prefixed)
+
+#: The gRPC code of each HTTP status that an answer can have.
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          431: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
+          500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
+
+#: The protocol's service, as its clients call it.
+SERVICE = "inference.GRPCInferenceService"
+
+#: Where each datatype's values are in typed contents (FP16 and BF16: as fp32 values).
+_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+             "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+             "UINT16": "uint_contents", "UINT32": "uint_contents",
+             "UINT64": "uint64_contents", "FP16": "fp32_contents", "BF16": "fp32_contents",
+             "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+
+def create_server(service: Any, address: str) -> grpc.aio.Server:
+    """A gRPC server, not yet started, of service (as multipy.serve.app.create_app
+    takes it) on address ("HOST:PORT"), which other processes' and interpreters' servers
+    may share (SO_REUSEPORT).  RuntimeError if it cannot listen there."""
+    server = grpc.aio.server(options=[
+        ("grpc.so_reuseport", 1),
+        ("grpc.max_receive_message_length", service.max_request_size),
+        ("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers((_Servicer(service).handler(),))
+    server.add_insecure_port(address)
+    return server
+
+
+class _Servicer:
+    """Each RPC of the protocol that this server answers, for a service: a method named
+    after the RPC, which takes (request message, context)."""
+
+    #: Each RPC's request and response messages.
+    RPCS = {
+        "ServerLive": (messages.ServerLiveRequest, messages.ServerLiveResponse),
+        "ServerReady": (messages.ServerReadyRequest, messages.ServerReadyResponse),
+        "ModelReady": (messages.ModelReadyRequest, messages.ModelReadyResponse),
+        "ServerMetadata": (messages.ServerMetadataRequest, messages.ServerMetadataResponse),
+        "ModelMetadata": (messages.ModelMetadataRequest, messages.ModelMetadataResponse),
+        "ModelInfer": (messages.ModelInferRequest, messages.ModelInferResponse),
+        "ModelStatistics": (messages.ModelStatisticsRequest,
+                            messages.ModelStatisticsResponse),
+    }
+
+    def __init__(self, service: Any) -> None:
+        self._service = service
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The RPCs, as grpcio serves them under SERVICE (any other is UNIMPLEMENTED)."""
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            name: grpc.unary_unary_rpc_method_handler(
+                getattr(self, name), request_deserializer=request.FromString,
+                response_serializer=response.SerializeToString)
+            for name, (request, response) in self.RPCS.items()})
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return messages.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        service = self._service
+        return messages.ServerReadyResponse(
+            ready=bool(service.ready) and not service.metrics.all_stuck())
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        try:
+            model = self._service.model(request.name, request.version or None)
+        except ProtocolError as error:
+            await _abort(context, error)
+        ready = model is not None and model.ready and not self._service.metrics.all_stuck()
+        return messages.ModelReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return json_format.ParseDict(server_metadata(), messages.ServerMetadataResponse())
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        try:
+            model = ready_model(self._service, request.name, request.version or None)
+        except ProtocolError as error:
+            await _abort(context, error)
+        return json_format.ParseDict(model.metadata(), messages.ModelMetadataResponse())
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        async def decode() -> InferRequest:
+            return _decoded(request)
+
+        def encode(decoded: InferRequest, outputs: list[Tensor]) -> Any:
+            return _encoded(request.model_name, decoded.id, outputs)
+
+        try:
+            return await infer(self._service, request.model_name,
+                               request.model_version or None, decode, encode)
+        except ProtocolError as error:
+            await _abort(context, error)
+
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        try:
+            found = statistics(self._service, request.name or None, request.version or None)
+        except ProtocolError as error:
+            await _abort(context, error)
+        return json_format.ParseDict(found, messages.ModelStatisticsResponse())
+
+
+async def _abort(context: Any, error: ProtocolError) -> None:
+    """Ends the RPC with the gRPC code of error's status and its message (raises)."""
+    await context.abort(_CODES.get(error.status, grpc.StatusCode.INTERNAL), str(error))
+
+
+def _decoded(request: Any) -> InferRequest:
+    """The request record of a ModelInferRequest, checked as an HTTP body's is:
+    translated to the protocol's JSON form, raw contents as its binary data."""
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise ProtocolError(f"the request has {len(raw)} raw_input_contents for "
+                            f"{len(request.inputs)} inputs: give each input's, or none")
+    inputs, binary = [], []
+    for position, tensor in enumerate(request.inputs):
+        spec: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
+                                "shape": list(tensor.shape),
+                                "parameters": _parameters(tensor.parameters)}
+        inputs.append(spec)
+        if raw:
+            if tensor.HasField("contents"):
+                raise ProtocolError(f"input {tensor.name!r} has both contents and "
+                                    f"raw_input_contents")
+            data = raw[position]
+        elif tensor.datatype == BYTES:  # bytes, which JSON's strings are not: as binary
+            values = _contents(tensor)
+            data = to_length_prefixed(bytes_array(values, [len(values)]))
+        else:
+            spec["data"] = _contents(tensor)
+            continue
+        spec["parameters"]["binary_data_size"] = len(data)
+        binary.append(data)
+    outputs = [{"name": output.name, "parameters": _parameters(output.parameters)}
+               for output in request.outputs]
+    translated = {"inputs": inputs, "outputs": outputs,
+                  "parameters": _parameters(request.parameters)}
+    if request.id:
+        translated["id"] = request.id
+    return parse_request(translated, memoryview(b"".join(binary)))
+
+
+def _contents(tensor: Any) -> list:
+    """The values of an input given as typed contents, from the field its datatype
+    uses; ProtocolError if they are in another."""
+    field = _CONTENTS.get(tensor.datatype)
+    given = [field.name for field, _ in tensor.contents.ListFields()]
+    if field is None or (given and given != [field]):
+        where = f"in {field}" if field else "as raw_input_contents"
+        raise ProtocolError(f"input {tensor.name!r}: {tensor.datatype} values go {where}, "
+                            f"not in {', '.join(given)}")
+    return list(getattr(tensor.contents, field))
+
+
+def _parameters(parameters: Any) -> dict[str, Any]:
+    """A parameters map's values as Python values."""
+    return {key: getattr(value, value.WhichOneof("parameter_choice"))
+            for key, value in parameters.items() if value.WhichOneof("parameter_choice")}
+
+
+def _encoded(model_name: str, request_id: str | None, outputs: list[Tensor]) -> Any:
+    """The ModelInferResponse of outputs, each as raw_output_contents."""
+    return messages.ModelInferResponse(
+        model_name=model_name, model_version="1", id=request_id or "",
+        outputs=[messages.ModelInferResponse.InferOutputTensor(
+            name=tensor.name, datatype=tensor.datatype, shape=list(tensor.array.shape))
+            for tensor in outputs],
+        raw_output_contents=[tensor_bytes(tensor) for tensor in outputs])

@@ -14,9 +14,9 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
           "__main__", "__init__"]
 #: multipy.serve, bottom-up: each of its modules may import only those before it, and of
 #: the rest of multipy only the layers below "serve".
-SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "inference", "app",
-                "inference_pb2", "rpc", "connection", "inbox",
-                "archive", "models",
+SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "repository", "inference",
+                "app", "inference_pb2", "rpc", "connection", "inbox",
+                "archive", "models", "control",
                 "progress", "service", "on_ray", "main", "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy: of multipy.serve, the
 #: request path that the host and each interpreter's front end share.

@@ -1301,8 +1301,9 @@ def _grpc_input(name: str, array: np.ndarray, datatype: str):
     return tensor
 
 
-def _grpc_error(call) -> tuple[str, str]:
-    """(status code, message) of the error a gRPC call raises."""
+def _client_error(call) -> tuple[str, str]:
+    """(status, message) of the InferenceServerException that a tritonclient call
+    (HTTP or gRPC) raises."""
     with pytest.raises(InferenceServerException) as raised:
         call()
     return raised.value.status(), raised.value.message()
@@ -1312,7 +1313,7 @@ def test_grpc_health_and_metadata(served):
     client = _grpc(served)
     assert client.is_server_live() and client.is_server_ready()
     assert client.is_model_ready("pair") and client.is_model_ready("pair", "1")
-    status, message = _grpc_error(lambda: client.is_model_ready("nope"))
+    status, message = _client_error(lambda: client.is_model_ready("nope"))
     assert status == "StatusCode.NOT_FOUND" and "unknown model 'nope'" in message
     metadata = client.get_server_metadata(as_json=True)
     assert metadata["name"] == "multipy"
@@ -1382,9 +1383,9 @@ def test_grpc_errors_are_codes_with_the_http_messages(served):
         ("pair", [("a", x, "FP32"), ("a", x, "FP32")], "400", "StatusCode.INVALID_ARGUMENT"),
     ]
     for model, inputs, http_status, code in cases:
-        over_http = _grpc_error(lambda: http.infer(
+        over_http = _client_error(lambda: http.infer(
             model, [_input(name, array, datatype, True) for name, array, datatype in inputs]))
-        over_grpc = _grpc_error(lambda: client.infer(
+        over_grpc = _client_error(lambda: client.infer(
             model, [_grpc_input(name, array, datatype) for name, array, datatype in inputs]))
         assert over_http[0] == http_status and over_grpc[0] == code, (over_http, over_grpc)
         assert over_grpc[1] == over_http[1], (over_grpc, over_http)
@@ -1410,7 +1411,7 @@ def test_statistics_count_both_transports_in_one_place(served):
     for _ in range(3):
         http.infer("pair", [_input("a", x, "FP32", True), _input("b", x, "FP32", True)])
         client.infer("pair", [_grpc_input("a", x, "FP32"), _grpc_input("b", x, "FP32")])
-    _grpc_error(lambda: http.infer("pair", [_input("a", x, "FP32", True)]))  # a missing input
+    _client_error(lambda: http.infer("pair", [_input("a", x, "FP32", True)]))  # a missing input
     after = stats()
     counts = lambda s, part: s["inference_stats"][part].get("count", 0)  # noqa: E731
     nanos = lambda s, part: int(s["inference_stats"][part].get("ns", 0))  # noqa: E731
@@ -1429,7 +1430,7 @@ def test_statistics_count_both_transports_in_one_place(served):
                                           "blocks", "text"}
     status, _, body = _request(served, "GET", "/v2/models/nope/stats")
     assert status == 404 and "unknown model 'nope'" in json.loads(body)["error"]
-    assert _grpc_error(lambda: client.get_inference_statistics("nope"))[0] == \
+    assert _client_error(lambda: client.get_inference_statistics("nope"))[0] == \
         "StatusCode.NOT_FOUND"
 
 
@@ -1457,6 +1458,179 @@ def test_grpc_bytes_raw_and_typed(served):
     raw = dict(zip((o.name for o in answer.outputs), answer.raw_output_contents))
     assert raw["same"] == b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xff\x00\x00\x00\x00\x00"
     np.testing.assert_array_equal(np.frombuffer(raw["lengths"], "<i8"), [2, 2, 0])
+
+
+# -- the model repository (--model-control explicit) --
+
+@pytest.fixture(scope="module")
+def repository_served(packages, tmp_path_factory):
+    server = _start(tmp_path_factory.mktemp("repository"), [packages["pair"], packages["python_heavy"]],
+                    "--interpreters", "2", "--model-control", "explicit", "--grpc-port", "0")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+def _mapped(server: Server, path: str) -> bool:
+    """Whether the server process maps the file at path (an archive whose weights the
+    interpreters alias)."""
+    with open(f"/proc/{server.process.pid}/maps") as maps:
+        return any(line.rstrip("\n").endswith(os.path.realpath(path)) for line in maps)
+
+
+def test_models_unload_and_load_while_the_others_serve(repository_served, packages):
+    server, client = repository_served, repository_served.client()
+    x = np.ones((1, 3), np.float32)
+    stop, answered, failures = threading.Event(), [], []
+
+    def other_model() -> None:  # pair, all along: never refused
+        own = server.client()
+        while not stop.is_set():
+            try:
+                result = own.infer("pair", [_input("a", x, "FP32", True),
+                                            _input("b", x, "FP32", True)])
+                answered.append(result.as_numpy("output0").sum())
+            except Exception as error:  # reported below
+                failures.append(error)
+
+    index = {m["name"]: m for m in client.get_model_repository_index()}
+    assert {n: (m["state"], m["version"]) for n, m in index.items()} == {
+        "pair": ("READY", "1"), "python_heavy": ("READY", "1")}
+    heavy = np.ones((1, 48, 16), np.float32)
+    assert _mapped(server, packages["python_heavy"])
+    thread = threading.Thread(target=other_model)
+    thread.start()
+    try:
+        client.unload_model("python_heavy")
+        index = {m["name"]: m for m in client.get_model_repository_index()}
+        assert (index["python_heavy"]["state"], index["python_heavy"]["reason"]) == (
+            "UNAVAILABLE", "unloaded")
+        assert not client.is_model_ready("python_heavy") and client.is_model_ready("pair")
+        status, message = _client_error(
+            lambda: client.infer("python_heavy", [_input("x", heavy, "FP32", True)]))
+        assert status == "503" and "model 'python_heavy' is not loaded: unloaded" in message
+        assert "/v2/repository/models/python_heavy/load" in message
+        # its weights, which every interpreter aliased, are given back
+        assert not _mapped(server, packages["python_heavy"])
+        client.load_model("python_heavy")
+        assert client.is_model_ready("python_heavy") and _mapped(server, packages["python_heavy"])
+        again = client.infer("python_heavy", [_input("x", heavy, "FP32", True)])
+        np.testing.assert_allclose(again.as_numpy("output0"),
+                                   _eager(packages["python_heavy"])(torch.from_numpy(heavy))
+                                   .detach().numpy(),
+                                   rtol=1e-5)
+        # a new model, from the archive that the load request's config names
+        client.load_model("negative_fails", config=json.dumps({"path": packages["fails"]}))
+        assert client.is_model_ready("negative_fails")
+        np.testing.assert_array_equal(
+            client.infer("negative_fails", [_input("x", x, "FP32", True)]).as_numpy("output0"), x)
+        status, message = _client_error(
+            lambda: client.infer("negative_fails", [_input("x", -x, "FP32", True)]))
+        assert status == "500" and "negative input" in message
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not failures, failures[0]
+    assert len(answered) > 0 and all(value == 0 for value in answered)
+    metrics = _metrics(server)
+    assert metrics[("multipy_inference_requests_total", (("model", "negative_fails"),))] == 2
+
+
+def test_repository_requests_that_cannot_be_done_say_why(repository_served, packages, tmp_path):
+    client = repository_served.client()
+    status, message = _client_error(lambda: client.load_model("nope"))
+    assert status == "404" and "unknown model 'nope'" in message and '"path"' in message
+    not_an_archive = tmp_path / "not_an_archive.pt"
+    not_an_archive.write_bytes(b"not a zip")
+    status, message = _client_error(lambda: client.load_model(
+        "broken", config=json.dumps({"path": str(not_an_archive)})))
+    assert status == "400" and "model 'broken' cannot be loaded" in message
+    status, message = _client_error(lambda: client.load_model("cast", config="{not json"))
+    assert status == "400" and '"config" must be a JSON object' in message
+    status, _, body = _request(repository_served, "POST", "/v2/repository/models/cast/load",
+                               json.dumps({"parameters": {"colour": "red"}}).encode())
+    assert status == 400 and "'colour'" in json.loads(body)["error"]
+    status, message = _client_error(lambda: client.unload_model("nope"))
+    assert status == "404" and "unknown model 'nope'" in message
+    assert "broken" not in {m["name"] for m in client.get_model_repository_index()}
+    client.unload_model("python_heavy")
+    try:
+        status, _, body = _request(repository_served, "POST", "/v2/repository/index",
+                                   json.dumps({"ready": True}).encode())
+        assert status == 200 and "pair" in {m["name"] for m in json.loads(body)}
+        assert "python_heavy" not in {m["name"] for m in json.loads(body)}
+        assert "python_heavy" in {m["name"] for m in client.get_model_repository_index()}
+    finally:
+        client.load_model("python_heavy")
+
+
+def test_a_load_that_fails_leaves_the_model_unavailable_and_the_metrics_in_order(
+        repository_served, packages, tmp_path):
+    """A model whose archive is one but that fails as it loads (its example raises) is
+    UNAVAILABLE with the reason; the next model loaded is counted under its own name,
+    whichever interpreter answers it (the host and every front end give it the same
+    slot)."""
+    spec = importlib.util.spec_from_file_location("serve_test_models",
+                                                  os.path.dirname(packages["fails"]) +
+                                                  "/serve_test_models.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["serve_test_models"] = module
+    try:
+        spec.loader.exec_module(module)
+        failing = str(tmp_path / "fails_at_load.pt")
+        with torch.package.PackageExporter(failing) as exporter:
+            exporter.extern(["torch.**", "numpy.**"])
+            exporter.intern("serve_test_models")
+            exporter.save_pickle("model", "model.pkl", module.Fails())
+            exporter.save_pickle("model", "example.pkl", (-torch.ones(1, 3),))
+    finally:
+        del sys.modules["serve_test_models"]
+    client = repository_served.client()
+    status, message = _client_error(lambda: client.load_model(
+        "fails_at_load", config=json.dumps({"path": failing})))
+    assert status == "500" and "negative input" in message
+    index = {m["name"]: m for m in client.get_model_repository_index()}
+    assert index["fails_at_load"]["state"] == "UNAVAILABLE"
+    assert "failed" in index["fails_at_load"]["reason"] and "negative input" in \
+        index["fails_at_load"]["reason"]
+    assert not client.is_model_ready("fails_at_load")
+    stats = client.get_inference_statistics("fails_at_load")["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == 0
+    client.load_model("after_failure", config=json.dumps({"path": packages["pair"]}))
+    x = np.ones((1, 3), np.float32)
+    for _ in range(4):  # new connections: both interpreters' front ends answer some
+        repository_served.client().infer("after_failure", [_input("a", x, "FP32", True),
+                                                           _input("b", x, "FP32", True)])
+    metrics = _metrics(repository_served)
+    assert metrics[("multipy_inference_requests_total", (("model", "after_failure"),))] == 4
+    assert metrics[("multipy_inference_requests_total", (("model", "fails_at_load"),))] == 0
+    stats = client.get_inference_statistics("after_failure")["model_stats"][0]
+    assert stats["inference_stats"]["success"]["count"] == 4
+
+
+def test_repository_over_grpc(repository_served):
+    client = _grpc(repository_served)
+    client.unload_model("python_heavy")
+    index = {m.name: m for m in client.get_model_repository_index().models}
+    assert (index["python_heavy"].state, index["python_heavy"].reason) == (
+        "UNAVAILABLE", "unloaded")
+    assert not client.is_model_ready("python_heavy")
+    status, message = _client_error(lambda: client.infer(
+        "python_heavy", [_grpc_input("x", np.ones((1, 48, 16), np.float32), "FP32")]))
+    assert status == "StatusCode.UNAVAILABLE" and "is not loaded" in message
+    client.load_model("python_heavy")
+    assert client.is_model_ready("python_heavy")
+    assert "model_repository" in client.get_server_metadata(as_json=True)["extensions"]
+
+
+def test_repository_load_and_unload_are_off_by_default(served):
+    client = served.client()
+    for call in (lambda: client.load_model("pair"), lambda: client.unload_model("pair")):
+        status, message = _client_error(call)
+        assert status == "400" and "--model-control explicit" in message
+    assert all(m["state"] == "READY" for m in client.get_model_repository_index())
+    assert client.is_model_ready("pair")
 
 
 # -- the command line --

@@ -13,18 +13,23 @@ this interpreter, as in one worker process of other servers.  With a per-request
 timeout, calls run one at a time on a thread of this interpreter instead, where a call
 whose request has waited too long is cancelled.  With gRPC (``multipy serve
 --grpc-port``), the same loop also runs this interpreter's gRPC server
-(multipy.serve.rpc) on the port that every interpreter's shares.  Counts go to this interpreter's row of
-the server's metrics board (multipy.serve.metrics), which ``/metrics`` sums, whichever
-front end answers it.
+(multipy.serve.rpc) on the port that every interpreter's shares.  Counts go to this
+interpreter's row of the server's metrics board (multipy.serve.metrics), which
+``/metrics`` sums, whichever front end answers it.  The model repository's load and
+unload requests go to the host, which does them (multipy.serve.service), through this
+front end's control pipe: the front end writes the request's number there and waits;
+the host reads the request (``control_request``), tells every front end what changed
+(``add_model``, ``set_state``) and answers (``control_answer``).
 
 Imports uvicorn, Starlette, prometheus_client and numpy (the ``serve`` extra; grpcio and
 protobuf with gRPC), and of multipy only what host and interpreters share of
-``multipy.serve`` (the request path: protocol, batching, metrics, requests, inference,
-app and rpc; and the inbox).
+``multipy.serve`` (the request path: protocol, batching, metrics, requests, repository,
+inference, app and rpc; and the inbox).
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging.config
 import queue
 import socket
@@ -36,13 +41,16 @@ import uvicorn
 
 from ..serve.app import create_app, logging_config
 from ..serve.connection import Limits, guarded
-from ..serve.inbox import FORCE, receive
+from ..serve.inbox import FORCE, receive, send
 from ..serve.metrics import Metrics
 from ..serve.protocol import ProtocolError
+from ..serve.repository import READY
 from ..serve.requests import ModelRequests, Started, named
 from .serving import Served
 
 
+#: A graceful stop's limit (seconds) when --graceful-timeout sets none.
+_NO_LIMIT = 365 * 24 * 3600.0
 #: What a crash report names while a front end runs no model call.
 _SERVING = (b"serving", b"the HTTP requests of multipy serve")
 
@@ -55,8 +63,10 @@ class FrontEnd:
     ``board`` (this front end's row of the metrics board at that address),
     ``max_batch_size``, ``batch_delay`` (seconds), ``timeout`` (seconds or None),
     ``max_request_size`` (bytes), ``limits`` (multipy.serve.connection.Limits, as a dict),
-    ``graceful_timeout`` (seconds or None) and ``grpc`` (the "HOST:PORT" its gRPC server
-    shares with the other interpreters', or None for none).
+    ``graceful_timeout`` (seconds or None), ``grpc`` (the "HOST:PORT" its gRPC server
+    shares with the other interpreters', or None for none), ``states`` (each model's
+    (state, reason), multipy.serve.repository), ``model_control``, ``slots`` (the
+    metrics' room for models) and ``control`` (the write end of its control pipe).
 
     The host calls ``run`` on a thread of its own; it returns once a STOP or FORCE from
     the inbox has stopped the server."""
@@ -66,19 +76,23 @@ class FrontEnd:
         names = settings["names"]
         self.metrics = Metrics(names, settings["interpreters"], rows=settings["interpreters"] + 1,
                                row=settings["row"], address=settings["board"],
-                               stuck_after=settings["stuck_after"])
+                               stuck_after=settings["stuck_after"], slots=settings["slots"])
+        self.states: dict[str, tuple[str, str]] = dict(settings["states"])
+        self.model_control = settings["model_control"]
+        self._control = settings["control"]
+        self._asked: dict[int, tuple[tuple, asyncio.Future]] = {}  # number -> (request, answer)
+        self._numbers = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()  # (asyncio keeps only weak references)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.max_request_size = settings["max_request_size"]
         self._limits = Limits(**settings["limits"])
         self._graceful_timeout = settings["graceful_timeout"]
         self.ready = True
-        timeout = settings["timeout"]
-        self._worker = _Worker() if timeout is not None else None
+        self._worker = _Worker() if settings["timeout"] is not None else None
+        self._settings = settings
         self.models: dict[str, _Model] = {}
-        for name in names:
-            model = _Model(name, models[name], self.metrics.models[name], self._worker,
-                           settings["max_batch_size"], settings["batch_delay"], timeout)
-            model.describe(settings["described"][name])
-            self.models[name] = model
+        for name, served in models.items():
+            self.add_model(name, served, settings["described"][name])
         self._app = create_app(self)
         self._inbox = settings["inbox"]
         self._grpc_address = settings["grpc"]
@@ -94,10 +108,68 @@ class FrontEnd:
     # -- what the application asks (see multipy.serve.app.create_app) --
 
     def model(self, name: str, version: str | None = None) -> _Model | None:
-        return named(self.models, self.models, name, version)
+        return named(self.models, self.states, name, version)
+
+    async def load(self, name: str, archive: dict[str, str]) -> None:
+        await self._ask("load", name, archive)
+
+    async def unload(self, name: str) -> None:
+        await self._ask("unload", name)
+
+    async def _ask(self, *request: Any) -> None:
+        """Has the host do request, and waits for it; ProtocolError as it answers."""
+        number = next(self._numbers)
+        answer = asyncio.get_running_loop().create_future()
+        self._asked[number] = (request, answer)
+        try:
+            try:
+                send(self._control, number)
+            except BlockingIOError:
+                raise ProtocolError("too many model repository requests wait for the host; "
+                                    "try again later", 503) from None
+            status, message = await answer
+        finally:
+            del self._asked[number]
+        if status != 200:
+            raise ProtocolError(message, status)
+
+    # -- what the host calls for the model repository --
+
+    def control_request(self, number: int) -> tuple | None:
+        """The request asked under number: ("load", name, archive) or ("unload", name);
+        None if it is no longer asked (its client went away)."""
+        asked = self._asked.get(number)
+        return None if asked is None else asked[0]
+
+    def control_answer(self, number: int, status: int, message: str) -> None:
+        """Answers the request asked under number (200, or an error's status)."""
+        if number in self._asked:  # (not if its request was cancelled meanwhile)
+            answer = self._asked[number][1]
+            self._loop.call_soon_threadsafe(
+                lambda: answer.done() or answer.set_result((status, message)))
+
+    def add_model(self, name: str, served: Served, described: dict) -> None:
+        """Serves model name, loaded here as served (metadata: described).  (This and
+        set_state replace ``models`` and ``states`` rather than change them: the host
+        calls them from a thread of its own while the loop reads them.)"""
+        self.metrics.add(name)
+        settings = self._settings
+        model = _Model(name, served, self.metrics.models[name], self._worker,
+                       settings["max_batch_size"], settings["batch_delay"], settings["timeout"])
+        model.describe(described)
+        self.models = {**self.models, name: model}
+        self.states = {**self.states, name: (READY, "")}
+
+    def set_state(self, name: str, state: str, reason: str) -> None:
+        """Model name is not ready (state, for reason): its new requests are refused
+        (those in flight are answered).  A model new to this server takes its slot of
+        the metrics here, in the order the host gave it one."""
+        self.metrics.add(name)
+        self.models = {other: model for other, model in self.models.items() if other != name}
+        self.states = {**self.states, name: (state, reason)}
 
     async def drain(self) -> None:
-        for model in self.models.values():
+        for model in list(self.models.values()):
             await model.drain()
 
     # -- what the host calls --
@@ -133,7 +205,7 @@ class FrontEnd:
 
             self._grpc = create_server(self, self._grpc_address)
             await self._grpc.start()
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         loop.add_reader(self._inbox, self._read_inbox)
         self._read_inbox()  # what came before the loop ran
         self._running = True
@@ -147,10 +219,16 @@ class FrontEnd:
             if value == FORCE:
                 self._server.force_exit = True
                 if self._grpc is not None:  # its calls end now
-                    asyncio.get_running_loop().create_task(self._grpc.stop(0))
+                    self._keep(self._grpc.stop(0))
             if not self._stopping:
                 self._stopping = True
-                asyncio.get_running_loop().create_task(self._stop())
+                self._keep(self._stop())
+
+    def _keep(self, work: Any) -> None:
+        """Runs the coroutine work as a task of the loop, kept until it ends."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _connect(self, fd: int) -> None:
         task = asyncio.get_running_loop().create_task(self._serve(socket.socket(fileno=fd)))
@@ -172,7 +250,9 @@ class FrontEnd:
         client sent, the server stops: uvicorn answers each request it has received and
         closes each connection that has none."""
         if self._grpc is not None:  # no new calls; those running end within the limit
-            self._grpc_stopped = asyncio.ensure_future(self._grpc.stop(self._graceful_timeout))
+            grace = self._graceful_timeout  # (None: none; grpc's None would be at once)
+            self._grpc_stopped = asyncio.ensure_future(
+                self._grpc.stop(_NO_LIMIT if grace is None else grace))
         if self._connecting:
             await asyncio.gather(*self._connecting, return_exceptions=True)
         for _ in range(2):  # turns of the loop, which read what the new sockets hold

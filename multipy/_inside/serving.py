@@ -19,7 +19,9 @@ their type named in the message and the original chained in the traceback.
 from __future__ import annotations
 
 import inspect
+import linecache
 import sys
+import types
 from typing import Any
 
 #: The Open Inference Protocol's datatypes of torch's dtypes (by name: torch is not
@@ -32,6 +34,8 @@ _DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "U
 _NUMPY_DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
                     "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
                     "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64"}
+#: How the names of a torch.package's own modules begin (its PackageImporter mangles them).
+_MANGLED = "<torch_package_"
 _INPUT_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                 inspect.Parameter.KEYWORD_ONLY)
 
@@ -56,14 +60,19 @@ def load(path: str, module: str, resource: str, storages: dict[str, Any]) -> Ser
         example = load_pickle(package_importer, module, "example.pkl")
         if not isinstance(example, tuple):
             example = (example,)
-    return Served(model, example)
+    return Served(model, example, package_importer.modules.values())
 
 
 class Served:
     """One model in this interpreter, called by the host with numpy arrays."""
 
-    def __init__(self, model: Any, example: tuple | None) -> None:
+    def __init__(self, model: Any, example: tuple | None, modules: Any = ()) -> None:
         self.model = model
+        # the package's own modules (mangled names; not its extern ones): see forget
+        own = [module for module in modules if isinstance(module, types.ModuleType)
+               and module.__name__.startswith(_MANGLED)]
+        self._namespaces = {id(vars(module)) for module in own}
+        self._files = {module.__file__ for module in own if getattr(module, "__file__", None)}
         self.example = example
         forward = getattr(model, "forward", model)
         parameters = inspect.signature(forward).parameters.values()
@@ -106,6 +115,21 @@ class Served:
             _raise_plainly(error)
         return (tuple(name for name, _, _ in outputs),
                 tuple(datatype for _, datatype, _ in outputs), *(array for _, _, array in outputs))
+
+    def forget(self) -> None:
+        """Lets go of what the process keeps of the model's package for good, so that
+        the model's memory is given back once it is dropped (unloaded): the globals of
+        its modules that called ``torch.fx.wrap``, which torch.fx registers for every
+        later trace, and the source lines that tracebacks and tracing cached (linecache,
+        whose lazy entries hold the package's importer)."""
+        for file in self._files:
+            linecache.cache.pop(file, None)
+        fx = sys.modules.get("torch.fx._symbolic_trace")
+        registry = getattr(fx, "_wrapped_fns_to_patch", None)
+        if isinstance(registry, dict):
+            for key, namespace in list(registry.items()):
+                if id(namespace) in self._namespaces:
+                    del registry[key]
 
     def metadata(self) -> dict[str, list[dict]]:
         """The inputs (forward's parameters) and, when the archive has an example, the

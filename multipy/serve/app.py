@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.applications import Starlette
@@ -18,6 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from . import repository
 from .inference import infer as infer_through, ready_model, server_metadata, statistics
 from .metrics import CONTENT_TYPE
 from .protocol import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compress,
@@ -98,6 +100,34 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
                 return Response(status_code=499)
             return _error(error.status, str(error))
 
+    async def repository_index(request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            ready = body.get("ready", False)
+            if not isinstance(ready, bool):
+                raise ProtocolError('"ready" must be true or false')
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return JSONResponse(repository.index(service.states, ready))
+
+    async def repository_load(request: Request) -> Response:
+        try:
+            parameters = (await _json_body(request)).get("parameters") or {}
+            if not isinstance(parameters, dict):
+                raise ProtocolError('"parameters" must be a JSON object')
+            await repository.load(service, request.path_params["model"], parameters)
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return Response(status_code=200)
+
+    async def repository_unload(request: Request) -> Response:
+        try:
+            await _json_body(request)  # (its "parameters" say nothing to this server)
+            await repository.unload(service, request.path_params["model"])
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return Response(status_code=200)
+
     async def metrics(request: Request) -> Response:
         return Response(service.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
@@ -131,10 +161,28 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
         Route(version_path, model_metadata, methods=["GET"]),
         Route(f"{model_path}/ready", model_ready, methods=["GET"]),
         Route(f"{version_path}/ready", model_ready, methods=["GET"]),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
+        Route("/v2/repository/models/{model}/load", repository_load, methods=["POST"]),
+        Route("/v2/repository/models/{model}/unload", repository_unload, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
     return Starlette(routes=routes, exception_handlers={HTTPException: http_error},
                      lifespan=lifespan)
+
+
+async def _json_body(request: Request) -> dict:
+    """The request's body as a JSON object ({} if it is empty); ProtocolError if it is
+    not one, or has more than the 64 KiB that such a request may have."""
+    body = await _body(request, 1 << 16)
+    if not body.strip():
+        return {}
+    try:
+        found = json.loads(body)
+    except (ValueError, RecursionError) as error:
+        raise ProtocolError(f"malformed JSON in the request: {error}") from None
+    if not isinstance(found, dict):
+        raise ProtocolError("the request must be a JSON object")
+    return found
 
 
 async def _body(request: Request, limit: int) -> bytes:

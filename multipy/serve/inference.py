@@ -13,6 +13,7 @@ raised, its outputs could not be split back into a batch's requests, or it ran p
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import logging
 import time
@@ -21,6 +22,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from .batching import BatchError
 from .protocol import InferRequest, ProtocolError, Tensor
+from .repository import LOADING, UNAVAILABLE
 from .requests import ModelError, ModelRequests, ServiceTimeout, Timing
 
 logger = logging.getLogger("multipy.serve")
@@ -28,7 +30,7 @@ logger = logging.getLogger("multipy.serve")
 Answer = TypeVar("Answer")
 
 #: The protocol's extensions this server speaks.
-EXTENSIONS = ["binary_tensor_data", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository"]
 
 
 def server_metadata() -> dict[str, Any]:
@@ -53,9 +55,13 @@ def statistics(service: Any, name: str | None, version: str | None) -> dict[str,
 
 def ready_model(service: Any, name: str, version: str | None) -> ModelRequests:
     """The model name (and version) that service serves, ready; ProtocolError: 404 if it
-    serves no such model, 503 while the model loads."""
+    serves no such model, 503 while the model loads or when it is unloaded."""
     model = service.model(name, version)
     if model is None:
+        state, reason = service.states.get(name, (LOADING, ""))
+        if state == UNAVAILABLE:
+            raise ProtocolError(f"model {name!r} is not loaded: {reason} (POST "
+                                f"/v2/repository/models/{name}/load loads it)", 503)
         raise ProtocolError(f"model {name!r} is not ready: it is still loading "
                             f"(GET /v2/models/{name}/ready says when it is)", 503)
     return model
@@ -88,6 +94,9 @@ async def infer(service: Any, name: str, version: str | None,
         return answer
     except ProtocolError as error:
         status = error.status
+        raise
+    except asyncio.CancelledError:  # the client went away (a gRPC deadline, say)
+        status = 499
         raise
     except ServiceTimeout as error:
         logger.error("%s", error)

@@ -45,10 +45,12 @@ from ..manager import cores
 from .app import create_app, logging_config
 from .archive import ArchiveError, check
 from .connection import MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, guarded
+from .control import Control
 from .inbox import FORCE, STOP, open_inbox, receive, send
 from .models import ModelSpec
 from .protocol import MAX_REQUEST_SIZE
-from .service import GRACEFUL_TIMEOUT, Options, Service, default_interpreters
+from .repository import MODEL_CONTROLS
+from .service import GRACEFUL_TIMEOUT, MORE_MODELS, Options, Service, default_interpreters
 
 logger = logging.getLogger("multipy.serve")
 
@@ -73,6 +75,11 @@ def parser() -> argparse.ArgumentParser:
                             f"{cores()} here, at most as many as fit)")
     parse.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parse.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parse.add_argument("--model-control", choices=MODEL_CONTROLS, default="none",
+                       help="'explicit': the model repository's requests load and unload "
+                            "models while the server runs (up to %d more than it starts "
+                            "with); 'none' (default): it serves the models it was started "
+                            "with, and refuses them" % MORE_MODELS)
     parse.add_argument("--grpc-port", type=int, metavar="PORT",
                        help="also serve the protocol over gRPC on this port, once the models "
                             "are ready (8001 by convention; 0: a free one, which the ready "
@@ -276,6 +283,7 @@ class FrontEnds:
         self._inboxes: list[tuple[int, int]] = []  # (read end, write end) of each
         self._handed: list[int] = []  # connections handed to each, ever
         self._metrics: Any = None
+        self._control: Control | None = None
         self._stopping = False
         self._forced = False
         self._lock = threading.Lock()
@@ -292,20 +300,27 @@ class FrontEnds:
                     "limits": dataclasses.asdict(options.limits),
                     "stuck_after": metrics.stuck_after,
                     "graceful_timeout": options.graceful_timeout, "grpc": grpc,
+                    "states": service.states, "model_control": service.model_control,
+                    "slots": metrics.slots,
                     "described": {name: model.metadata() for name, model in service.models.items()}}
-        fronts, inboxes = [], []
+        fronts, inboxes, controls = [], [], []
+        interpreters = service.manager.all_instances()
         try:
-            for k, interpreter in enumerate(service.manager.all_instances()):
+            for k, interpreter in enumerate(interpreters):
                 inboxes.append(open_inbox())
+                controls.append(open_inbox())
                 loaded = {name: model.instance(interpreter)
                           for name, model in service.models.items()}
                 make = interpreter.global_("multipy._inside.front_end", "FrontEnd")
-                fronts.append(make(loaded, {**settings, "row": k + 1, "inbox": inboxes[k][0]}))
+                fronts.append(make(loaded, {**settings, "row": k + 1, "inbox": inboxes[k][0],
+                                            "control": controls[k][1]}))
         except BaseException:
-            for pipe in inboxes:
+            for pipe in inboxes + controls:
                 os.close(pipe[0])
                 os.close(pipe[1])
             raise
+        self._control = Control(service, fronts, interpreters, controls)
+        self._control.start()
         threads = [threading.Thread(target=self._run, args=(k,), daemon=True,
                                     name=f"multipy-serve-front-{k}") for k in range(len(fronts))]
         with self._lock:
@@ -379,6 +394,8 @@ class FrontEnds:
         for thread in self._threads:
             while thread.is_alive() and not self._forced:
                 thread.join(0.1)
+        if self._control is not None and not self._forced:
+            self._control.close()
 
     def force(self) -> None:
         """Stops the front ends at once, as uvicorn does on a second SIGINT (a model
@@ -424,6 +441,9 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
                 parse.error(f"--{option.replace('_', '-')} is an option of --ray")
     if args.ray and args.grpc_port is not None:
         parse.error("--grpc-port is not served with --ray: Ray Serve's proxy speaks HTTP")
+    if args.ray and args.model_control != "none":
+        parse.error("--model-control explicit is not served with --ray: redeploy to change "
+                    "the models")
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         parse.error("--grpc-port must be a port number (0: a free one)")
     interpreters = args.interpreters if args.interpreters is not None else default_interpreters()
@@ -452,7 +472,8 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
     return Options(tuple(models), interpreters, args.max_batch_size, args.batch_timeout_ms,
                    args.timeout, max_request_size=args.max_request_size,
                    limits=Limits(args.max_header_size, args.max_headers, args.read_timeout),
-                   graceful_timeout=args.graceful_timeout or None)
+                   graceful_timeout=args.graceful_timeout or None,
+                   model_control=args.model_control)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,10 +516,14 @@ def main(argv: list[str] | None = None) -> int:
 def reserve_port(host: str, port: int, parse: argparse.ArgumentParser) -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT that never listens: it keeps the
     port (a free one for 0) for the front ends' gRPC servers, which bind it too.  Exits
-    through parse if it cannot."""
+    through parse if it cannot, or if another socket has the port (bound with
+    SO_REUSEPORT too, it would share the connections)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     reserved = socket.socket(family, socket.SOCK_STREAM)
     try:
+        with socket.socket(family, socket.SOCK_STREAM) as alone:  # the port is free
+            alone.bind((host, port))
+            port = alone.getsockname()[1]
         reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         reserved.bind((host, port))
     except OSError as error:

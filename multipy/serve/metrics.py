@@ -170,22 +170,41 @@ class ModelSeries:
 
 class Metrics:
     """The metrics of one server of ``models`` on ``interpreters`` interpreters, over a
-    board of ``rows`` rows (made here, or the one at ``address``); this writer counts in
-    row ``row``.  Every model's series exist (at 0) from the start."""
+    board of ``rows`` rows (made here, or the one at ``address``) with room for the
+    series of ``slots`` models (at least those); this writer counts in row ``row``.
+    Every model's series exist (at 0) from the start, or from when ``add`` gives a model
+    loaded later a slot; a model keeps its slot, and its counts, once unloaded."""
 
     def __init__(self, models: list[str], interpreters: int, rows: int = 1, row: int = 0,
-                 address: int | None = None, stuck_after: float = STUCK_AFTER) -> None:
-        self.names = list(models)
+                 address: int | None = None, stuck_after: float = STUCK_AFTER,
+                 slots: int = 0) -> None:
+        self.names: list[str] = []
+        self.slots = max(len(models), slots)
         self.interpreters = interpreters
         self.stuck_after = stuck_after
-        self.board = Board(rows, _ROW + _PER_MODEL * len(self.names), address)
-        values = self.board.row(row)
+        self.board = Board(rows, _ROW + _PER_MODEL * self.slots, address)
+        self._values = values = self.board.row(row)
         self._closed = _Count(values, _CLOSED)
         #: model name -> its series in this writer's row
-        self.models = {name: ModelSeries(values, _ROW + _PER_MODEL * k, k)
-                       for k, name in enumerate(self.names)}
+        self.models: dict[str, ModelSeries] = {}
+        for name in models:
+            self.add(name)
         self._registry = CollectorRegistry(auto_describe=False)
         self._registry.register(_Collector(self))
+
+    def add(self, name: str) -> None:
+        """Gives model name the next slot (its series, at 0), unless it has one; every
+        writer adds the same models in the same order.  ValueError if every slot is
+        taken.  (It replaces ``names`` and ``models`` rather than change them: other
+        threads may be reading them.)"""
+        if name in self.models:
+            return
+        if len(self.names) == self.slots:
+            raise ValueError(f"this server has room for the metrics of {self.slots} models, "
+                             f"and every one is taken ({', '.join(map(repr, self.names))})")
+        k = len(self.names)
+        self.models = {**self.models, name: ModelSeries(self._values, _ROW + _PER_MODEL * k, k)}
+        self.names = [*self.names, name]
 
     def closed_connection(self) -> None:
         self._closed.inc()

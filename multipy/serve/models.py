@@ -87,6 +87,13 @@ class ServedModel(ModelRequests):
         """The model loaded on interpreter (loaded now if it is not yet)."""
         return self.replicated.instance(interpreter)
 
+    def forget(self) -> None:
+        """Has each interpreter that materialised the model let go of what the process
+        keeps of its package for good (multipy._inside.serving.Served.forget), before
+        the model is dropped."""
+        for interpreter in self._materialised:
+            self.instance(interpreter).call_value("forget")
+
     @property
     def ready(self) -> bool:
         """Whether every interpreter has materialised the model."""

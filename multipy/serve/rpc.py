@@ -1,5 +1,6 @@
 """The gRPC face of a server: the Open Inference Protocol's
-``inference.GRPCInferenceService``, with Triton's statistics extension, on grpcio's
+``inference.GRPCInferenceService``, with Triton's statistics and model repository
+extensions, on grpcio's
 asyncio server, next to the HTTP face (multipy.serve.app) on the same event loop.  Its
 messages are generated from multipy/serve/inference.proto; each RPC is registered here
 under the protocol's service name.
@@ -22,6 +23,7 @@ import grpc
 from google.protobuf import json_format
 
 from . import inference_pb2 as messages
+from . import repository
 from .inference import infer, ready_model, server_metadata, statistics
 from .protocol import (BYTES, InferRequest, ProtocolError, Tensor, bytes_array, parse_request,
                        tensor_bytes, to_length_prefixed)
@@ -70,6 +72,11 @@ class _Servicer:
         "ModelInfer": (messages.ModelInferRequest, messages.ModelInferResponse),
         "ModelStatistics": (messages.ModelStatisticsRequest,
                             messages.ModelStatisticsResponse),
+        "RepositoryIndex": (messages.RepositoryIndexRequest, messages.RepositoryIndexResponse),
+        "RepositoryModelLoad": (messages.RepositoryModelLoadRequest,
+                                messages.RepositoryModelLoadResponse),
+        "RepositoryModelUnload": (messages.RepositoryModelUnloadRequest,
+                                  messages.RepositoryModelUnloadResponse),
     }
 
     def __init__(self, service: Any) -> None:
@@ -128,6 +135,26 @@ class _Servicer:
         except ProtocolError as error:
             await _abort(context, error)
         return json_format.ParseDict(found, messages.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        return json_format.ParseDict({"models": repository.index(self._service.states,
+                                                                 request.ready)},
+                                     messages.RepositoryIndexResponse())
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        try:
+            await repository.load(self._service, request.model_name,
+                                  _parameters(request.parameters))
+        except ProtocolError as error:
+            await _abort(context, error)
+        return messages.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        try:
+            await repository.unload(self._service, request.model_name)
+        except ProtocolError as error:
+            await _abort(context, error)
+        return messages.RepositoryModelUnloadResponse()
 
 
 async def _abort(context: Any, error: ProtocolError) -> None:

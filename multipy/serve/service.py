@@ -4,16 +4,21 @@ whether they are ready, and inference bounded by the per-request timeout.
 Start-up (``start``, on a thread of its own while the HTTP server already answers):
 the interpreters start, then every interpreter materialises every model (importing torch
 and loading the archive there, then running its example once), the interpreters in
-parallel.  The server is ready when all of that is done.
+parallel.  The server is ready when all of that is done.  Then, with
+``--model-control explicit``, the model repository's requests load and unload models
+(``load``, ``unload``: multipy.serve.repository), one at a time, and tell the front ends.
 """
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import _glibc
+from .. import _glibc, _runtime
 from .._pool import capacity
 from ..manager import InterpreterManager, cores
 from . import archive
@@ -21,13 +26,19 @@ from .connection import Limits
 from .metrics import STUCK_AFTER, Metrics
 from .models import ModelSpec, ServedModel, Turns
 from .progress import Progress
-from .protocol import MAX_REQUEST_SIZE
+from .protocol import MAX_REQUEST_SIZE, ProtocolError
+from .repository import LOADING, READY, UNAVAILABLE
 from .requests import named
 
 logger = logging.getLogger("multipy.serve")
 
 #: Seconds a graceful stop waits for requests in flight, by default (--graceful-timeout).
 GRACEFUL_TIMEOUT = 30.0
+#: Models that a server with --model-control explicit can load beyond those it starts
+#: with (each new name takes a slot of the metrics for good).
+MORE_MODELS = 32
+#: The most rounds of calls that an unload makes to have what a model held given back.
+_RELEASE_ROUNDS = 5
 
 
 def default_interpreters() -> int:
@@ -46,7 +57,8 @@ class Options:
     interpreter's intra-op threads (None: the manager's default, the cores divided
     among the interpreters); max_request_size: --max-request-size, in bytes; limits: what
     a connection may send (--max-header-size, --max-headers, --read-timeout);
-    graceful_timeout: --graceful-timeout, seconds (None: no limit)."""
+    graceful_timeout: --graceful-timeout, seconds (None: no limit); model_control:
+    --model-control (multipy.serve.repository.MODEL_CONTROLS)."""
 
     models: tuple[ModelSpec, ...]
     interpreters: int
@@ -57,6 +69,7 @@ class Options:
     max_request_size: int = MAX_REQUEST_SIZE
     limits: Limits = Limits()
     graceful_timeout: float | None = GRACEFUL_TIMEOUT
+    model_control: str = "none"
 
 
 class Service:
@@ -71,15 +84,24 @@ class Service:
         self.specs = {spec.name: spec for spec in options.models}
         self.interpreters = options.interpreters
         self.max_request_size = options.max_request_size
+        self.model_control = options.model_control
+        #: each model's (state, reason), as the repository's index says them
+        self.states = {name: (LOADING, "") for name in self.specs}
+        more = MORE_MODELS if self.model_control == "explicit" else 0
         # row 0 the host's, row k + 1 interpreter k's front end's
         self.metrics = Metrics(list(self.specs), options.interpreters,
                                rows=options.interpreters + 1,
-                               stuck_after=options.timeout or STUCK_AFTER)
+                               stuck_after=options.timeout or STUCK_AFTER,
+                               slots=len(self.specs) + more)
         self._batching = (options.max_batch_size, options.batch_timeout_ms / 1000)
         self.manager: InterpreterManager | None = None
         self.models: dict[str, ServedModel] = {}
         self.ready = False
         self.failure: BaseException | None = None
+        self._turns: Turns | None = None
+        self._loaded = False
+        self._watchers: list[Any] = []
+        self._changing = threading.Lock()  # one load or unload at a time
 
     # -- start-up: on its own thread --
 
@@ -95,11 +117,8 @@ class Service:
             self.manager = InterpreterManager(n, torch_threads=self.options.torch_threads,
                                               grad_enabled=False)
             progress.advance(n, "interpreters started")
-            max_batch_size, delay = self._batching
-            turns = Turns(n)  # one call per interpreter, of whichever model
-            models = [ServedModel(spec, self.manager, self.metrics, turns, max_batch_size, delay,
-                                  self.options.timeout)
-                      for spec in self.specs.values()]
+            self._turns = Turns(n)  # one call per interpreter, of whichever model
+            models = [self._served(spec) for spec in self.specs.values()]
             progress.stage(f"materialising {m} model(s) on {n} interpreter(s): torch is "
                            f"imported and each archive loaded in every interpreter "
                            f"({self.manager.torch_threads} torch thread(s) each)")
@@ -109,20 +128,28 @@ class Service:
                                    for i in model.metadata()["inputs"])
                 progress.stage(f"model {model.name!r} from {model.spec.path}: inputs {inputs}")
             self.models = {model.name: model for model in models}
+            self.states = {name: (READY, "") for name in self.specs}
             if before_ready is not None:
                 before_ready()
+            self._loaded = True
             self.ready = True
         finally:
             progress.close()
 
-    def _materialise(self, models: list[ServedModel], progress: Progress) -> None:
+    def _served(self, spec: ModelSpec) -> ServedModel:
+        max_batch_size, delay = self._batching
+        return ServedModel(spec, self.manager, self.metrics, self._turns, max_batch_size, delay,
+                           self.options.timeout)
+
+    def _materialise(self, models: list[ServedModel], progress: Progress | None) -> None:
         errors: list[BaseException] = []
 
         def on(interpreter: Any) -> None:
             try:
                 for model in models:
                     model.materialise(interpreter)
-                    progress.advance(1, f"{model.name} on interpreter {interpreter.index}")
+                    if progress is not None:
+                        progress.advance(1, f"{model.name} on interpreter {interpreter.index}")
             except BaseException as error:  # raised on the start-up thread below
                 errors.append(error)
 
@@ -139,9 +166,125 @@ class Service:
     # -- serving: on the event loop --
 
     def model(self, name: str, version: str | None = None) -> ServedModel | None:
-        """The model called name (and version, if given), or None while it loads;
-        ProtocolError (404) if the server has no such model or version."""
+        """The model called name (and version, if given), or None while it loads (or is
+        unloaded); ProtocolError (404) if the server has no such model or version."""
         return named(self.models, self.specs, name, version)
+
+    # -- the model repository: each on a thread of its own --
+
+    def watch(self, watcher: Any) -> None:
+        """Has watcher told as models change: ``watcher.added(name, model)`` once model
+        is on every interpreter, ``watcher.changed(name, state, reason)`` when it is no
+        longer ready (the front ends forget it then)."""
+        self._watchers.append(watcher)
+
+    async def load(self, name: str, archive: dict[str, str]) -> None:
+        """load_now, on a thread."""
+        await asyncio.to_thread(self.load_now, name, archive)
+
+    async def unload(self, name: str) -> None:
+        """unload_now, on a thread."""
+        await asyncio.to_thread(self.unload_now, name)
+
+    def load_now(self, name: str, archive_of: dict[str, str]) -> None:
+        """Loads model name on every interpreter, from the archive that archive_of names
+        (multipy.serve.repository.archive), else from the one it was served from; a
+        model loaded from that archive already stays as it is, one loaded from another is
+        unloaded first.  ProtocolError: 503 while the server starts, 404 for a model it
+        does not know without a path, 400 for an archive that is not one (or no room for
+        another model's metrics), 500 if loading it fails (it is UNAVAILABLE then, with
+        the reason)."""
+        self._started()
+        with self._changing:
+            spec = self._spec(name, archive_of)
+            current = self.models.get(name)
+            if current is not None and current.spec == spec:
+                return
+            try:
+                archive.check(spec.path, spec.module, spec.resource)
+                self.metrics.add(name)
+            except (archive.ArchiveError, ValueError) as error:
+                raise ProtocolError(f"model {name!r} cannot be loaded: {error}") from None
+            if current is not None:
+                self._drop(name, LOADING, f"being loaded again, from {spec.path}")
+            self.specs[name] = spec
+            self._change(name, LOADING, f"loading {spec.path}")
+            model = self._served(spec)
+            try:
+                self._materialise([model], None)
+            except Exception as error:
+                reason = f"loading {spec.path} failed: {type(error).__name__}: {error}"
+                self._change(name, UNAVAILABLE, reason)
+                failed = [model]
+                del model
+                self._release(failed)  # what the interpreters that loaded it hold
+                raise ProtocolError(f"model {name!r}: {reason}", 500) from None
+            self.models = {**self.models, name: model}
+            self.states = {**self.states, name: (READY, "")}
+            for watcher in self._watchers:
+                watcher.added(name, model)
+        logger.info("model %r loaded from %s", name, spec.path)
+
+    def unload_now(self, name: str) -> None:
+        """Unloads model name from every interpreter: its requests are refused from now on
+        (those in flight are answered), its readiness is false, and what it held is given
+        back once they are.  Nothing if it is not loaded.  ProtocolError: 503 while the
+        server starts, 404 for a model it does not know."""
+        self._started()
+        with self._changing:
+            named(self.models, self.specs, name)  # 404 for a model it does not know
+            if name not in self.models:
+                return
+            self._drop(name, UNAVAILABLE, "unloaded")
+        logger.info("model %r unloaded", name)
+
+    def _started(self) -> None:
+        if not self._loaded:
+            raise ProtocolError("the server is still starting: its models load and unload "
+                                "once it is ready", 503)
+
+    def _spec(self, name: str, archive_of: dict[str, str]) -> ModelSpec:
+        if "path" not in archive_of:
+            if name not in self.specs:
+                raise ProtocolError(
+                    f"unknown model {name!r}: to load a new model, give its archive's "
+                    f'"path" in the load request\'s parameters (or in its "config")', 404)
+            return self.specs[name]
+        return ModelSpec(name, os.path.abspath(archive_of["path"]),
+                         archive_of.get("module", "model"),
+                         archive_of.get("resource", "model.pkl"))
+
+    def _change(self, name: str, state: str, reason: str) -> None:
+        # (models and states are replaced, not changed: the event loop reads them)
+        self.states = {**self.states, name: (state, reason)}
+        for watcher in self._watchers:
+            watcher.changed(name, state, reason)
+
+    def _drop(self, name: str, state: str, reason: str) -> None:
+        """Under _changing: no front end serves model name any more, and what the
+        interpreters held of it is given back."""
+        self._change(name, state, reason)
+        dropped = [self.models[name]]
+        self.models = {other: each for other, each in self.models.items() if other != name}
+        self._release(dropped)
+
+    def _release(self, dropped: list[ServedModel]) -> None:
+        """Gives back what the interpreters hold of the model in dropped (its only
+        reference, which this takes), which nothing serves any more."""
+        dropped[0].forget()
+        dropped.clear()
+        # Releases travel with calls: the host's handles of it go in with a call, the
+        # interpreters' releases of the weights they aliased come back with a later
+        # reply.  Calls until what the host has lent them stops shrinking.
+        lent = -1
+        for _ in range(_RELEASE_ROUNDS):
+            gc.collect()
+            for interpreter in self.manager.all_instances():
+                interpreter.global_("gc", "collect")()
+            gc.collect()
+            if len(_runtime.exports.objects) == lent:
+                break
+            lent = len(_runtime.exports.objects)
 
     async def drain(self) -> None:
         """Runs every batch still waiting and waits for it."""

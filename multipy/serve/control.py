@@ -1,0 +1,104 @@
+"""The host's side of the model repository's requests that the interpreters' front ends
+receive (multipy.serve.repository): a front end cannot load a model into the other
+interpreters, so it asks the host, through a control pipe of its own (the int32
+messages of multipy.serve.inbox, each a request's number), and waits for the answer.
+
+``Control`` reads the pipes on a thread of its own, fetches each request from its front
+end, has the service do it (multipy.serve.service.Service.load_now, unload_now: one at a
+time) and answers; as the service's watcher, it tells every front end what changed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import selectors
+import threading
+from typing import Any
+
+from .inbox import receive
+from .protocol import ProtocolError
+
+logger = logging.getLogger("multipy.serve")
+
+
+class Control:
+    """The control pipes (pipes: (read end, write end) of each) of fronts (the FrontEnd
+    objects, each in its interpreter of interpreters) for service.  ``start`` reads them
+    on a thread until ``close``, which closes them."""
+
+    def __init__(self, service: Any, fronts: list[Any], interpreters: list[Any],
+                 pipes: list[tuple[int, int]]) -> None:
+        self._service, self._fronts, self._interpreters = service, fronts, interpreters
+        self._pipes = pipes
+        self._wake_read, self._wake_write = os.pipe()
+        self._thread = threading.Thread(target=self._serve, name="multipy-serve-control",
+                                        daemon=True)
+        service.watch(self)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops reading (a request being done is finished first) and closes the pipes."""
+        os.write(self._wake_write, b"x")
+        self._thread.join()
+        for fd in (self._wake_read, self._wake_write,
+                   *(end for pipe in self._pipes for end in pipe)):
+            os.close(fd)
+
+    # -- the service's watcher --
+
+    def added(self, name: str, model: Any) -> None:
+        described = model.metadata()
+        for k, (front, interpreter) in enumerate(zip(self._fronts, self._interpreters)):
+            self._tell(k, "add_model", (name, model.instance(interpreter), described))
+
+    def changed(self, name: str, state: str, reason: str) -> None:
+        for k in range(len(self._fronts)):
+            self._tell(k, "set_state", (name, state, reason))
+
+    def _tell(self, k: int, method: str, args: tuple) -> None:
+        """Calls front end k's method; logs its failure (a front end that has ended
+        serves nothing), which the others do not share."""
+        try:
+            self._fronts[k].call_value(method, args)
+        except Exception as error:
+            logger.error("interpreter %d's front end could not be told of a model "
+                         "repository change: %s: %s", k, type(error).__name__, error)
+
+    # -- on its thread --
+
+    def _serve(self) -> None:
+        with selectors.DefaultSelector() as selector:  # (no limit on the fds' numbers)
+            selector.register(self._wake_read, selectors.EVENT_READ, None)
+            for k, (read, _) in enumerate(self._pipes):
+                selector.register(read, selectors.EVENT_READ, k)
+            while True:
+                for key, _ in selector.select():
+                    if key.data is None:
+                        return
+                    for number in receive(key.fd):
+                        self._do(key.data, number)
+
+    def _do(self, k: int, number: int) -> None:
+        """Does the request that front end k asked under number, and answers it."""
+        front = self._fronts[k]
+        try:
+            request = front.call_value("control_request", (number,))
+            if request is None:  # its client went away
+                return
+            op, name, *archive = request
+            if op == "load":
+                self._service.load_now(name, *archive)
+            else:
+                self._service.unload_now(name)
+            status, message = 200, ""
+        except ProtocolError as error:
+            status, message = error.status, str(error)
+        except Exception as error:  # multipy's own failure: logged whole
+            logger.exception("the model repository's request failed")
+            status, message = 500, f"internal error: {type(error).__name__}: {error}"
+        try:
+            front.call_value("control_answer", (number, status, message))
+        except Exception as error:  # that front end has ended: no one waits
+            logger.error("interpreter %d's front end could not be answered: %s", k, error)

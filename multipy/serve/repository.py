@@ -1,0 +1,86 @@
+"""The model repository extension (Triton's, which tritonclient's
+``get_model_repository_index``, ``load_model`` and ``unload_model`` speak), whatever
+carries it: what its requests ask, checked once for HTTP and gRPC, and its index.
+
+A server's repository is the models it knows: those it was started with and those
+loaded since by name and path.  Each is READY (every interpreter has it), LOADING, or
+UNAVAILABLE (unloaded, or its load failed: the reason says which).  Loading and unloading
+are the host's work (multipy.serve.service.Service), whichever front end receives the
+request; they run one at a time, while the other models serve on.  With
+``--model-control none``, the default (Triton's name for it), the index answers and
+load and unload are refused.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from .protocol import ProtocolError
+
+READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
+#: --model-control's choices: "none" (the models given at start, for good) or "explicit"
+#: (loaded and unloaded by the repository's requests).
+MODEL_CONTROLS = ("none", "explicit")
+#: What a load request may say of the archive to load.
+_ARCHIVE_KEYS = ("path", "module", "resource")
+
+
+def index(states: Mapping[str, tuple[str, str]], ready_only: bool = False) -> list[dict]:
+    """The repository's index: {"name", "version", "state", "reason"} for each model in
+    states (name -> (state, reason)), or for those READY only."""
+    return [{"name": name, "version": "1", "state": state, "reason": reason}
+            for name, (state, reason) in list(states.items())
+            if state == READY or not ready_only]
+
+
+async def load(service: Any, name: str, parameters: Mapping[str, Any]) -> None:
+    """Loads model name on every interpreter of service, from the archive that
+    parameters name, if any (see ``archive``), else from the one it was served from;
+    ProtocolError if load is disabled (400) or it fails (see Service.load)."""
+    _enabled(service, "load")
+    await service.load(name, archive(parameters))
+
+
+async def unload(service: Any, name: str) -> None:
+    """Unloads model name from every interpreter of service; ProtocolError if unload is
+    disabled (400), or it serves no model name (404)."""
+    _enabled(service, "unload")
+    await service.unload(name)
+
+
+def archive(parameters: Mapping[str, Any]) -> dict[str, str]:
+    """The archive a load request names, as {"path", "module", "resource"} (each only if
+    given): as parameters of the request, or as the JSON object of its "config"
+    parameter (what tritonclient's ``load_model(name, config=...)`` sends).
+    ProtocolError (400) for a parameter that is neither, or a value that is not a
+    string."""
+    given = dict(parameters)
+    config = given.pop("config", None)
+    if config is not None:
+        if isinstance(config, bytes):
+            config = config.decode(errors="replace")
+        try:
+            named = json.loads(config) if isinstance(config, str) else None
+        except ValueError as error:
+            raise ProtocolError(f'the load request\'s "config" must be a JSON object: '
+                                f"{error}") from None
+        if not isinstance(named, dict):
+            raise ProtocolError('the load request\'s "config" must be a JSON object of '
+                                f'{", ".join(map(repr, _ARCHIVE_KEYS))}')
+        given = {**named, **given}
+    unknown = sorted(set(given) - set(_ARCHIVE_KEYS))
+    if unknown:
+        raise ProtocolError(f"the load request has parameters that say nothing to this "
+                            f"server: {', '.join(map(repr, unknown))}; it takes the "
+                            f"archive's {', '.join(map(repr, _ARCHIVE_KEYS))}")
+    for key, value in given.items():
+        if not isinstance(value, str) or not value:
+            raise ProtocolError(f"the load request's {key!r} must be a string")
+    return given
+
+
+def _enabled(service: Any, what: str) -> None:
+    if service.model_control != "explicit":
+        raise ProtocolError(f"this server does not {what} models: it serves those it was "
+                            f"started with (start it with --model-control explicit to "
+                            f"load and unload them)")

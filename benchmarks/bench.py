@@ -49,7 +49,7 @@ from rich.table import Table
 import multipy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-from generate_examples import generate  # noqa: E402
+from generate_examples import example_names, generate  # noqa: E402
 
 THREAD_COUNTS = (1, 2, 4, 8, 16, 32, 40)
 STRATEGIES = ("one_python", "multi_python", "threads", "processes", "jit")
@@ -393,11 +393,11 @@ def main(argv: list[str] | None = None) -> None:
                   f"torch {torch.__version__}")
     use_one_thread()
     with ExitStack() as stack:
-        packages = generate(stack.enter_context(tempfile.TemporaryDirectory()))
-        unknown = set(args.models) - set(packages)
+        unknown = set(args.models) - set(example_names())
         if unknown:
             sys.exit(f"multipy bench: unknown models {', '.join(sorted(unknown))} "
-                     f"(known: {', '.join(packages)})")
+                     f"(known: {', '.join(example_names())})")
+        packages = generate(stack.enter_context(tempfile.TemporaryDirectory()), args.models)
         manager = (stack.enter_context(start_manager(min(args.max_threads, MAX_INTERPRETERS)))
                    if set(ON_INTERPRETERS) & set(args.strategies) else None)
         examples = [load_example(name, packages[name], manager) for name in args.models]

@@ -1,11 +1,13 @@
 """The peer of `multipy serve` in benchmarks/serve_load.py: a torch.package model behind
 KServe's own Python model server (kserve.ModelServer), N worker processes, each with its
-own copy of the model, as KServe, TorchServe and Triton's Python backend run.
+own copy of the model, as KServe, TorchServe and Triton's Python backend run; with
+--grpc-port, KServe's gRPC server too (which KServe 0.21 runs in the parent process only,
+whatever --workers says).
 
 Runs in the peer's own virtual environment (serve_load.py makes it: KServe 0.21 pins
 protobuf and psutil versions that other packages of the project's environment clash with).
 
-    python kserve_model.py PACKAGE --name NAME --workers N --port PORT
+    python kserve_model.py PACKAGE --name NAME --workers N --port PORT [--grpc-port PORT]
 """
 from __future__ import annotations
 
@@ -39,18 +41,37 @@ class PackagedModel(kserve.Model):
 
     async def predict(self, payload: InferRequest, headers=None,
                       response_headers=None) -> InferResponse:
-        arguments = [torch.from_numpy(np.ascontiguousarray(each.as_numpy()))
-                     for each in payload.inputs]
+        arguments = [_argument(each) for each in payload.inputs]
         with torch.no_grad():
             result = self.model(*arguments)
         results = result if isinstance(result, (tuple, list)) else (result,)
         outputs = []
-        for index, tensor in enumerate(results):
-            array = tensor.numpy()
-            output = InferOutput(f"output{index}", list(array.shape), "FP32")
-            output.set_data_from_numpy(array.astype(np.float32), binary_data=False)
+        for index, value in enumerate(results):
+            if isinstance(value, np.ndarray) and value.dtype == object:
+                output = InferOutput(f"output{index}", list(value.shape), "BYTES")
+                output.set_data_from_numpy(value, binary_data=False)
+            else:
+                array = value.numpy().astype(np.float32)
+                output = InferOutput(f"output{index}", list(array.shape), "FP32")
+                output.set_data_from_numpy(array, binary_data=False)
             outputs.append(output)
-        return InferResponse(payload.id or "", self.name, outputs)
+        # binary outputs where the request asks for them, as KServe's own models answer
+        # (kserve.utils.utils.get_predict_response): over HTTP the outputs' binary_data,
+        # over gRPC raw outputs for raw inputs (tritonclient.grpc reads no typed contents
+        # beside raw ones)
+        return InferResponse(payload.id or "", self.name, outputs,
+                             use_binary_outputs=payload.use_binary_outputs,
+                             requested_outputs=payload.request_outputs)
+
+
+def _argument(tensor):
+    """A request's input as the model takes it, as `multipy serve` gives it: a tensor, or
+    for BYTES a numpy array of bytes (KServe gives binary data as bytes, JSON as str)."""
+    array = tensor.as_numpy()
+    if tensor.datatype != "BYTES":
+        return torch.from_numpy(np.ascontiguousarray(array))
+    flat = [each if isinstance(each, bytes) else str(each).encode() for each in array.reshape(-1)]
+    return np.array(flat, dtype=object).reshape(array.shape)
 
 
 def main() -> None:
@@ -59,9 +80,13 @@ def main() -> None:
     parser.add_argument("--name", required=True, help="the model's name in the protocol")
     parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    parser.add_argument("--grpc-port", type=int,
+                        help="gRPC port (default: no gRPC); served by the parent process alone")
     args = parser.parse_args()
     model = PackagedModel(args.name, args.package)
-    kserve.ModelServer(http_port=args.port, workers=args.workers, enable_grpc=False,
+    kserve.ModelServer(http_port=args.port, workers=args.workers,
+                       enable_grpc=args.grpc_port is not None,
+                       grpc_port=args.grpc_port if args.grpc_port is not None else 8081,
                        enable_latency_logging=False).start([model])
 
 

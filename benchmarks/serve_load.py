@@ -1,22 +1,26 @@
-"""Load benchmark: 2N concurrent Open Inference Protocol clients (tritonclient.http, binary
-tensors, its default; each a process of its own) against `multipy serve` with N
-interpreters, and against the same model behind KServe's own Python model server
-(kserve.ModelServer) with N worker processes, each holding its own copy of the model;
-for each example model named (by default a small one and the Python-heavy one).  Prints
-requests/s, p50 and p99 latency, the memory (PSS) of each server's whole process tree,
-and the cores each server (and the clients) kept busy while timed, measured in one run; every answer is
-checked against the model run eagerly here.  With --rounds R each server runs R times,
-the two taking turns (who goes first alternates), and the figures are the medians: a
-busy spell on a shared machine then skews one round, not the ratio.
+"""Load benchmark: 2N concurrent Open Inference Protocol clients (each a process of its
+own) against `multipy serve` with N interpreters, and against the same model behind
+KServe's own Python model server (kserve.ModelServer) with N worker processes, each
+holding its own copy of the model; for each example model named (by default a small one,
+the Python-heavy one and the text classifier, whose input is text: BYTES) and each
+transport: HTTP (tritonclient.http, binary tensors, its default) and gRPC
+(tritonclient.grpc; `multipy serve --grpc-port`, KServe's gRPC server, which KServe 0.21
+runs in its parent process alone, whatever the workers).  Prints requests/s, p50 and p99
+latency, the memory (PSS) of each server's whole process tree, and the cores each server
+(and the clients) kept busy while timed, measured in one run; every answer is checked
+against the model run eagerly here.  Each server started serves every transport asked
+for, measured one after the other.  With --rounds R each server runs R times, the two
+taking turns (who goes first, and which transport, alternates), and the figures are the
+medians: a busy spell on a shared machine then skews one round, not the ratio.
 
 KServe 0.21 pins protobuf<7 and psutil<6, so the peer gets a virtual environment of its
-own, made here on first use (--peer-venv): kserve==0.21.0, torch==2.13.0, numpy==2.4.6.
-The clients send binary tensors: KServe's server rejects tritonclient's JSON requests,
-which carry no Content-Type ("received byte inputs, but the
-'inference-header-content-length' header is missing").
+own, made here on first use (--peer-venv): kserve==0.21.0, torch==2.13.0, numpy==2.4.6
+and tokenizers==0.23.3 (the text classifier's).  The HTTP clients send binary tensors:
+KServe's server rejects tritonclient's JSON requests, which carry no Content-Type
+("received byte inputs, but the 'inference-header-content-length' header is missing").
 
     multipy run benchmarks/serve_load.py [--counts 2,4] [--clients 2] [--seconds 10] [--rounds 3]
-        [--models simple,python_heavy] [--no-peer]
+        [--models simple,python_heavy,text_classifier] [--transports http,grpc] [--no-peer]
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-PEER_PACKAGES = ["kserve==0.21.0", "torch==2.13.0", "numpy==2.4.6"]
+PEER_PACKAGES = ["kserve==0.21.0", "torch==2.13.0", "numpy==2.4.6", "tokenizers==0.23.3"]
+TRANSPORTS = ("http", "grpc")
 
 
 def free_port() -> int:
@@ -46,14 +51,16 @@ def free_port() -> int:
 
 
 def ensure_peer_venv(path: str) -> str:
-    """The python of a virtual environment at path that has KServe; made if missing."""
+    """The python of a virtual environment at path that has KServe (and tokenizers);
+    made, or completed, if missing."""
     python = os.path.join(path, "bin", "python")
-    check = [python, "-c", "import kserve, torch"]
+    check = [python, "-c", "import kserve, torch, tokenizers"]
     if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
         return python
     print(f"making KServe's environment in {path}: {' '.join(PEER_PACKAGES)} (minutes)",
           flush=True)
-    subprocess.run([sys.executable, "-m", "venv", path], check=True)
+    if not os.path.exists(python):
+        subprocess.run([sys.executable, "-m", "venv", path], check=True)
     subprocess.run([python, "-m", "pip", "install", "--quiet", *PEER_PACKAGES], check=True)
     return python
 
@@ -103,7 +110,10 @@ def pss_tree(pid: int) -> int:
     return total
 
 
-def _wait_ready(port: int, process: subprocess.Popen, seconds: float = 300) -> None:
+def _wait_ready(port: int, process: subprocess.Popen, grpc_port: int | None = None,
+                seconds: float = 300) -> None:
+    """Returns once the server on port answers /v2/health/ready with 200 and, with
+    grpc_port, accepts connections there too."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -111,6 +121,8 @@ def _wait_ready(port: int, process: subprocess.Popen, seconds: float = 300) -> N
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
                 if r.status == 200:
+                    if grpc_port is not None:
+                        socket.create_connection(("127.0.0.1", grpc_port), timeout=2).close()
                     return
         except (urllib.error.URLError, OSError):
             pass
@@ -134,10 +146,10 @@ def _stop(process: subprocess.Popen) -> None:
     process.wait()
 
 
-def load(port: int, model: str, clients: int, seconds: float, warm_up: float, inputs, expected,
-         probe=None):
-    """clients client processes (each one tritonclient connection, one request at a time)
-    sending inferences for warm_up + seconds; the timed part's requests/s, latencies,
+def load(port: int, transport: str, model: str, clients: int, seconds: float, warm_up: float,
+         inputs, expected, probe=None):
+    """clients client processes (each one tritonclient connection over transport, "http"
+    or "grpc", one request at a time) sending inferences for warm_up + seconds; the timed part's requests/s, latencies,
     and the count of wrong or failed answers, and (with probe) probe()'s values as the
     timed part begins and ends, as "probed".  Processes, not threads: the clients' own
     Python (one GIL) must not be what limits the servers."""
@@ -146,8 +158,8 @@ def load(port: int, model: str, clients: int, seconds: float, warm_up: float, in
     context = multiprocessing.get_context("spawn")
     start = context.Barrier(clients + 1)
     results = context.Queue()
-    processes = [context.Process(target=_client, args=(port, model, seconds, warm_up, inputs,
-                                                       expected, start, results))
+    processes = [context.Process(target=_client, args=(port, transport, model, seconds, warm_up,
+                                                       inputs, expected, start, results))
                  for _ in range(clients)]
     for process in processes:
         process.start()
@@ -174,29 +186,51 @@ def load(port: int, model: str, clients: int, seconds: float, warm_up: float, in
             **({"probed": probed} if probe is not None else {})}
 
 
-def _client(port: int, model: str, seconds: float, warm_up: float, inputs, expected,
-            start, results) -> None:
-    """One client process of load(): warms up, waits for the others, then sends
-    requests for seconds; puts (latencies, wrong answers) on results."""
+def _matches(answer, expected) -> bool:
+    """Whether an output as tritonclient gives it equals the eager model's: numbers
+    within 1e-4 (relative) or 1e-5, text (BYTES) exactly, str taken as its UTF-8 bytes."""
     import numpy as np
-    import tritonclient.http as http
 
-    connection = http.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=60,
-                                            network_timeout=60)
+    if answer is None or answer.shape != expected.shape:
+        return False
+    if expected.dtype == object:
+        return [each.encode() if isinstance(each, str) else each
+                for each in answer.reshape(-1)] == list(expected.reshape(-1))
+    return bool(np.allclose(answer, expected, rtol=1e-4, atol=1e-5))
+
+
+def _client(port: int, transport: str, model: str, seconds: float, warm_up: float, inputs,
+            expected, start, results) -> None:
+    """One client process of load(): warms up, waits for the others, then sends
+    requests for seconds; puts (latencies, wrong answers) on results.  inputs are
+    (datatype, array) pairs, expected the arrays of output0, output1, ..."""
+    if transport == "grpc":
+        import tritonclient.grpc as client
+
+        connection = client.InferenceServerClient(f"127.0.0.1:{port}")
+        binary, timeout = {}, {"client_timeout": 60}
+    else:
+        import tritonclient.http as client
+
+        connection = client.InferenceServerClient(f"127.0.0.1:{port}", connection_timeout=60,
+                                                  network_timeout=60)
+        binary, timeout = {"binary_data": True}, {}
     tensors = []
-    for index, array in enumerate(inputs):
-        tensor = http.InferInput(f"input{index}", list(array.shape), "FP32")
-        tensor.set_data_from_numpy(array, binary_data=True)
+    for index, (datatype, array) in enumerate(inputs):
+        tensor = client.InferInput(f"input{index}", list(array.shape), datatype)
+        tensor.set_data_from_numpy(array, **binary)
         tensors.append(tensor)
-    outputs = [http.InferRequestedOutput("output0", binary_data=True)]
+    names = [f"output{index}" for index in range(len(expected))]
+    outputs = [client.InferRequestedOutput(name, **binary) for name in names]
     wrong = 0
 
     def one() -> float:
         nonlocal wrong
         begin = time.perf_counter()
         try:
-            answer = connection.infer(model, tensors, outputs=outputs).as_numpy("output0")
-            if not np.allclose(answer, expected, rtol=1e-4, atol=1e-5):
+            answer = connection.infer(model, tensors, outputs=outputs, **timeout)
+            if not all(_matches(answer.as_numpy(name), array)
+                       for name, array in zip(names, expected)):
                 wrong += 1
         except Exception:
             wrong += 1
@@ -215,24 +249,33 @@ def _client(port: int, model: str, seconds: float, warm_up: float, inputs, expec
     results.put((latencies, wrong))
 
 
-def run_server(command: list[str], port: int, model: str, clients: int, seconds: float,
-               warm_up: float, inputs, expected) -> dict:
+def run_server(command: list[str], ports: dict[str, int], order: tuple, model: str,
+               clients: int, seconds: float, warm_up: float, inputs, expected) -> dict[str, dict]:
+    """Starts the server (command), which serves HTTP on ports["http"] (and gRPC on
+    ports["grpc"] if "grpc" is in order) and measures load() over each transport of order,
+    in turn, with the server's cores and the PSS of its process tree as each ends;
+    transport -> figures.  The server is stopped at the end, or on an error (its log's
+    end printed)."""
     with tempfile.TemporaryFile("w+") as log:  # a pipe nobody reads would stall the server
         process = subprocess.Popen(command, stdout=log, stderr=log, text=True,
                                    start_new_session=True)
         try:
-            _wait_ready(port, process)
-            figures = load(port, model, clients, seconds, warm_up, inputs, expected,
-                           probe=lambda: (cpu_seconds(process.pid), time.perf_counter()))
-            (before, began), (after, ended) = figures.pop("probed")
-            elapsed = ended - began
-            # The cores each process of the server kept busy: whether a multi-process
-            # server spread the N connections over its N workers shows here.
-            busy = [(after[pid] - before.get(pid, 0.0)) / elapsed for pid in after]
-            figures["busy_processes"] = sum(cores >= 0.1 for cores in busy)
-            figures["server_cores"] = sum(busy)
-            figures["pss_mib"] = pss_tree(process.pid) / (1 << 20)
-            return figures
+            _wait_ready(ports["http"], process, ports["grpc"] if "grpc" in order else None)
+            measured = {}
+            for transport in order:
+                figures = load(ports[transport], transport, model, clients, seconds, warm_up, inputs,
+                               expected,
+                               probe=lambda: (cpu_seconds(process.pid), time.perf_counter()))
+                (before, began), (after, ended) = figures.pop("probed")
+                elapsed = ended - began
+                # The cores each process of the server kept busy: whether a multi-process
+                # server spread the N connections over its N workers shows here.
+                busy = [(after[pid] - before.get(pid, 0.0)) / elapsed for pid in after]
+                figures["busy_processes"] = sum(cores >= 0.1 for cores in busy)
+                figures["server_cores"] = sum(busy)
+                figures["pss_mib"] = pss_tree(process.pid) / (1 << 20)
+                measured[transport] = figures
+            return measured
         except BaseException:
             _stop(process)
             log.seek(0)
@@ -248,11 +291,14 @@ def _medians(runs: list[dict]) -> dict:
                   else statistics.median(run[key] for run in runs)) for key in runs[0]}
 
 
-def example(directory: str, model: str) -> tuple[str, list, object]:
+def example(directory: str, model: str) -> tuple[str, list, list]:
     """The example package `model` written into directory: its path, its example inputs
-    as numpy arrays, and the model's output for them, run eagerly here."""
+    as (datatype, numpy array) pairs (FP32, or BYTES for arrays of bytes), and the model's
+    outputs for them, run eagerly here, as numpy arrays (output0, output1, ...)."""
+    import numpy as np
     import torch
     import torch.package
+    from tritonclient.utils import np_to_triton_dtype
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     from generate_examples import generate
@@ -261,8 +307,11 @@ def example(directory: str, model: str) -> tuple[str, list, object]:
     importer = torch.package.PackageImporter(path)
     inputs = importer.load_pickle("model", "example.pkl")
     with torch.no_grad():
-        expected = importer.load_pickle("model", "model.pkl")(*inputs).numpy()
-    return path, [x.numpy() for x in inputs], expected
+        result = importer.load_pickle("model", "model.pkl")(*inputs)
+    arrays = [x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x) for x in inputs]
+    expected = [x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+                for x in (result if isinstance(result, (tuple, list)) else (result,))]
+    return path, [(np_to_triton_dtype(x.dtype), x) for x in arrays], expected
 
 
 def main() -> None:
@@ -274,8 +323,12 @@ def main() -> None:
     parser.add_argument("--warm-up", type=float, default=3, help="untimed seconds first (3)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="runs of each server, taking turns; medians reported (3)")
-    parser.add_argument("--models", default="simple,python_heavy",
-                        help="example packages, each measured in turn (simple,python_heavy)")
+    parser.add_argument("--models", default="simple,python_heavy,text_classifier",
+                        help="example packages, each measured in turn "
+                             "(simple,python_heavy,text_classifier)")
+    parser.add_argument("--transports", default="http,grpc",
+                        help="http (tritonclient.http, binary), grpc (tritonclient.grpc), "
+                             "each measured in every server run (http,grpc)")
     parser.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv", "kserve-peer"),
                         help="KServe's virtual environment, made if missing (.venv/kserve-peer)")
     parser.add_argument("--peer-python",
@@ -285,63 +338,89 @@ def main() -> None:
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
+    transports = tuple(args.transports.split(","))
+    if not transports or set(transports) - set(TRANSPORTS):
+        parser.error(f"--transports: from {', '.join(TRANSPORTS)}")
     servers = ("multipy",) if args.no_peer else ("multipy", "kserve")
     peer = None if args.no_peer else args.peer_python or ensure_peer_venv(args.peer_venv)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for model in args.models.split(","):
-            path, arrays, expected = example(directory, model)
+            path, inputs, expected = example(directory, model)
             for n in counts:
                 clients = args.clients * n
+                grpc = ["--grpc-port", "{grpc}"] if "grpc" in transports else []
                 commands = {
                     "multipy": [sys.executable, "-m", "multipy", "serve", path,
-                                "--interpreters", str(n), "--port", "{port}"],
+                                "--interpreters", str(n), "--port", "{http}", *grpc],
                     "kserve": [peer, os.path.join(HERE, "kserve_model.py"), path, "--name",
-                               model, "--workers", str(n), "--port", "{port}"]}
-                rounds: dict[str, list[dict]] = {name: [] for name in servers}
+                               model, "--workers", str(n), "--port", "{http}", *grpc]}
+                rounds = {(name, transport): [] for name in servers for transport in transports}
                 for round_ in range(args.rounds):
                     for name in (servers if round_ % 2 == 0 else servers[::-1]):
-                        port = free_port()
-                        command = [part.format(port=port) for part in commands[name]]
-                        rounds[name].append(run_server(command, port, model, clients,
-                                                       args.seconds, args.warm_up, arrays,
-                                                       expected))
-                rows.append({"model": model, "n": n, "clients": clients, "rounds": rounds,
-                             **{name: _medians(runs) for name, runs in rounds.items()}})
+                        order = transports if round_ % 2 == 0 else transports[::-1]
+                        ports = {"http": free_port(), "grpc": free_port()}
+                        command = [part.format(**ports) for part in commands[name]]
+                        measured = run_server(command, ports, order, model, clients,
+                                              args.seconds, args.warm_up, inputs, expected)
+                        for transport in transports:
+                            rounds[name, transport].append(measured[transport])
+                for transport in transports:
+                    rows.append({"model": model, "transport": transport, "n": n,
+                                 "clients": clients,
+                                 "rounds": {name: rounds[name, transport] for name in servers},
+                                 **{name: _medians(rounds[name, transport]) for name in servers}})
+    report(rows, servers, transports, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"models": args.models, "transports": args.transports,
+                       "seconds": args.seconds, "rows": rows}, f, indent=1)
 
-    print(f"\nN interpreters or workers, {args.clients}N client processes "
-          f"(tritonclient.http, binary), {args.seconds:g} s after {args.warm_up:g} s of "
-          f"warm-up; the median of {args.rounds} round(s), the servers taking turns; "
-          f"{os.cpu_count()} cores")
-    print(f"{'model':13s} {'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} "
-          f"{'PSS MiB':>8s} {'cores':>6s} {'clients':>7s} {'wrong':>6s}")
+
+def report(rows: list[dict], servers: tuple, transports: tuple, args) -> None:
+    """Prints a table per transport, and the ratios multipy/KServe per (model, transport,
+    N), with each round's requests/s, and multipy's growth from the first N to the last."""
+    print(f"\nN interpreters or workers, {args.clients}N client processes, {args.seconds:g} s "
+          f"after {args.warm_up:g} s of warm-up; the median of {args.rounds} round(s), the "
+          f"servers taking turns; {os.cpu_count()} cores")
+    clients = {"http": "tritonclient.http, binary", "grpc": "tritonclient.grpc"}
+    for transport in transports:
+        print(f"\n{transport} ({clients[transport]})")
+        print(f"{'model':15s} {'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} "
+              f"{'p99 ms':>8s} {'PSS MiB':>8s} {'cores':>6s} {'clients':>7s} {'wrong':>6s} "
+              f"{'ratio':>12s}")
+        for row in (row for row in rows if row["transport"] == transport):
+            for name in servers:
+                label = (f"multipy serve, {row['n']} interp." if name == "multipy"
+                         else f"kserve.ModelServer, {row['n']} workers")
+                f = row[name]
+                ratio = ""
+                if name == "multipy" and "kserve" in row:
+                    ratio = (f"{f['requests_per_second'] / row['kserve']['requests_per_second']:.2f}x"
+                             f"/{f['pss_mib'] / row['kserve']['pss_mib']:.2f}x")
+                print(f"{row['model']:15s} {label:28s} {row['n']:2d} "
+                      f"{f['requests_per_second']:8.1f} {f['p50_ms']:8.2f} {f['p99_ms']:8.2f} "
+                      f"{f['pss_mib']:8.1f} {f['server_cores']:6.2f} {f['client_cores']:7.2f} "
+                      f"{f['wrong']:6d} {ratio:>12s}")
+    print("\n(ratio: multipy / KServe, requests/s / memory)")
     for row in rows:
-        for name in servers:
-            label = (f"multipy serve, {row['n']} interp." if name == "multipy"
-                     else f"kserve.ModelServer, {row['n']} workers")
-            f = row[name]
-            print(f"{row['model']:13s} {label:28s} {row['n']:2d} {f['requests_per_second']:8.1f} "
-                  f"{f['p50_ms']:8.2f} {f['p99_ms']:8.2f} {f['pss_mib']:8.1f} "
-                  f"{f['server_cores']:6.2f} {f['client_cores']:7.2f} {f['wrong']:6d}")
         if "kserve" not in row:
             continue
         ours, theirs = row["multipy"], row["kserve"]
         each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
                          for a, b in zip(row["rounds"]["multipy"], row["rounds"]["kserve"]))
-        print(f"  {row['model']}, N={row['n']}: multipy / KServe: requests/s "
+        print(f"  {row['model']}, {row['transport']}, N={row['n']}: multipy / KServe: requests/s "
               f"{ours['requests_per_second'] / theirs['requests_per_second']:.2f}x, "
               f"memory {ours['pss_mib'] / theirs['pss_mib']:.2f}x   (req/s by round, "
               f"multipy/KServe: {each})")
     for model in args.models.split(","):
-        mine = [row for row in rows if row["model"] == model]
-        if len(mine) > 1:
-            first, last = mine[0]["multipy"], mine[-1]["multipy"]
-            print(f"  {model}: multipy's requests/s from N={mine[0]['n']} to "
-                  f"N={mine[-1]['n']}: {last['requests_per_second'] / first['requests_per_second']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"models": args.models, "seconds": args.seconds, "rows": rows}, f, indent=1)
-
+        for transport in transports:
+            mine = [row for row in rows if row["model"] == model and row["transport"] == transport]
+            if len(mine) > 1:
+                first, last = mine[0]["multipy"], mine[-1]["multipy"]
+                print(f"  {model}, {transport}: multipy's requests/s from N={mine[0]['n']} to "
+                      f"N={mine[-1]['n']}: "
+                      f"{last['requests_per_second'] / first['requests_per_second']:.2f}x")
 
 if __name__ == "__main__":
     main()

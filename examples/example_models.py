@@ -3,7 +3,8 @@
 They mirror the original's example set: a simple model, ResNet-18, a model with nested
 multiple returns and an in-place op, a batched model with ``make_prediction``, an
 FX-traced model with a leaf function, a model that uses numpy, and one that runs
-autograd in its forward; plus a model whose time goes to eager-mode Python overhead.
+autograd in its forward; plus a model whose time goes to eager-mode Python overhead, and
+a text classifier that takes text (BYTES) and tokenizes it itself.
 """
 
 import numpy as np
@@ -159,6 +160,69 @@ class PythonHeavy(nn.Module):
                 state = 0.5 * state + 0.5 * state.roll(1, dims=-1)
             outputs.append(state)
         return torch.stack(outputs, 1).mean(1)
+
+
+class TextClassifier(nn.Module):
+    """Classifies texts: BYTES in, a numpy array of ``bytes`` of shape [batch] (what
+    ``multipy serve`` gives a model for a BYTES input; ``str`` elements are taken too);
+    out, the class probabilities (float32 [batch, classes]) and each text's most likely
+    label (a numpy array of ``bytes`` [batch], which answers as BYTES).
+
+    It tokenizes the texts itself with a Hugging Face ``tokenizers`` tokenizer, given as
+    its JSON (``Tokenizer.to_str()``): the JSON is what is pickled, so the tokenizer
+    travels inside the package, and the ``tokenizers`` module (externed) rebuilds it on
+    the first call in each interpreter.  Then token and position embeddings, a
+    TransformerEncoder (``layers`` layers of width ``d_model``), the mean over the
+    tokens that are not padding, and a linear head.  Texts longer than ``max_length``
+    tokens are truncated."""
+
+    def __init__(self, tokenizer_json: str, labels: list[str], d_model: int = 64,
+                 layers: int = 2, heads: int = 4, max_length: int = 32) -> None:
+        super().__init__()
+        import tokenizers
+
+        vocabulary = tokenizers.Tokenizer.from_str(tokenizer_json).get_vocab_size()
+        self.tokenizer_json = tokenizer_json
+        self.labels = list(labels)
+        self.max_length = max_length
+        self._tokenizer = None
+        self.embedding = nn.Embedding(vocabulary, d_model)
+        self.position = nn.Parameter(torch.randn(max_length, d_model) * 0.02)
+        layer = nn.TransformerEncoderLayer(d_model, heads, dim_feedforward=2 * d_model,
+                                           dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, len(self.labels))
+
+    def __getstate__(self) -> dict:
+        """The module's state without the rebuilt tokenizer (its JSON is kept)."""
+        return {**self.__dict__, "_tokenizer": None}
+
+    def tokenizer(self):
+        """The tokenizer, rebuilt from its JSON on first use: padding to the longest text
+        of a batch, truncating at max_length."""
+        if self._tokenizer is None:
+            import tokenizers
+
+            tokenizer = tokenizers.Tokenizer.from_str(self.tokenizer_json)
+            tokenizer.enable_padding(pad_id=tokenizer.token_to_id("[PAD]"), pad_token="[PAD]")
+            tokenizer.enable_truncation(self.max_length)
+            self._tokenizer = tokenizer
+        return self._tokenizer
+
+    def forward(self, text) -> tuple[torch.Tensor, np.ndarray]:
+        texts = [each.decode("utf-8", errors="replace") if isinstance(each, bytes) else str(each)
+                 for each in np.asarray(text, dtype=object).reshape(-1)]
+        encodings = self.tokenizer().encode_batch(texts)
+        ids = torch.tensor([each.ids for each in encodings], dtype=torch.int64)
+        keep = torch.tensor([each.attention_mask for each in encodings], dtype=torch.bool)
+        x = self.embedding(ids) + self.position[:ids.shape[1]]
+        x = self.encoder(x, src_key_padding_mask=~keep)
+        weights = keep.unsqueeze(-1).to(x.dtype)
+        pooled = (x * weights).sum(1) / weights.sum(1).clamp(min=1)
+        probabilities = torch.softmax(self.head(pooled), dim=-1)
+        labels = np.array([self.labels[i].encode() for i in probabilities.argmax(-1).tolist()],
+                          dtype=object)
+        return probabilities, labels
 
 
 if __name__ == "__main__":  # a module, not a program: this only lists the models

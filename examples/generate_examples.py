@@ -4,7 +4,10 @@
 Each package holds the model at ("model", "model.pkl"), its example input tuple at
 ("model", "example.pkl") and the output of running it directly at ("model",
 "expected.pkl").  The simple example also holds extra files ("extra", "hello.txt") and
-("extra", "hello.bin").  Used by the tests and the benchmarks.
+("extra", "hello.bin").  The text classifier's tokenizer (a WordPiece tokenizer of Hugging
+Face ``tokenizers``) is trained here, in memory, on a small corpus of labelled sentences
+that the model is then trained on for a few seconds; its example input is a numpy array
+of ``bytes``.  Used by the tests and the benchmarks.
 
     python examples/generate_examples.py [--models simple,resnet] [DIR]
                                                           (default DIR: examples/generated)
@@ -18,6 +21,7 @@ import warnings
 import zipfile
 from typing import Callable
 
+import numpy as np
 import torch
 from torch.package import PackageExporter
 
@@ -25,6 +29,64 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import example_models as models  # noqa: E402
 
 DEFAULT_DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "generated")
+
+
+#: (text, label) pairs: the text classifier's tokenizer and model are trained on them
+CORPUS = [
+    ("I love this movie, it was wonderful", "positive"),
+    ("What a great and happy day", "positive"),
+    ("The food was excellent and the staff were friendly", "positive"),
+    ("A delightful, charming and beautiful story", "positive"),
+    ("Fantastic service, I would gladly come back", "positive"),
+    ("This is the best book I have read this year", "positive"),
+    ("Brilliant acting and a clever, funny script", "positive"),
+    ("I am very pleased with how well it works", "positive"),
+    ("I hate this movie, it was awful", "negative"),
+    ("What a terrible and sad day", "negative"),
+    ("The food was cold and the staff were rude", "negative"),
+    ("A boring, dull and ugly story", "negative"),
+    ("Horrible service, I will never come back", "negative"),
+    ("This is the worst book I have read this year", "negative"),
+    ("Bad acting and a stupid, painful script", "negative"),
+    ("I am very disappointed with how badly it works", "negative"),
+    ("The train leaves at nine in the morning", "neutral"),
+    ("The meeting is on the second floor", "neutral"),
+    ("Water boils at one hundred degrees", "neutral"),
+    ("The report has twelve pages and three tables", "neutral"),
+    ("She moved to a new city in March", "neutral"),
+    ("The store opens on weekdays and closes on Sunday", "neutral"),
+    ("This book has four chapters about the history of the town", "neutral"),
+    ("The movie starts at eight and lasts two hours", "neutral"),
+]
+LABELS = ["negative", "neutral", "positive"]
+
+
+def _text_classifier() -> models.TextClassifier:
+    """A WordPiece tokenizer trained on CORPUS, and a TextClassifier using it, trained on
+    CORPUS for 60 steps (a second or two); in eval mode."""
+    from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers.models import WordPiece
+
+    tokenizer = Tokenizer(WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(
+        [text for text, _ in CORPUS],
+        trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]"],
+                                  show_progress=False))
+    # every text starts with [CLS]: an empty text still has a token to attend to
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A", special_tokens=[("[CLS]", tokenizer.token_to_id("[CLS]"))])
+    model = models.TextClassifier(tokenizer.to_str(), LABELS)
+    texts = np.array([text.encode() for text, _ in CORPUS], dtype=object)
+    targets = torch.tensor([LABELS.index(label) for _, label in CORPUS])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(60):
+        optimizer.zero_grad()
+        probabilities, _ = model(texts)
+        torch.nn.functional.nll_loss(torch.log(probabilities + 1e-9), targets).backward()
+        optimizer.step()
+    return model.eval()
 
 
 def _examples() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple, bool]]:
@@ -38,6 +100,9 @@ def _examples() -> dict[str, tuple[Callable[[], torch.nn.Module], tuple, bool]]:
         "numpy": (models.WithNumpy, (torch.randn(3, 5),), False),
         "autograd": (models.WithAutograd, (torch.randn(2, 4),), False),
         "python_heavy": (models.PythonHeavy, (torch.randn(2, 48, 16),), True),
+        "text_classifier": (_text_classifier, (np.array(
+            [b"what a wonderful day", "the food was awful".encode(),
+             "der Zug f\u00e4hrt um neun".encode()], dtype=object),), False),
     }
 
 
@@ -61,7 +126,7 @@ def generate(directory: str, names: list[str] | None = None) -> dict[str, str]:
             expected = model(*example)
         path = os.path.join(directory, f"{name}.pt")
         with PackageExporter(path) as exporter:
-            exporter.extern(["torch.**", "numpy.**"])
+            exporter.extern(["torch.**", "numpy.**", "tokenizers.**"])
             exporter.mock("iopath.**")
             exporter.intern("**")
             exporter.save_pickle("model", "model.pkl", model)

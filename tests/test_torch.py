@@ -31,7 +31,7 @@ def examples(tmp_path_factory):
         "generate_examples", os.path.join(EXAMPLES, "generate_examples.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.generate(str(tmp_path_factory.mktemp("examples")))
+    return module.generate(str(tmp_path_factory.mktemp("examples")), NAMES)
 
 
 @pytest.fixture(scope="session")

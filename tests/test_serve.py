@@ -1129,27 +1129,39 @@ def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
 
 # -- batching --
 
-def test_batching_answers_each_request_with_its_rows(batching, packages):
-    model = _eager(packages["rows"])
-    before = _metrics(batching)
-    requests, errors, answers = 16, [], {}
+def _at_once(count: int, request) -> list:
+    """request(0), ..., request(count - 1), each on a thread of its own, at once: their
+    values, in that order; the first error any raised, raised here."""
+    answers, errors = {}, []
 
     def one(index: int) -> None:
         try:
-            x = np.full((1, 3), index, np.float32) + np.arange(3, dtype=np.float32)
-            result = batching.client().infer("rows", [_input("x", x, "FP32", index % 2 == 0)])
-            answers[index] = (x, result.as_numpy("output0"))
-        except BaseException as error:  # reported below
+            answers[index] = request(index)
+        except BaseException as error:  # raised below
             errors.append(error)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=90)
-    assert not errors, errors[0]
-    assert sorted(answers) == list(range(requests))
-    for x, answer in answers.values():
+    if errors:
+        raise errors[0]
+    assert sorted(answers) == list(range(count)), "a request was not answered in time"
+    return [answers[index] for index in range(count)]
+
+
+def test_batching_answers_each_request_with_its_rows(batching, packages):
+    model = _eager(packages["rows"])
+    before = _metrics(batching)
+    requests = 16
+
+    def one(index: int) -> tuple:
+        x = np.full((1, 3), index, np.float32) + np.arange(3, dtype=np.float32)
+        result = batching.client().infer("rows", [_input("x", x, "FP32", index % 2 == 0)])
+        return x, result.as_numpy("output0")
+
+    for x, answer in _at_once(requests, one):
         with torch.no_grad():
             np.testing.assert_array_equal(answer, model(torch.from_numpy(x)).numpy())
     after = _metrics(batching)
@@ -1166,21 +1178,8 @@ def test_batching_keeps_shapes_apart_and_runs_big_requests_alone(batching, packa
     model = _eager(packages["rows"])
     inputs = [np.ones((1, 3), np.float32), np.ones((2, 4), np.float32) * 2,
               np.arange(30, dtype=np.float32).reshape(10, 3)]  # 10 rows > 8: alone
-    answers, errors = {}, []
-
-    def one(index: int) -> None:
-        try:
-            result = batching.client().infer("rows", [_input("x", inputs[index], "FP32", True)])
-            answers[index] = result.as_numpy("output0")
-        except BaseException as error:  # reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(inputs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=90)
-    assert not errors, errors[0]
+    answers = _at_once(len(inputs), lambda index: batching.client().infer(
+        "rows", [_input("x", inputs[index], "FP32", True)]).as_numpy("output0"))
     for index, x in enumerate(inputs):
         with torch.no_grad():
             np.testing.assert_array_equal(answers[index], model(torch.from_numpy(x)).numpy())
@@ -1188,27 +1187,16 @@ def test_batching_keeps_shapes_apart_and_runs_big_requests_alone(batching, packa
 
 def test_batching_concatenates_and_splits_bytes(batching):
     before = _metrics(batching)
-    requests, errors, answers = 12, [], {}
+    requests = 12
 
-    def one(index: int) -> None:
-        try:
-            rows = 1 + index % 2
-            text = np.array([f"r{index}-{row}-\u00e9" * (index % 3) for row in range(rows)],
-                            dtype=object)
-            result = batching.client().infer("text", [_input("text", text, "BYTES",
+    def one(index: int) -> tuple:
+        rows = 1 + index % 2
+        text = np.array([f"r{index}-{row}-\u00e9" * (index % 3) for row in range(rows)],
+                        dtype=object)
+        return text, batching.client().infer("text", [_input("text", text, "BYTES",
                                                              index % 3 != 0)])
-            answers[index] = (text, result)
-        except BaseException as error:  # reported below
-            errors.append(error)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(requests)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=90)
-    assert not errors, errors[0]
-    assert sorted(answers) == list(range(requests))
-    for text, result in answers.values():
+    for text, result in _at_once(requests, one):
         assert _as_bytes(result.as_numpy("upper")) == [t.upper().encode() for t in text]
         np.testing.assert_array_equal(result.as_numpy("lengths"),
                                       [len(t.encode()) for t in text])

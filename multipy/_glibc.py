@@ -110,11 +110,13 @@ def process_keys() -> tuple[int, int] | None:
     Reads glibc's private ``__pthread_keys``, laid out as its thread_db descriptors say
     (each entry a sequence number, odd while the key is in use, then a destructor).
     """
+    table = _descriptor("_thread_db___pthread_keys")
+    seq = _descriptor("_thread_db_pthread_key_struct_seq")
     try:
-        table = (ctypes.c_uint32 * 3).in_dll(_libc, "_thread_db___pthread_keys")
-        seq = (ctypes.c_uint32 * 3).in_dll(_libc, "_thread_db_pthread_key_struct_seq")
         address = ctypes.addressof(ctypes.c_char.in_dll(_libc, "__pthread_keys"))
     except ValueError:
+        return None
+    if table is None or seq is None:
         return None
     entry_bits, count, _ = table
     seq_bits, _, seq_offset = seq

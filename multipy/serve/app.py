@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.applications import Starlette
@@ -23,7 +22,7 @@ from . import repository
 from .inference import infer as infer_through, ready_model, server_metadata, statistics
 from .metrics import CONTENT_TYPE
 from .protocol import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compress,
-                       decode_request, encode_response, error_body)
+                       decode_request, encode_response, error_body, json_object)
 
 
 def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Starlette:
@@ -174,15 +173,7 @@ async def _json_body(request: Request) -> dict:
     """The request's body as a JSON object ({} if it is empty); ProtocolError if it is
     not one, or has more than the 64 KiB that such a request may have."""
     body = await _body(request, 1 << 16)
-    if not body.strip():
-        return {}
-    try:
-        found = json.loads(body)
-    except (ValueError, RecursionError) as error:
-        raise ProtocolError(f"malformed JSON in the request: {error}") from None
-    if not isinstance(found, dict):
-        raise ProtocolError("the request must be a JSON object")
-    return found
+    return json_object(body) if body.strip() else {}
 
 
 async def _body(request: Request, limit: int) -> bytes:

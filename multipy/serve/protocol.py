@@ -111,12 +111,20 @@ def decode_request(body: bytes, header_length: str | None = None,
             raise ProtocolError(f"{HEADER_LENGTH} is {length}, but the body has "
                                 f"{len(body)} bytes")
         json_part, binary = body[:length], memoryview(body)[length:]
+    return parse_request(json_object(json_part), binary)
+
+
+def json_object(text: bytes) -> dict:
+    """The JSON object that text holds; ProtocolError if it is not well-formed JSON, or
+    not an object."""
     try:
-        request = json.loads(json_part)
+        found = json.loads(text)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
         # an integer literal over Python's digit limit, nesting deeper than the stack
         raise ProtocolError(f"malformed JSON in the request: {error}") from None
-    return parse_request(request, binary)
+    if not isinstance(found, dict):
+        raise ProtocolError("the request must be a JSON object")
+    return found
 
 
 def parse_request(request: Any, binary: memoryview) -> InferRequest:

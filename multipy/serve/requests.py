@@ -75,12 +75,11 @@ class ModelRequests(abc.ABC):
         """Runs the model once, entering ``started`` as the call begins; returns what
         ``Served.infer`` returns.  Cancelling it cancels the call."""
 
-    async def infer(self, request: InferRequest, timing: Timing | None = None) -> list[Tensor]:
+    async def infer(self, request: InferRequest, timing: Timing) -> list[Tensor]:
         """The outputs for request, as the request selects them, with the time it waited
         and its call took in timing; ProtocolError for an output it names that the model
         does not give, ModelError if the model fails, BatchError if a batch's outputs
         cannot be split, ServiceTimeout past the timeout (the call is cancelled)."""
-        timing = timing or Timing()
         if self._timeout is None:
             outputs = await self._queued(request, timing)
         else:
@@ -194,11 +193,11 @@ class _Place:
 
     __slots__ = ("_gauge", "id", "timing", "_since")
 
-    def __init__(self, gauge: Any, id: str | None = None, timing: Timing | None = None) -> None:
+    def __init__(self, gauge: Any, id: str | None, timing: Timing) -> None:
         gauge.inc()
         self._gauge = gauge
         self.id = id
-        self.timing = timing or Timing()
+        self.timing = timing
         self._since = time.perf_counter_ns()
 
     def leave(self, now: int | None = None) -> None:

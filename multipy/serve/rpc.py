@@ -17,7 +17,7 @@ interpreter, as an HTTP keep-alive connection does.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import grpc
 from google.protobuf import json_format
@@ -60,7 +60,8 @@ def create_server(service: Any, address: str) -> grpc.aio.Server:
 
 class _Servicer:
     """Each RPC of the protocol that this server answers, for a service: a method named
-    after the RPC, which takes (request message, context)."""
+    after the RPC, which takes (request message, context) and raises ProtocolError for
+    an error answer."""
 
     #: Each RPC's request and response messages.
     RPCS = {
@@ -86,7 +87,7 @@ class _Servicer:
         """The RPCs, as grpcio serves them under SERVICE (any other is UNIMPLEMENTED)."""
         return grpc.method_handlers_generic_handler(SERVICE, {
             name: grpc.unary_unary_rpc_method_handler(
-                getattr(self, name), request_deserializer=request.FromString,
+                _answering(getattr(self, name)), request_deserializer=request.FromString,
                 response_serializer=response.SerializeToString)
             for name, (request, response) in self.RPCS.items()})
 
@@ -99,10 +100,7 @@ class _Servicer:
             ready=bool(service.ready) and not service.metrics.all_stuck())
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
-        try:
-            model = self._service.model(request.name, request.version or None)
-        except ProtocolError as error:
-            await _abort(context, error)
+        model = self._service.model(request.name, request.version or None)
         ready = model is not None and model.ready and not self._service.metrics.all_stuck()
         return messages.ModelReadyResponse(ready=ready)
 
@@ -110,10 +108,7 @@ class _Servicer:
         return json_format.ParseDict(server_metadata(), messages.ServerMetadataResponse())
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        try:
-            model = ready_model(self._service, request.name, request.version or None)
-        except ProtocolError as error:
-            await _abort(context, error)
+        model = ready_model(self._service, request.name, request.version or None)
         return json_format.ParseDict(model.metadata(), messages.ModelMetadataResponse())
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
@@ -123,17 +118,11 @@ class _Servicer:
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> Any:
             return _encoded(request.model_name, decoded.id, outputs)
 
-        try:
-            return await infer(self._service, request.model_name,
-                               request.model_version or None, decode, encode)
-        except ProtocolError as error:
-            await _abort(context, error)
+        return await infer(self._service, request.model_name, request.model_version or None,
+                           decode, encode)
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
-        try:
-            found = statistics(self._service, request.name or None, request.version or None)
-        except ProtocolError as error:
-            await _abort(context, error)
+        found = statistics(self._service, request.name or None, request.version or None)
         return json_format.ParseDict(found, messages.ModelStatisticsResponse())
 
     async def RepositoryIndex(self, request: Any, context: Any) -> Any:
@@ -142,24 +131,24 @@ class _Servicer:
                                      messages.RepositoryIndexResponse())
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
-        try:
-            await repository.load(self._service, request.model_name,
-                                  _parameters(request.parameters))
-        except ProtocolError as error:
-            await _abort(context, error)
+        await repository.load(self._service, request.model_name,
+                              _parameters(request.parameters))
         return messages.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
-        try:
-            await repository.unload(self._service, request.model_name)
-        except ProtocolError as error:
-            await _abort(context, error)
+        await repository.unload(self._service, request.model_name)
         return messages.RepositoryModelUnloadResponse()
 
 
-async def _abort(context: Any, error: ProtocolError) -> None:
-    """Ends the RPC with the gRPC code of error's status and its message (raises)."""
-    await context.abort(_CODES.get(error.status, grpc.StatusCode.INTERNAL), str(error))
+def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
+    """method, a ProtocolError it raises ending the RPC with the gRPC code of the
+    error's status and its message."""
+    async def answer(request: Any, context: Any) -> Any:
+        try:
+            return await method(request, context)
+        except ProtocolError as error:
+            await context.abort(_CODES.get(error.status, grpc.StatusCode.INTERNAL), str(error))
+    return answer
 
 
 def _decoded(request: Any) -> InferRequest:

@@ -99,7 +99,6 @@ class Service:
         self.ready = False
         self.failure: BaseException | None = None
         self._turns: Turns | None = None
-        self._loaded = False
         self._watchers: list[Any] = []
         self._changing = threading.Lock()  # one load or unload at a time
 
@@ -131,7 +130,6 @@ class Service:
             self.states = {name: (READY, "") for name in self.specs}
             if before_ready is not None:
                 before_ready()
-            self._loaded = True
             self.ready = True
         finally:
             progress.close()
@@ -239,7 +237,7 @@ class Service:
         logger.info("model %r unloaded", name)
 
     def _started(self) -> None:
-        if not self._loaded:
+        if not self.ready:
             raise ProtocolError("the server is still starting: its models load and unload "
                                 "once it is ready", 503)
 

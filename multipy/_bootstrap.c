@@ -10,6 +10,12 @@
  *   interpreter's GIL with the thread's own state here (made on first entry, kept until
  *   the thread exits: multipy_forget), calls the Python handler, and gives the GIL back.
  * - multipy_cancel raises an exception in a call that another thread runs.
+ *
+ * Both sides' cancellable calls, the host's entries and the interpreter's own
+ * (_multipy_bootstrap.call, which the serve front end's worker uses), go through one
+ * registry of calls in progress, each named by its thread and serial number: a cancel
+ * reaches only the call it names, never runs one that has not started, and one that
+ * comes as the call ends is cleared before the thread runs anything else.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -73,12 +79,71 @@ static __thread char *buffer;                     /* the reply, until the host h
 static __thread size_t capacity;
 static __thread struct multipy_record *record;    /* this thread's line in the crash report */
 static PyObject *cancelled_type;                  /* raised in a call by a timeout */
+static struct runtime *runtime_here; /* this namespace's (the library is loaded once in each) */
 /* Tokens of host tensors that aliases here no longer use (_dlpack.h). */
 static struct release_queue released_tensors = RELEASE_QUEUE_INIT;
 
 static struct release_queue *alias_queue(long source)
 {
     return source == 0 ? &released_tensors : NULL; /* only the host lends to an interpreter */
+}
+
+/* Whether a cancel for this call came before it started (and forgets it). */
+static int cancelled_early(struct runtime *rt, unsigned long thread, uint64_t serial)
+{
+    for (unsigned i = 0; i < EARLY_CANCELS; i++)
+        if (rt->early[i].serial == serial && rt->early[i].thread == thread) {
+            rt->early[i].serial = 0;
+            return 1;
+        }
+    return 0;
+}
+
+/* -- the calls in progress, which a cancel names (under the GIL) -- */
+
+/* Registers call, on the calling thread's stack, under this thread and serial; whether a
+ * cancel for it came first (call->cancelled: then it must not run).  end_call undoes it. */
+static int begin_call(struct runtime *rt, struct call *call, uint64_t serial)
+{
+    call->thread = (unsigned long)pthread_self();
+    call->serial = serial;
+    call->cancelled = cancelled_early(rt, call->thread, serial);
+    call->next = rt->calls;
+    rt->calls = call;
+    return call->cancelled;
+}
+
+/* Unregisters call; a cancel that came as it ended is cleared, so that it cannot hit
+ * what the thread runs next. */
+static void end_call(struct runtime *rt, struct call *call)
+{
+    for (struct call **at = &rt->calls; *at; at = &(*at)->next)
+        if (*at == call) {
+            *at = call->next;
+            break;
+        }
+    if (call->cancelled)
+        PyThreadState_SetAsyncExc(call->thread, NULL);
+}
+
+/* Raises exception in the call that thread runs under serial, at its next bytecode;
+ * whether it did.  If it runs none (not started yet, or over), the cancel is remembered:
+ * that call, if it starts, does not run. */
+static int cancel_call(struct runtime *rt, unsigned long thread, uint64_t serial,
+                       PyObject *exception)
+{
+    int found = 0;
+    for (struct call *call = rt->calls; call; call = call->next)
+        if (call->thread == thread && call->serial == serial && !call->cancelled) {
+            call->cancelled = 1;
+            found = PyThreadState_SetAsyncExc(thread, exception) > 0;
+        }
+    if (!found) {
+        rt->early[rt->next_early].thread = thread;
+        rt->early[rt->next_early].serial = serial;
+        rt->next_early = (rt->next_early + 1) % EARLY_CANCELS;
+    }
+    return found;
 }
 
 /* -- the module that the interpreter's own Python sees as _multipy_bootstrap -- */
@@ -116,13 +181,40 @@ static PyObject *thread_states(PyObject *module, PyObject *unused)
     return PyLong_FromLong(count);
 }
 
-static PyObject *cancel(PyObject *module, PyObject *arg)
+static PyObject *call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    unsigned long thread = PyLong_AsUnsignedLong(arg);
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "call() takes a serial number and a function");
+        return NULL;
+    }
+    uint64_t serial = PyLong_AsUnsignedLongLong(args[0]);
+    if (serial == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    struct call registered;
+    PyObject *result = NULL;
+    if (begin_call(runtime_here, &registered, serial))
+        PyErr_SetNone(cancelled_type);
+    else
+        result = PyObject_CallNoArgs(args[1]);
+    end_call(runtime_here, &registered);
+    return result;
+}
+
+static PyObject *cancel(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "cancel() takes a thread id and a serial number");
+        return NULL;
+    }
+    unsigned long thread = PyLong_AsUnsignedLong(args[0]);
     if (thread == (unsigned long)-1 && PyErr_Occurred())
         return NULL;
-    return PyBool_FromLong(PyThreadState_SetAsyncExc(thread, cancelled_type) > 0);
+    uint64_t serial = PyLong_AsUnsignedLongLong(args[1]);
+    if (serial == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    return PyBool_FromLong(cancel_call(runtime_here, thread, serial, cancelled_type));
 }
 
 static PyMethodDef methods[] = {
@@ -134,9 +226,15 @@ static PyMethodDef methods[] = {
      "report; the caller keeps both alive while it runs"},
     {"keys_in_use", keys_in_use, METH_NOARGS,
      "keys_in_use() -> int: how many pthread keys this namespace's libraries hold"},
-    {"cancel", cancel, METH_O,
-     "cancel(thread_id: int) -> bool: raises CallCancelled in what that thread of this "
-     "interpreter runs, at its next bytecode; False if it runs nothing here"},
+    {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
+     "call(serial: int, function) -> function(), run as this thread's call number serial, "
+     "which cancel names; CallCancelled without running it if cancelled already.  The "
+     "serial must be unique: the host's calls take theirs from 1 up"},
+    {"cancel", (PyCFunction)(void (*)(void))cancel, METH_FASTCALL,
+     "cancel(thread_id: int, serial: int) -> bool: raises CallCancelled at its next "
+     "bytecode in the call that thread runs as number serial (call); False if it runs "
+     "none, and then that call does not run if it starts later.  A cancel that comes as "
+     "the call ends is cleared there: it never reaches what the thread runs next"},
     {"thread_states", thread_states, METH_NOARGS,
      "thread_states() -> int: how many thread states this interpreter has"},
     {NULL, NULL, 0, NULL},
@@ -257,6 +355,7 @@ void *multipy_start(const char *program, const char *code, char *const *host_env
     rt->status_fd = status_fd;
     rt->stop_fd = stop_fd;
     atomic_init(&rt->state, STARTING);
+    runtime_here = rt;
     int failed = pthread_create(&rt->thread, NULL, interpreter_thread, rt);
     if (failed) {
         snprintf(error, size, "cannot start the interpreter's thread: %s", strerror(failed));
@@ -377,17 +476,6 @@ static void apply_releases(struct runtime *rt, const uint64_t *numbers, size_t c
     }
 }
 
-/* Whether a cancel for this call came before it started (and forgets it). */
-static int cancelled_early(struct runtime *rt, unsigned long thread, uint64_t serial)
-{
-    for (unsigned i = 0; i < EARLY_CANCELS; i++)
-        if (rt->early[i].serial == serial && rt->early[i].thread == thread) {
-            rt->early[i].serial = 0;
-            return 1;
-        }
-    return 0;
-}
-
 /* Copies the reply into this thread's buffer (the handler's objects are dropped under
  * the GIL; the host copies the buffer without it), after the host tokens that aliases
  * here gave back (taken from their queue); 0, or -1 out of memory. */
@@ -457,10 +545,8 @@ int multipy_enter(void *runtime, const struct multipy_request *request,
     }
     take_gil(rt);
     record = line;
-    uint64_t serial = request->serial;
-    struct call call = {rt->calls, (unsigned long)pthread_self(), serial, 0};
-    call.cancelled = cancelled_early(rt, call.thread, serial);
-    rt->calls = &call;
+    struct call call;
+    begin_call(rt, &call, request->serial);
     apply_releases(rt, request->releases, request->n_releases);
 
     PyObject *result = NULL;
@@ -469,13 +555,7 @@ int multipy_enter(void *runtime, const struct multipy_request *request,
         result = run_handler(rt, request, &view);
         release_view(view);
     }
-    for (struct call **at = &rt->calls; *at; at = &(*at)->next)
-        if (*at == &call) {
-            *at = call.next;
-            break;
-        }
-    if (call.cancelled) /* a cancel that arrived as the call ended must not hit the next */
-        PyThreadState_SetAsyncExc(call.thread, NULL);
+    end_call(rt, &call);
 
     int kept = -1;
     if (result && PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3
@@ -512,18 +592,8 @@ int multipy_cancel(void *runtime, unsigned long thread, uint64_t serial, int kin
     if (!own_state)
         adopt_thread(rt);
     PyGILState_STATE state = PyGILState_Ensure();
-    int found = 0;
-    for (struct call *call = rt->calls; call; call = call->next)
-        if (call->thread == thread && call->serial == serial && !call->cancelled) {
-            call->cancelled = 1;
-            found = PyThreadState_SetAsyncExc(
-                thread, kind == MULTIPY_CANCEL_INTERRUPT ? PyExc_KeyboardInterrupt : cancelled_type) > 0;
-        }
-    if (!found) { /* not started yet (or already over): it must not run when it starts */
-        rt->early[rt->next_early].thread = thread;
-        rt->early[rt->next_early].serial = serial;
-        rt->next_early = (rt->next_early + 1) % EARLY_CANCELS;
-    }
+    int found = cancel_call(rt, thread, serial, kind == MULTIPY_CANCEL_INTERRUPT
+                                                    ? PyExc_KeyboardInterrupt : cancelled_type);
     PyGILState_Release(state);
     multipy_leave(rt);
     return found;

@@ -92,6 +92,17 @@ class Slow(nn.Module):
         return {"doubled": seconds * 2, "together": torch.tensor([peak])}
 
 
+class Exits(nn.Module):
+    """Raises SystemExit for a negative input; else says which thread runs it: its
+    interpreter's loop, or with --timeout its worker."""
+
+    def forward(self, x):
+        import threading
+        if bool((x < 0).any()):
+            raise SystemExit("asked to")
+        return torch.tensor([threading.get_native_id()])
+
+
 class Blocks(nn.Module):
     """Blocks in C, opening the FIFO whose path its input holds (as UINT8), until a
     writer opens it: a call that a cancel cannot stop."""
@@ -202,8 +213,8 @@ def packages(tmp_path_factory):
         paths = {}
         examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3)),
                     "text": (np.array([b"hello", "w\u00f6rld".encode()], dtype=object),)}
-        for name in ("Cast", "Pair", "Fails", "Slow", "Blocks", "Crashes", "Thread", "Rows",
-                     "Total", "Wrapped", "Text"):
+        for name in ("Cast", "Pair", "Fails", "Slow", "Exits", "Blocks", "Crashes", "Thread",
+                     "Rows", "Total", "Wrapped", "Text"):
             path = folder / f"{name.lower()}.pt"
             with torch.package.PackageExporter(str(path)) as exporter:
                 exporter.extern(["torch.**", "numpy.**"])
@@ -281,7 +292,7 @@ def _stop(server: Server) -> None:
 
 @pytest.fixture(scope="module")
 def served(packages, tmp_path_factory):
-    names = ["python_heavy", "cast", "pair", "fails", "slow", "blocks", "text"]
+    names = ["python_heavy", "cast", "pair", "fails", "slow", "exits", "blocks", "text"]
     server = _start(tmp_path_factory.mktemp("served"), [packages[n] for n in names],
                     "--interpreters", "2", "--timeout", "5", "--grpc-port", "0")
     try:
@@ -304,7 +315,7 @@ def batching(packages, tmp_path_factory):
 @pytest.fixture(scope="module")
 def per_loop(packages, tmp_path_factory):
     server = _start(tmp_path_factory.mktemp("per_loop"),
-                    [packages["thread"], packages["slow"], packages["blocks"]],
+                    [packages[n] for n in ("thread", "slow", "exits", "blocks")],
                     "--interpreters", "2")
     try:
         yield server
@@ -1010,6 +1021,113 @@ def test_a_request_past_the_timeout_is_answered_and_cancelled(served):
         assert time.monotonic() < deadline, "the timed-out call was not cancelled"
 
 
+def _exits(connection: http.client.HTTPConnection, x: float) -> tuple[int, dict]:
+    """Model exits's answer to x on connection: (status, its JSON)."""
+    connection.request("POST", "/v2/models/exits/infer", body=json.dumps({"inputs": [
+        {"name": "x", "shape": [1], "datatype": "FP32", "data": [x]}]}).encode())
+    response = connection.getresponse()
+    return response.status, json.loads(response.read())
+
+
+def _system_exit_is_the_models_error(server: Server) -> None:
+    """On a connection to each interpreter (told apart by the thread that runs the model),
+    a model that raises SystemExit gets a 500 naming it; then each interpreter answers
+    the next requests, on the same thread, and none is left busy or stuck."""
+    connections: list[http.client.HTTPConnection] = []
+    by_thread: dict[int, http.client.HTTPConnection] = {}
+    try:
+        while len(by_thread) < 2:  # connections open at once go to different interpreters
+            assert len(connections) < 8, "no connection went to the second interpreter"
+            connections.append(http.client.HTTPConnection("127.0.0.1", server.port, timeout=60))
+            status, answer = _exits(connections[-1], 1)
+            assert status == 200, answer
+            by_thread.setdefault(answer["outputs"][0]["data"][0], connections[-1])
+        for connection in by_thread.values():
+            status, answer = _exits(connection, -1)
+            assert (status, answer) == (500, {"error": "model 'exits' raised SystemExit: asked to"})
+        for thread, connection in by_thread.items():
+            for _ in range(3):
+                status, answer = _exits(connection, 1)
+                assert status == 200 and answer["outputs"][0]["data"] == [thread], answer
+    finally:
+        for connection in connections:
+            connection.close()
+    assert _busy(server, "exits") == 0
+    assert _metrics(server)[("multipy_stuck_interpreters", ())] == 0
+
+
+def test_a_model_that_raises_system_exit_under_the_timeout_is_answered(served):
+    _system_exit_is_the_models_error(served)
+
+
+#: Run inside an interpreter: a front end's call worker, driven by hand.
+WORKER = '''
+import asyncio, functools, threading
+
+import _multipy_bootstrap
+from multipy._inside import front_end
+
+
+class Started:
+    """Counts the calls begun and ended, as the metrics do."""
+
+    def __init__(self):
+        self.entered = self.exited = 0
+
+    def __enter__(self):
+        self.entered += 1
+
+    def __exit__(self, *exc_info):
+        self.exited += 1
+
+
+class Series:
+    def abandoned(self, stuck):
+        pass
+
+
+async def _cancelled_as_it_ends():
+    worker = front_end._Worker()
+    started = Started()
+    run = lambda call: asyncio.wait_for(worker.run(call, started, Series(), "m"), 30)
+    try:
+        thread = await run(threading.get_ident)
+        serial = next(front_end._serials) + 1  # the next job's
+        cancelled = await run(functools.partial(_multipy_bootstrap.cancel, thread, serial))
+        return cancelled, await run(lambda: "next"), started.entered, started.exited
+    finally:
+        worker.stop()
+
+
+def cancelled_as_it_ends():
+    """A job whose call, in C, cancels itself: the cancel lands as the call ends."""
+    return asyncio.run(_cancelled_as_it_ends())
+
+
+def cancelled_before_it_starts():
+    """Whether the cancel found a call, and whether the call ran."""
+    serial, ran = next(front_end._serials), []
+    found = _multipy_bootstrap.cancel(threading.get_ident(), serial)
+    try:
+        _multipy_bootstrap.call(serial, lambda: ran.append(serial))
+    except _multipy_bootstrap.CallCancelled:
+        return found, ran
+    raise AssertionError("not cancelled")
+'''
+
+
+def test_a_timeout_as_the_call_ends_leaves_the_worker_serving(manager):
+    """A front end's call worker: a cancel that lands as its call ends (no bytecode runs
+    between the two) is cleared there; the job is answered, its Started left, and the
+    worker's next job runs.  A cancel that comes before its call means it never runs."""
+    manager.register_module_source("serve_worker", WORKER)
+    interpreter = manager.all_instances()[0]
+    answered = interpreter.global_("serve_worker", "cancelled_as_it_ends")().deref()
+    assert answered == (True, "next", 3, 3)
+    assert interpreter.global_("serve_worker", "cancelled_before_it_starts")().deref() == (
+        False, [])
+
+
 def test_metrics(served):
     before = _metrics(served)
     key = ("multipy_inference_requests_total", (("model", "python_heavy"),))
@@ -1415,7 +1533,7 @@ def test_statistics_count_both_transports_in_one_place(served):
     assert int(after["last_inference"]) > time.time() * 1000 - 60_000
     every = http.get_inference_statistics()["model_stats"]
     assert {s["name"] for s in every} == {"python_heavy", "cast", "pair", "fails", "slow",
-                                          "blocks", "text"}
+                                          "exits", "blocks", "text"}
     status, _, body = _request(served, "GET", "/v2/models/nope/stats")
     assert status == 404 and "unknown model 'nope'" in json.loads(body)["error"]
     assert _client_error(lambda: client.get_inference_statistics("nope"))[0] == \
@@ -1797,6 +1915,10 @@ def test_a_new_connection_goes_to_a_loop_that_is_not_in_a_call(per_loop):
     finally:
         calling.close()
         idle.close()
+
+
+def test_a_model_that_raises_system_exit_on_the_loop_is_answered(per_loop):
+    _system_exit_is_the_models_error(per_loop)
 
 
 def _readable(sock: socket.socket) -> bool:

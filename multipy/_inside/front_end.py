@@ -11,10 +11,11 @@ as the host's (multipy.serve.app), on an event loop that runs on the host thread
 called ``run``.  A model runs on that thread, blocking the loop: one call at a time in
 this interpreter, as in one worker process of other servers.  With a per-request
 timeout, calls run one at a time on a thread of this interpreter instead, where a call
-whose request has waited too long is cancelled.  With gRPC (``multipy serve
---grpc-port``), the same loop also runs this interpreter's gRPC server
-(multipy.serve.rpc) on the port that every interpreter's shares.  Counts go to this
-interpreter's row of the server's metrics board (multipy.serve.metrics), which
+whose request has waited too long is cancelled as the host cancels one
+(``_multipy_bootstrap.call`` and ``cancel``: the cancel reaches that call only).  With
+gRPC (``multipy serve --grpc-port``), the same loop also runs this interpreter's gRPC
+server (multipy.serve.rpc) on the port that every interpreter's shares.  Counts go to
+this interpreter's row of the server's metrics board (multipy.serve.metrics), which
 ``/metrics`` sums, whichever front end answers it.  The model repository's load and
 unload requests go to the host, which does them (multipy.serve.service), through this
 front end's control pipe: the front end writes the request's number there and waits;
@@ -53,6 +54,9 @@ from .serving import Served
 _NO_LIMIT = 365 * 24 * 3600.0
 #: What a crash report names while a front end runs no model call.
 _SERVING = (b"serving", b"the HTTP requests of multipy serve")
+#: Serial numbers of the worker's calls (_multipy_bootstrap.call): from 2**63 up, out of
+#: reach of the host's (``_host.next_serial``, from 1), whose calls share the registry.
+_serials = itertools.count(1 << 63)
 
 
 class FrontEnd:
@@ -317,7 +321,8 @@ class _Worker:
     """This interpreter's thread for model calls that a timeout may cancel: they run
     there one at a time, in order.  A call whose caller is cancelled (the timeout) never
     runs if it has not started, and has CallCancelled raised in it at its next bytecode
-    if it has."""
+    if it has; the cancel reaches that call only, never the worker's bookkeeping or its
+    next call.  Whatever a call raises, BaseException included, is its caller's."""
 
     def __init__(self) -> None:
         #: the model whose call, given up on by its request, still runs here, or None
@@ -349,15 +354,8 @@ class _Worker:
             raise
 
     def _work(self) -> None:
-        while True:
-            try:
-                while True:
-                    job = self._jobs.get()
-                    if job is None:
-                        return
-                    job.run()
-            except _multipy_bootstrap.CallCancelled:  # cancelled as its call ended
-                pass
+        for job in iter(self._jobs.get, None):
+            job.run()
 
     def stop(self) -> None:
         self._jobs.put(None)
@@ -365,11 +363,13 @@ class _Worker:
 
 
 class _Job:
-    """One call of a _Worker: run on its thread, answered on the caller's loop."""
+    """One call of a _Worker: run on its thread as its own call number (a serial) of the
+    interpreter's registry (_multipy_bootstrap.call), answered on the caller's loop."""
 
     def __init__(self, call: Callable[[], tuple], started: Started,
                  loop: asyncio.AbstractEventLoop) -> None:
         self._call, self._started, self._loop = call, started, loop
+        self._serial = next(_serials)
         self.answer = loop.create_future()
         #: done (on the loop) once the call has ended, answered or not
         self.ended = loop.create_future()
@@ -382,19 +382,15 @@ class _Job:
             if self._abandoned:
                 return
             self._thread = threading.get_ident()
-        outcome: tuple[Any, BaseException | None] = (None, None)  # if cancelled
-        try:
-            self._post(self._started.__enter__)
-            try:
-                outcome = (self._call(), None)
-            except Exception as error:
-                outcome = (None, error)
-            finally:
-                self._post(self._started.__exit__, None, None, None)
-        finally:
-            with self._lock:
-                self._thread = None
-            self._post(self._settle, outcome)
+        self._post(self._started.__enter__)
+        try:  # a cancel lands inside only: the bookkeeping after runs whatever it raised
+            outcome = (_multipy_bootstrap.call(self._serial, self._call), None)
+        except BaseException as error:  # CallCancelled, or the model's SystemExit, say
+            outcome = (None, error)
+        self._post(self._started.__exit__, None, None, None)
+        with self._lock:
+            self._thread = None
+        self._post(self._settle, outcome)
 
     def _settle(self, outcome: tuple[Any, BaseException | None]) -> None:
         value, error = outcome
@@ -420,5 +416,5 @@ class _Job:
             self._abandoned = True
             if self._thread is None:
                 return False
-            _multipy_bootstrap.cancel(self._thread)
+            _multipy_bootstrap.cancel(self._thread, self._serial)
             return True

@@ -101,7 +101,8 @@ class ModelRequests(abc.ABC):
             place.leave()
 
     async def _call(self, inputs: list[Tensor], places: list[_Place]) -> list[Tensor]:
-        """One call of the model, with inputs that hold the requests at places."""
+        """One call of the model, with inputs that hold the requests at places; what the
+        model raises, SystemExit or KeyboardInterrupt included, is a ModelError."""
         names = self._names(inputs)
         datatypes = tuple(t.datatype for t in inputs)
         try:
@@ -109,7 +110,9 @@ class ModelRequests(abc.ABC):
                                       Started(self._series, places))
         except (ModelError, ProtocolError):  # said already
             raise
-        except Exception as error:
+        except (asyncio.CancelledError, GeneratorExit):  # the caller's end, not the model's
+            raise
+        except BaseException as error:
             raise ModelError(f"model {self.name!r} raised {type(error).__name__}: "
                              f"{error}") from error
         output_names, output_datatypes, *arrays = outputs

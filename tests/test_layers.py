@@ -16,8 +16,9 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
 #: the rest of multipy only the layers below "serve".
 SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "repository", "inference",
                 "app", "inference_pb2", "rpc", "connection", "inbox",
-                "archive", "models", "control",
-                "progress", "service", "on_ray", "main", "__main__", "__init__"]
+                "archive", "models", "control", "link",
+                "progress", "service", "supervised", "supervisor", "on_ray", "main", "__main__",
+                "__init__"]
 #: What the code inside interpreters may import of multipy: of multipy.serve, the
 #: request path that the host and each interpreter's front end share.
 INSIDE_MAY_IMPORT = {"_protocol", "_sharing", "_inside"}

@@ -122,6 +122,14 @@ class Crashes(nn.Module):
         return x
 
 
+class Where(nn.Module):
+    """Where it runs: the process's id and this interpreter's torch module's address."""
+
+    def forward(self, x):
+        import os
+        return torch.tensor([os.getpid(), id(torch)], dtype=torch.int64)
+
+
 class Thread(nn.Module):
     """Says which host thread runs it: the one that entered the interpreter."""
 
@@ -213,8 +221,8 @@ def packages(tmp_path_factory):
         paths = {}
         examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3)),
                     "text": (np.array([b"hello", "w\u00f6rld".encode()], dtype=object),)}
-        for name in ("Cast", "Pair", "Fails", "Slow", "Exits", "Blocks", "Crashes", "Thread",
-                     "Rows", "Total", "Wrapped", "Text"):
+        for name in ("Cast", "Pair", "Fails", "Slow", "Exits", "Blocks", "Crashes", "Where",
+                     "Thread", "Rows", "Total", "Wrapped", "Text"):
             path = folder / f"{name.lower()}.pt"
             with torch.package.PackageExporter(str(path)) as exporter:
                 exporter.extern(["torch.**", "numpy.**"])

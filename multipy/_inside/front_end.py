@@ -78,9 +78,10 @@ class FrontEnd:
     def __init__(self, models: dict[str, Served], settings: dict[str, Any]) -> None:
         logging.config.dictConfig(logging_config(server_lines=False))
         names = settings["names"]
-        self.metrics = Metrics(names, settings["interpreters"], rows=settings["interpreters"] + 1,
+        self.metrics = Metrics(names, settings["interpreters"], rows=settings["rows"],
                                row=settings["row"], address=settings["board"],
-                               stuck_after=settings["stuck_after"], slots=settings["slots"])
+                               stuck_after=settings["stuck_after"], slots=settings["slots"],
+                               first=settings["first"], processes=settings["processes"])
         self.states: dict[str, tuple[str, str]] = dict(settings["states"])
         self.model_control = settings["model_control"]
         self._control = settings["control"]

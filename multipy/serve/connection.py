@@ -12,12 +12,17 @@ limits a server on the open network needs, the same wherever a connection is ser
 """
 from __future__ import annotations
 
+import asyncio
 import http
 import json
+import logging
+import socket
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import httptools
+
+logger = logging.getLogger("multipy.serve")
 
 #: The head of a request (request line and headers), in bytes.
 MAX_HEADER_SIZE = 64 << 10
@@ -25,6 +30,8 @@ MAX_HEADER_SIZE = 64 << 10
 MAX_HEADERS = 100
 #: Seconds for a request to arrive whole, from its first byte.
 READ_TIMEOUT = 60.0
+#: Seconds between a failed accept and the next try.
+_ACCEPT_PAUSE = 0.1
 
 
 @dataclass(frozen=True)
@@ -148,3 +155,22 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             self.transport.close()
 
     return Guarded
+
+
+async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:
+    """Accepts connections on listener until cancelled, giving each to hand.  An error
+    accepting one (too many open files, say) is logged, and accepting goes on after a
+    pause."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                connection, _ = await loop.sock_accept(listener)
+            except OSError as error:
+                logger.error("accepting a connection failed, trying again in %s s: %s",
+                             _ACCEPT_PAUSE, error)
+                await asyncio.sleep(_ACCEPT_PAUSE)
+                continue
+            hand(connection)
+    finally:
+        listener.close()

@@ -24,11 +24,14 @@ logger = logging.getLogger("multipy.serve")
 class Control:
     """The control pipes (pipes: (read end, write end) of each) of fronts (the FrontEnd
     objects, each in its interpreter of interpreters) for service.  ``start`` reads them
-    on a thread until ``close``, which closes them."""
+    on a thread until ``close``, which closes them.  The requests are done by
+    repository's ``load_now`` and ``unload_now``: the service's own (the default), or,
+    in a process of --processes, every process's (multipy.serve.supervised)."""
 
     def __init__(self, service: Any, fronts: list[Any], interpreters: list[Any],
-                 pipes: list[tuple[int, int]]) -> None:
+                 pipes: list[tuple[int, int]], repository: Any = None) -> None:
         self._service, self._fronts, self._interpreters = service, fronts, interpreters
+        self._repository = service if repository is None else repository
         self._pipes = pipes
         self._wake_read, self._wake_write = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="multipy-serve-control",
@@ -89,9 +92,9 @@ class Control:
                 return
             op, name, *archive = request
             if op == "load":
-                self._service.load_now(name, *archive)
+                self._repository.load_now(name, *archive)
             else:
-                self._service.unload_now(name)
+                self._repository.unload_now(name)
             status, message = 200, ""
         except ProtocolError as error:
             status, message = error.status, str(error)

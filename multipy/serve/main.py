@@ -28,6 +28,7 @@ import dataclasses
 import contextlib
 import importlib.util
 import logging
+import logging.config
 import os
 import signal
 import socket
@@ -44,13 +45,16 @@ from .._pool import capacity
 from ..manager import cores
 from .app import create_app, logging_config
 from .archive import ArchiveError, check
-from .connection import MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, guarded
+from .connection import MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, accept, guarded
 from .control import Control
 from .inbox import FORCE, STOP, open_inbox, receive, send
+from .link import Link
 from .models import ModelSpec
 from .protocol import MAX_REQUEST_SIZE
 from .repository import MODEL_CONTROLS
-from .service import GRACEFUL_TIMEOUT, MORE_MODELS, Options, Service, default_interpreters
+from .service import (GRACEFUL_TIMEOUT, MORE_MODELS, Options, Place, Service,
+                      default_interpreters)
+from .supervised import Supervised
 
 logger = logging.getLogger("multipy.serve")
 
@@ -71,8 +75,15 @@ def parser() -> argparse.ArgumentParser:
                        help="the model's pickle in that package (default: model.pkl)")
     parse.add_argument("--name", help="the model's name, with one PATH (default: the file's stem)")
     parse.add_argument("--interpreters", type=int, metavar="N",
-                       help=f"interpreters, each running every model (default: the cores, "
-                            f"{cores()} here, at most as many as fit)")
+                       help=f"interpreters, each running every model, in each process "
+                            f"(default: the cores, {cores()} here, divided among the "
+                            f"processes, at most as many as fit in one)")
+    parse.add_argument("--processes", type=int, default=1, metavar="P",
+                       help="server processes, each of --interpreters interpreters, on one "
+                            "port: a crash ends one process, which is replaced, and P "
+                            "processes hold up to 15 P interpreters (default: 1, one "
+                            "process; docs/serving.md, \"Several processes\")")
+    parse.add_argument("--link", type=int, help=argparse.SUPPRESS)  # a process's, from its supervisor
     parse.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parse.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parse.add_argument("--model-control", choices=MODEL_CONTROLS, default="none",
@@ -152,12 +163,15 @@ class _Server(uvicorn.Server):
     exit status 0 (uvicorn raises the signal again once it has stopped).  It listens
     and hands each connection it accepts to an interpreter's front end (see the module's
     docstring), or serves it itself while there is none; and stops the front ends first
-    when it stops."""
+    when it stops.  A process of --processes (supervised) listens on nothing: its
+    connections come from the supervisor."""
 
-    def __init__(self, config: uvicorn.Config, fronts: FrontEnds, limits: Limits) -> None:
+    def __init__(self, config: uvicorn.Config, fronts: FrontEnds, limits: Limits,
+                 supervised: Supervised | None = None) -> None:
         super().__init__(config)
         self._fronts = fronts
         self._limits = limits
+        self._supervised = supervised
         self._protocol: Any = None
         self._accepting: asyncio.Task | None = None
 
@@ -188,6 +202,9 @@ class _Server(uvicorn.Server):
         # which goes to a front end if one can take it
         self._protocol = guarded(self.config.http_protocol_class, self._limits,
                                  one_request=True)
+        if self._supervised is not None:
+            self._supervised.listen(self._hand, self._supervisor_gone)
+            return
         try:
             listener = self.config.bind_socket()  # says why it cannot, and exits
         except SystemExit:  # (the port is taken, say): the lifespan ends first, as uvicorn's
@@ -236,34 +253,20 @@ class _Server(uvicorn.Server):
             lambda: self._protocol(config=self.config, server_state=self.server_state,
                                    app_state=self.lifespan.state), connection)
 
+    def _supervisor_gone(self) -> None:
+        self.should_exit = True
+
     async def shutdown(self, sockets: list | None = None) -> None:
-        if self._accepting is not None:  # stop accepting, then answer what was received
-            self._accepting.cancel()
+        if self._accepting is not None or self._supervised is not None:
+            # stop accepting, then answer what was received
+            if self._accepting is not None:
+                self._accepting.cancel()
+            else:
+                self._supervised.stop_listening()
             await asyncio.to_thread(self._fronts.stop)
         await super().shutdown(sockets)
 
 
-async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:
-    """Accepts connections on listener until cancelled, giving each to hand.  An error
-    accepting one (too many open files, say) is logged, and accepting goes on after a
-    pause."""
-    loop = asyncio.get_running_loop()
-    try:
-        while True:
-            try:
-                connection, _ = await loop.sock_accept(listener)
-            except OSError as error:
-                logger.error("accepting a connection failed, trying again in %s s: %s",
-                             _ACCEPT_PAUSE, error)
-                await asyncio.sleep(_ACCEPT_PAUSE)
-                continue
-            hand(connection)
-    finally:
-        listener.close()
-
-
-#: seconds between a failed accept and the next try
-_ACCEPT_PAUSE = 0.1
 #: seconds a front end may take to start serving
 _START_TIMEOUT = 60.0
 
@@ -288,13 +291,17 @@ class FrontEnds:
         self._forced = False
         self._lock = threading.Lock()
 
-    def start(self, service: Service, grpc: str | None = None) -> None:
+    def start(self, service: Service, grpc: str | None = None,
+              repository: Any = None) -> None:
         """Makes a front end in each interpreter of service, which is loaded, and runs
-        them, each also serving gRPC on grpc ("HOST:PORT") if given; raises what
-        failed."""
+        them, each also serving gRPC on grpc ("HOST:PORT") if given, their model
+        repository requests done by repository (default: the service; see
+        multipy.serve.control); raises what failed."""
         options, metrics = service.options, service.metrics
         settings = {"names": list(service.models), "interpreters": service.interpreters,
-                    "board": metrics.board.address, "max_batch_size": options.max_batch_size,
+                    "board": metrics.board.address, "rows": metrics.board.rows,
+                    "first": metrics.first, "processes": metrics.processes,
+                    "max_batch_size": options.max_batch_size,
                     "batch_delay": options.batch_timeout_ms / 1000, "timeout": options.timeout,
                     "max_request_size": options.max_request_size,
                     "limits": dataclasses.asdict(options.limits),
@@ -319,7 +326,7 @@ class FrontEnds:
                 os.close(pipe[0])
                 os.close(pipe[1])
             raise
-        self._control = Control(service, fronts, interpreters, controls)
+        self._control = Control(service, fronts, interpreters, controls, repository)
         self._control.start()
         threads = [threading.Thread(target=self._run, args=(k,), daemon=True,
                                     name=f"multipy-serve-front-{k}") for k in range(len(fronts))]
@@ -431,6 +438,10 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
     """What the arguments ask to serve, and how; exits through parse with a message if
     they make no sense or an archive is not one (checked here before anything starts)."""
     models = specs(args, parse)
+    if args.processes < 1:
+        parse.error("--processes must be at least 1")
+    if args.ray and args.processes != 1:
+        parse.error("--processes is not served with --ray: --replicas sets its processes")
     if args.ray:  # each replica is a process of its own, with room for 15
         fit, where = MAX_NAMESPACES, "what fits in one replica process"
     else:
@@ -446,7 +457,8 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
                     "the models")
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         parse.error("--grpc-port must be a port number (0: a free one)")
-    interpreters = args.interpreters if args.interpreters is not None else default_interpreters()
+    interpreters = args.interpreters if args.interpreters is not None else \
+        default_interpreters(args.processes)
     if not 1 <= interpreters <= fit:
         parse.error(f"--interpreters must be between 1 and {fit} ({where}), not {interpreters}")
     if args.max_batch_size < 1:
@@ -494,19 +506,32 @@ def main(argv: list[str] | None = None) -> int:
         return serve_on_ray(served, replicas=args.replicas or 1, replica_cpus=args.replica_cpus,
                             address=args.ray_address, host=args.host, port=args.port,
                             logging_config=logging_config())
-    grpc = None if args.grpc_port is None else reserve_port(args.host, args.grpc_port, parse)
-    service = Service(served)
+    if args.processes > 1:
+        return _supervise(args, served, parse, sys.argv[1:] if argv is None else argv)
+    if args.link is not None:  # a process of --processes: its supervisor reserved the port
+        link = Link.inherited(args.link)
+        start, fds = link.first()
+        place = Place(start["process"], start["processes"], fds[0])
+        grpc = None if args.grpc_port is None else _host_port(args.host, args.grpc_port)
+        reserved = None
+    else:
+        link, place = None, Place()
+        reserved = None if args.grpc_port is None else \
+            reserve_port(args.host, args.grpc_port, parse)
+        grpc = None if reserved is None else _address(reserved)
+    service = Service(served, place)
+    supervised = None if link is None else Supervised(link, service)
     fronts = FrontEnds()
-    loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc), daemon=True,
-                              name="multipy-serve-start")
+    loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc, supervised),
+                              daemon=True, name="multipy-serve-start")
     app = create_app(service, loader.start)
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
                             access_log=False, log_config=logging_config(),
                             timeout_graceful_shutdown=served.graceful_timeout)
-    server = _Server(config, fronts, served.limits)
+    server = _Server(config, fronts, served.limits, supervised)
     server.run()
-    if grpc is not None:
-        grpc.close()
+    if reserved is not None:
+        reserved.close()
     if loader.is_alive():  # stopped while loading: the interpreters stop at exit
         return 0
     service.close()
@@ -532,24 +557,45 @@ def reserve_port(host: str, port: int, parse: argparse.ArgumentParser) -> socket
     return reserved
 
 
+def _supervise(args: argparse.Namespace, served: Options, parse: argparse.ArgumentParser,
+               argv: list[str]) -> int:
+    """Runs the server as --processes server processes (multipy.serve.supervisor)."""
+    from .supervisor import Supervisor
+
+    logging.config.dictConfig(logging_config())
+    reserved = None if args.grpc_port is None else reserve_port(args.host, args.grpc_port, parse)
+    slots = len(served.models) + (MORE_MODELS if served.model_control == "explicit" else 0)
+    supervisor = Supervisor(argv, args.processes, served.interpreters, slots, args.host,
+                            args.port, reserved, served.graceful_timeout)
+    try:
+        return supervisor.run()
+    finally:
+        if reserved is not None:
+            reserved.close()
+
+
 def _address(reserved: socket.socket) -> str:
     """The "HOST:PORT" that a reserved socket holds, as gRPC names it."""
-    host, port = reserved.getsockname()[:2]
-    return f"[{host}]:{port}" if reserved.family == socket.AF_INET6 else f"{host}:{port}"
+    return _host_port(*reserved.getsockname()[:2])
 
 
-def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds,
-          grpc: socket.socket | None) -> None:
+def _host_port(host: str, port: int) -> str:
+    """"HOST:PORT" as gRPC names it."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds, grpc: str | None,
+          supervised: Supervised | None) -> None:
     """Loads the models once the server listens, then starts the interpreters' front
-    ends (with gRPC on grpc's port, if given); stops the server if either fails."""
+    ends (with gRPC on grpc, "HOST:PORT", if given); stops the server if either fails.
+    A supervised process then tells its supervisor."""
     while not server.started and not server.should_exit:
         time.sleep(0.01)
     if server.should_exit:
         return
     started = time.monotonic()
     try:
-        service.start(before_ready=lambda: fronts.start(
-            service, None if grpc is None else _address(grpc)))
+        service.start(before_ready=lambda: fronts.start(service, grpc, supervised))
     except BaseException as error:
         if server.should_exit:  # stopped meanwhile: nothing failed
             return
@@ -557,8 +603,10 @@ def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds,
         logger.error("start-up failed: %s: %s", type(error).__name__, error, exc_info=error)
         server.should_exit = True
         return
+    if supervised is not None:
+        supervised.ready()
     names = ", ".join(service.models)
-    also = "" if grpc is None else f", gRPC on {_address(grpc)}"
+    also = "" if grpc is None else f", gRPC on {grpc}"
     logger.info(f"ready in {time.monotonic() - started:.1f} s: {names} on "
                 f"{service.interpreters} interpreter(s), "
                 f"http://{server.config.host}:{server.config.port}/v2/models/NAME/infer{also}")

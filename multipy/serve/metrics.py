@@ -6,7 +6,10 @@ start, by the host), each on its own GIL: none may take a lock that another hold
 the counts live in a ``Board``, a block of float64s that the host allocates once and
 every interpreter addresses (one process, one address space): each writer has a row of
 its own that only it writes, and ``render``, wherever ``/metrics`` is answered, sums the
-rows (an aligned float64 is read whole).  Per model: requests, failures (by HTTP
+rows (an aligned float64 is read whole).  With ``multipy serve --processes P``, the
+supervisor makes the board, a shared memory file that every server process maps, with
+rows for each process's host and front ends (multipy.serve.supervisor): whichever process
+answers, the counts are every process's.  Per model: requests, failures (by HTTP
 status), latency, requests queued (waiting for their batch, or for the model to be
 free), interpreters busy with it, and calls (a batch is one), with how many requests
 each answered; and, for the statistics extension (``statistics``), the successes and
@@ -21,6 +24,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import mmap
+import os
 import time
 from typing import Any, Iterator, Sequence
 
@@ -71,15 +75,23 @@ _LAST_CALL = _OUTPUT_NS + 1
 _PER_MODEL = _LAST_CALL + 1
 
 
-class Board:
-    """``rows`` rows of ``width`` float64s, zeroed, in memory that any interpreter of this
-    process can address: made here (``address`` None) or addressed at ``address`` (one
-    the host made, which outlives every user)."""
+def board_width(slots: int) -> int:
+    """The float64s in a row of a board with room for the series of slots models."""
+    return _ROW + _PER_MODEL * slots
 
-    def __init__(self, rows: int, width: int, address: int | None = None) -> None:
+
+class Board:
+    """``rows`` rows of ``width`` float64s in memory that any interpreter of this
+    process can address: made here, zeroed (``address`` and ``fd`` None), mapped from
+    the shared memory file ``fd`` (the supervisor's, which every server process maps:
+    ``shared``), or addressed at ``address`` (one the host mapped, which outlives every
+    user)."""
+
+    def __init__(self, rows: int, width: int, address: int | None = None,
+                 fd: int | None = None) -> None:
         self.rows, self.width = rows, width
         if address is None:
-            self._memory = mmap.mmap(-1, rows * width * 8)  # zeroed
+            self._memory = mmap.mmap(-1 if fd is None else fd, rows * width * 8)
             address = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
         self.address = address
         self.values = memoryview((ctypes.c_double * (rows * width)).from_address(address)) \
@@ -93,6 +105,31 @@ class Board:
 
     def most(self, column: int) -> float:
         return max(self.values[column::self.width])
+
+    @classmethod
+    def shared(cls, rows: int, width: int) -> Board:
+        """A zeroed board in a new shared memory file, whose descriptor (``fd``) other
+        processes map with ``Board(rows, width, fd=...)``."""
+        fd = os.memfd_create("multipy-serve-metrics")
+        os.ftruncate(fd, rows * width * 8)
+        board = cls(rows, width, fd=fd)
+        board.fd = fd
+        return board
+
+    def reset(self, first: int, count: int) -> None:
+        """Rows first to first + count - 1 belonged to a process that has ended: what
+        they say of the present (connections closed, a call running, requests queued,
+        calls running) goes back to 0; the counts of what happened stay."""
+        for k in range(first, first + count):
+            row = self.row(k)
+            row[_CLOSED] = row[_SINCE] = row[_ABANDONED] = 0.0
+            for at in range(_ROW, self.width, _PER_MODEL):
+                row[at + _QUEUED] = row[at + _BUSY] = 0.0
+
+    def busy(self, first: int, count: int) -> int:
+        """How many calls rows first to first + count - 1 run now."""
+        return int(sum(self.row(k)[at + _BUSY] for k in range(first, first + count)
+                       for at in range(_ROW, self.width, _PER_MODEL)))
 
 
 class _Count:
@@ -170,20 +207,25 @@ class ModelSeries:
 
 class Metrics:
     """The metrics of one server of ``models`` on ``interpreters`` interpreters, over a
-    board of ``rows`` rows (made here, or the one at ``address``) with room for the
-    series of ``slots`` models (at least those); this writer counts in row ``row``.
-    Every model's series exist (at 0) from the start, or from when ``add`` gives a model
-    loaded later a slot; a model keeps its slot, and its counts, once unloaded."""
+    board of ``rows`` rows (made here, the shared one mapped from ``fd``, or the one at
+    ``address``) with room for the series of ``slots`` models (at least those); this
+    writer counts in row ``row`` of its process's rows, which begin at row ``first``
+    (with --processes, each of ``processes`` has interpreters + 1 rows: its host's,
+    then its front ends').  Every model's series exist (at 0) from the start, or from
+    when ``add`` gives a model loaded later a slot; a model keeps its slot, and its
+    counts, once unloaded."""
 
     def __init__(self, models: list[str], interpreters: int, rows: int = 1, row: int = 0,
                  address: int | None = None, stuck_after: float = STUCK_AFTER,
-                 slots: int = 0) -> None:
+                 slots: int = 0, *, fd: int | None = None, first: int = 0,
+                 processes: int = 1) -> None:
         self.names: list[str] = []
         self.slots = max(len(models), slots)
         self.interpreters = interpreters
         self.stuck_after = stuck_after
-        self.board = Board(rows, _ROW + _PER_MODEL * self.slots, address)
-        self._values = values = self.board.row(row)
+        self.first, self.processes = first, processes
+        self.board = Board(rows, board_width(self.slots), address, fd)
+        self._values = values = self.board.row(first + row)
         self._closed = _Count(values, _CLOSED)
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
@@ -210,35 +252,41 @@ class Metrics:
         self._closed.inc()
 
     def closed_connections(self, row: int) -> int:
-        """How many connections the writer of row has closed."""
-        return int(self.board.row(row)[_CLOSED])
+        """How many connections the writer of row (of this process's rows) has closed."""
+        return int(self.board.row(self.first + row)[_CLOSED])
 
     def busy(self, row: int) -> int:
-        """How many calls the writer of row runs now."""
-        values = self.board.row(row)
-        return int(sum(values[_ROW + _PER_MODEL * k + _BUSY] for k in range(len(self.names))))
+        """How many calls the writer of row (of this process's rows) runs now."""
+        return self.board.busy(self.first + row, 1)
 
     def calling_for(self, row: int) -> float:
-        """How long the writer of row has been in its current call (0: in none)."""
-        since = self.board.row(row)[_SINCE]
+        """How long the writer of row (of this process's rows) has been in its current
+        call (0: in none)."""
+        return self._calling_for(self.first + row)
+
+    def _calling_for(self, at: int) -> float:
+        since = self.board.row(at)[_SINCE]
         return time.monotonic() - since if since else 0.0
 
     def stuck(self, row: int) -> str | None:
-        """Why the interpreter of row is stuck, or None: it runs a call of a model that
-        its request gave up on (it passed --timeout), or one that has run longer than
-        stuck_after seconds."""
-        values = self.board.row(row)
+        """Why the interpreter of row (of this process's rows) is stuck, or None: it runs
+        a call of a model that its request gave up on (it passed --timeout), or one that
+        has run longer than stuck_after seconds."""
+        return self._stuck(self.first + row)
+
+    def _stuck(self, at: int) -> str | None:
+        values = self.board.row(at)
         if values[_ABANDONED]:
             name = self.names[int(values[_ABANDONED]) - 1]
             return f"it still runs a call of model {name!r} that passed its --timeout"
-        running = self.calling_for(row)
+        running = self._calling_for(at)
         if running > self.stuck_after:
             return f"it has been in one call for {running:.0f} s"
         return None
 
     def all_stuck(self) -> str | None:
-        """Why no interpreter can take a call (every one is stuck: see ``stuck``), or
-        None if one can.  Rows 1 to interpreters are the interpreters'."""
+        """Why no interpreter of this process can take a call (every one is stuck: see
+        ``stuck``), or None if one can.  Rows 1 to interpreters are the interpreters'."""
         reasons = [self.stuck(k) for k in range(1, self.interpreters + 1)]
         if self.board.rows <= self.interpreters or not all(reasons):
             return None
@@ -338,14 +386,17 @@ class _Collector:
             busy.add_metric([name], total(k, _BUSY))
             calls.add_metric([name], total(k, _CALLS))
             histogram(batched, k, _BATCHED_AT, _BATCHED)
+        metrics = self._metrics
         interpreters = GaugeMetricFamily("multipy_interpreters", "Interpreters serving the models")
-        interpreters.add_metric([], self._metrics.interpreters)
+        interpreters.add_metric([], metrics.interpreters * metrics.processes)
         stuck = GaugeMetricFamily(
             "multipy_stuck_interpreters",
             "Interpreters that take no call: each runs one that passed --timeout, or has "
             "run one call longer than the time after which it counts as stuck")
-        rows = range(1, self._metrics.interpreters + 1) if board.rows > 1 else ()
-        stuck.add_metric([], sum(self._metrics.stuck(k) is not None for k in rows))
+        per = metrics.interpreters + 1  # each process's host row, then its interpreters'
+        rows = [p * per + k for p in range(metrics.processes)
+                for k in range(1, per)] if board.rows > 1 else []
+        stuck.add_metric([], sum(metrics._stuck(at) is not None for at in rows))
         yield from (requests, failures, latency, queued, busy, calls, batched, interpreters, stuck)
 
 

@@ -11,6 +11,7 @@ parallel.  The server is ready when all of that is done.  Then, with
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -41,12 +42,12 @@ MORE_MODELS = 32
 _RELEASE_ROUNDS = 5
 
 
-def default_interpreters() -> int:
-    """The machine's cores, at most as many interpreters (that import torch) as fit in
-    this process."""
+def default_interpreters(processes: int = 1) -> int:
+    """The machine's cores divided among processes, at most as many interpreters (that
+    import torch) as fit in one process."""
     room = capacity()
     fit = min(room["free"] + room["more"], _glibc.torch_interpreters_that_fit())
-    return max(1, min(cores(), fit))
+    return max(1, min(cores() // processes, fit))
 
 
 @dataclass(frozen=True)
@@ -72,12 +73,23 @@ class Options:
     model_control: str = "none"
 
 
-class Service:
-    """The models of one server (see the module's docstring), as options say.
-    ArchiveError, at once, if a model's path is not a torch.package archive with its
-    (module, resource)."""
+@dataclass(frozen=True)
+class Place:
+    """Where a server stands among ``multipy serve --processes``'s (multipy.serve.
+    supervisor): process ``index`` of ``processes``, counting in the shared metrics board
+    mapped from the file descriptor ``board`` (None: a board of its own, one process)."""
 
-    def __init__(self, options: Options) -> None:
+    index: int = 0
+    processes: int = 1
+    board: int | None = None
+
+
+class Service:
+    """The models of one server (see the module's docstring), as options say, as the
+    process at place.  ArchiveError, at once, if a model's path is not a torch.package
+    archive with its (module, resource)."""
+
+    def __init__(self, options: Options, place: Place = Place()) -> None:
         for spec in options.models:
             archive.check(spec.path, spec.module, spec.resource)
         self.options = options
@@ -88,11 +100,17 @@ class Service:
         #: each model's (state, reason), as the repository's index says them
         self.states = {name: (LOADING, "") for name in self.specs}
         more = MORE_MODELS if self.model_control == "explicit" else 0
-        # row 0 the host's, row k + 1 interpreter k's front end's
+        # row 0 the host's, row k + 1 interpreter k's front end's (of each process)
+        rows = options.interpreters + 1
         self.metrics = Metrics(list(self.specs), options.interpreters,
-                               rows=options.interpreters + 1,
+                               rows=rows * place.processes,
                                stuck_after=options.timeout or STUCK_AFTER,
-                               slots=len(self.specs) + more)
+                               slots=len(self.specs) + more, fd=place.board,
+                               first=place.index * rows, processes=place.processes)
+        if options.torch_threads is None and place.processes > 1:  # the cores, shared
+            options = dataclasses.replace(options, torch_threads=max(
+                1, cores() // (place.processes * options.interpreters)))
+            self.options = options
         self._batching = (options.max_batch_size, options.batch_timeout_ms / 1000)
         self.manager: InterpreterManager | None = None
         self.models: dict[str, ServedModel] = {}

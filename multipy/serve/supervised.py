@@ -1,0 +1,130 @@
+"""A server process's side of ``multipy serve --processes`` (multipy.serve.supervisor):
+its link to the supervisor, read on the process's event loop.
+
+The supervisor hands it connections (served as a single server serves those it
+accepts) and has it do the model repository's requests; it tells the supervisor when its
+models are loaded, and asks it to have every process do the repository requests that its
+own front ends receive (``load_now`` and ``unload_now``, which multipy.serve.control
+calls as it would the service's).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import socket
+from typing import Any, Callable
+
+from .link import Link
+from .protocol import ProtocolError
+
+logger = logging.getLogger("multipy.serve")
+
+
+class Supervised:
+    """This process's link to the supervisor, for service (multipy.serve.service.Service)."""
+
+    def __init__(self, link: Link, service: Any) -> None:
+        self._link, self._service = link, service
+        self._asked: dict[int, concurrent.futures.Future] = {}
+        self._numbers = itertools.count(1)
+        self._reading = False
+
+    # -- on the event loop --
+
+    def listen(self, hand: Callable[[socket.socket], None], gone: Callable[[], None]) -> None:
+        """Reads the link from now on: hand(connection) for each connection handed to
+        this process; gone() once the supervisor has gone (the process should stop)."""
+        self._hand, self._gone = hand, gone
+        asyncio.get_running_loop().add_reader(self._link.fileno(), self._read)
+        self._reading = True
+
+    def stop_listening(self) -> None:
+        """Takes no more connections: those handed already are handed on first."""
+        if self._reading:
+            asyncio.get_running_loop().remove_reader(self._link.fileno())
+            self._reading = False
+            self._read()
+
+    def ready(self) -> None:
+        """Tells the supervisor that this process's models are loaded."""
+        try:
+            self._link.send({"op": "ready"})
+        except OSError:  # it has gone: the link's end says so
+            pass
+
+    def _read(self) -> None:
+        messages = self._link.receive()
+        if messages is None:
+            if self._reading:
+                asyncio.get_running_loop().remove_reader(self._link.fileno())
+                self._reading = False
+            for future in list(self._asked.values()):
+                if not future.done():
+                    future.set_result((503, "the server is stopping"))
+            logger.error("the supervisor has gone: this server process stops")
+            self._gone()
+            return
+        for message, fds in messages:
+            op = message["op"]
+            if op == "connection" and fds:
+                self._hand(socket.socket(fileno=fds.pop(0)))
+            elif op == "do":
+                asyncio.get_running_loop().create_task(self._do(message))
+            elif op == "answer":
+                future = self._asked.pop(message["number"], None)
+                if future is not None and not future.done():
+                    future.set_result((message["status"], message["message"]))
+            for fd in fds:
+                os.close(fd)
+
+    async def _do(self, message: dict[str, Any]) -> None:
+        """Does a repository request for the supervisor, and says how it went."""
+        try:
+            if message["what"] == "load":
+                await asyncio.to_thread(self._service.load_now, message["name"],
+                                        message["archive"])
+            else:
+                await asyncio.to_thread(self._service.unload_now, message["name"])
+            status, text = 200, ""
+        except ProtocolError as error:
+            status, text = error.status, str(error)
+        except Exception as error:  # multipy's own failure: logged whole
+            logger.exception("the model repository's request failed")
+            status, text = 500, f"internal error: {type(error).__name__}: {error}"
+        try:
+            self._link.send({"op": "done", "number": message["number"], "status": status,
+                             "message": text})
+        except OSError:  # the supervisor has gone
+            pass
+
+    # -- what multipy.serve.control calls, on its thread --
+
+    def watch(self, watcher: Any) -> None:
+        self._service.watch(watcher)
+
+    def load_now(self, name: str, archive: dict[str, str]) -> None:
+        """Has every process load model name (Service.load_now); ProtocolError as the
+        first that fails does."""
+        self._ask("load", name, archive)
+
+    def unload_now(self, name: str) -> None:
+        """Has every process unload model name (Service.unload_now); ProtocolError as
+        the first that fails does."""
+        self._ask("unload", name, {})
+
+    def _ask(self, what: str, name: str, archive: dict[str, str]) -> None:
+        number = next(self._numbers)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._asked[number] = future
+        try:
+            self._link.send({"op": "ask", "number": number, "what": what, "name": name,
+                             "archive": archive})
+        except OSError:
+            self._asked.pop(number, None)
+            raise ProtocolError("the server is stopping", 503) from None
+        status, message = future.result()
+        if status != 200:
+            raise ProtocolError(message, status)

@@ -1,0 +1,156 @@
+"""`multipy serve --processes 2`: one server of two processes behind one port, started and
+watched by a supervisor (multipy.serve.supervisor).  A crash costs one process, which is
+replaced (with the model repository's state); SIGTERM answers every accepted request;
+metrics, statistics and the repository are one server's; 20 interpreters serve.
+"""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from conftest import until
+
+pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+pytest.importorskip("tritonclient.http")
+
+from test_serve import _infer_json, _metrics, _request, _start, _stop, packages  # noqa: E402,F401
+
+pytestmark = pytest.mark.timeout(600)
+
+ONE = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]}
+
+
+def _all_ready(server, processes: int = 2) -> None:
+    """Waits until every process of server is ready (the supervisor's ready line)."""
+    until(lambda: f"ready: {processes} server processes" in server.output()
+          or server.process.poll() is not None, 300)
+    assert server.process.poll() is None, server.output()
+
+
+def _where(server) -> tuple[int, int]:
+    """(process id, interpreter) of the interpreter that answers a new connection."""
+    status, answer = _infer_json(server, "where", ONE)
+    assert status == 200, answer
+    pid, interpreter = answer["outputs"][0]["data"]
+    return pid, interpreter
+
+
+def _slow(server, seconds: float, answers: list) -> threading.Thread:
+    """A thread that asks model slow for a call of seconds, and appends its answer."""
+    request = {"inputs": [{"name": "seconds", "shape": [1], "datatype": "FP32",
+                           "data": [seconds]}]}
+    thread = threading.Thread(target=lambda: answers.append(
+        _infer_json(server, "slow", request)))
+    thread.start()
+    return thread
+
+
+def _readies(server, k: int) -> int:
+    return len(re.findall(rf"server process {k} \(pid \d+\) ready", server.output()))
+
+
+def test_a_crash_ends_one_process_which_is_replaced_with_the_repository_state(
+        packages, tmp_path):
+    """A model that segfaults ends its process: a call running in the other process is
+    answered, requests go on being answered, the death is logged with its signal, and a
+    replacement serves what the others serve (a model unloaded before is unloaded there
+    too)."""
+    server = _start(tmp_path, [packages[n] for n in ("crashes", "slow", "where", "pair")],
+                    "--processes", "2", "--interpreters", "1", "--model-control", "explicit")
+    try:
+        _all_ready(server)
+        pids = {_where(server)[0] for _ in range(4)}
+        assert len(pids) == 2, pids  # both processes answer
+        status, _, body = _request(server, "POST", "/v2/repository/models/pair/unload")
+        assert status == 200, body
+        answers: list = []
+        slow = _slow(server, 3.0, answers)
+        until(lambda: _metrics(server)[("multipy_busy_interpreters",
+                                        (("model", "slow"),))] == 1)
+        with pytest.raises((ConnectionError, OSError)):
+            _infer_json(server, "crashes", {"id": "req-7", **ONE})
+        slow.join(60)
+        assert answers and answers[0][0] == 200, answers
+        assert answers[0][1]["outputs"][0]["data"] == [6.0]
+        output = server.output()
+        crashed = re.search(r"server process (\d) \(pid (\d+)\) was killed by signal 11 "
+                            r"\(SIGSEGV\)", output)
+        assert crashed, output
+        assert "inference of model 'crashes', request 'req-7'" in output, output
+        k, dead = int(crashed.group(1)), int(crashed.group(2))
+        for _ in range(4):  # answered meanwhile, by the other process
+            assert _where(server)[0] != dead
+        until(lambda: _readies(server, k) == 2, 300)
+        pids = {_where(server)[0] for _ in range(6)}
+        assert len(pids) == 2 and dead not in pids, pids
+        for _ in range(4):  # pair is unloaded in both processes, the replacement included
+            status, answer = _infer_json(server, "pair", {"inputs": [
+                {"name": "a", "shape": [1], "datatype": "FP32", "data": [1]},
+                {"name": "b", "shape": [1], "datatype": "FP32", "data": [1]}]})
+            assert status == 503 and "unloaded" in answer["error"], answer
+        status, _, body = _request(server, "POST", "/v2/repository/models/pair/load")
+        assert status == 200, body
+        for _ in range(4):
+            status, answer = _infer_json(server, "pair", {"inputs": [
+                {"name": "a", "shape": [1], "datatype": "FP32", "data": [3]},
+                {"name": "b", "shape": [1], "datatype": "FP32", "data": [1]}]})
+            assert status == 200 and answer["outputs"][0]["data"] == [2.0], answer
+        assert server.process.poll() is None
+    finally:
+        _stop(server)
+
+
+def test_counts_and_statistics_are_every_process(packages, tmp_path):
+    """Twenty interpreters serve (two processes of ten); /metrics and the statistics count
+    every process's requests, whichever process answers; SIGTERM answers every request
+    accepted, and the server exits 0."""
+    server = _start(tmp_path, [packages["where"], packages["slow"]],
+                    "--processes", "2", "--interpreters", "10")
+    try:
+        _all_ready(server)
+        # 20 connections open at once: each is handed to an interpreter with none
+        connections = [socket.create_connection(("127.0.0.1", server.port), timeout=60)
+                       for _ in range(20)]
+        time.sleep(1)  # every one handed on (a request would follow the connection anyway)
+        body = json.dumps(ONE).encode()
+        head = (f"POST /v2/models/where/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+        for connection in connections:
+            connection.sendall(head + body)
+        where = set()
+        for connection in connections:
+            with connection, connection.makefile("rb") as answer:
+                assert answer.readline().startswith(b"HTTP/1.1 200"), "not answered"
+                length = 0
+                while (line := answer.readline()) != b"\r\n":
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                where.add(tuple(json.loads(answer.read(length))["outputs"][0]["data"]))
+        assert len(where) == 20, where
+        assert len({pid for pid, _ in where}) == 2
+        metrics = _metrics(server)
+        assert metrics[("multipy_interpreters", ())] == 20
+        assert metrics[("multipy_inference_requests_total", (("model", "where"),))] == 20
+        for _ in range(6):  # on new connections, so both processes answer the scrape
+            status, _, stats = _request(server, "GET", "/v2/models/where/stats")
+            assert status == 200
+            success = json.loads(stats)["model_stats"][0]["inference_stats"]["success"]
+            assert success["count"] == 20, stats
+        answers: list = []
+        slow = [_slow(server, 2.0, answers) for _ in range(4)]
+        until(lambda: _metrics(server)[("multipy_busy_interpreters",
+                                        (("model", "slow"),))] == 4)
+        server.process.send_signal(signal.SIGTERM)
+        for thread in slow:
+            thread.join(60)
+        assert [status for status, _ in answers] == [200] * 4, answers
+        assert server.process.wait(timeout=120) == 0, server.output()
+    finally:
+        _stop(server)

@@ -20,7 +20,8 @@ pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 pytest.importorskip("tritonclient.http")
 
-from test_serve import _infer_json, _metrics, _request, _start, _stop, packages  # noqa: E402,F401
+from test_serve import (_evil, _infer_json, _metrics, _request, _start, _stop,  # noqa: E402
+                        packages)  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -70,6 +71,12 @@ def test_a_crash_ends_one_process_which_is_replaced_with_the_repository_state(
         assert len(pids) == 2, pids  # both processes answer
         status, _, body = _request(server, "POST", "/v2/repository/models/pair/unload")
         assert status == 200, body
+        # without --model-repository, a load may only reload what the server started with
+        evil = _evil(tmp_path, str(tmp_path / "ran"))
+        status, _, body = _request(server, "POST", "/v2/repository/models/evil/load",
+                                   json.dumps({"parameters": {"path": evil}}).encode())
+        assert status == 400 and b"--model-repository" in body, body
+        assert not (tmp_path / "ran").exists()
         answers: list = []
         slow = _slow(server, 3.0, answers)
         until(lambda: _metrics(server)[("multipy_busy_interpreters",
@@ -79,10 +86,11 @@ def test_a_crash_ends_one_process_which_is_replaced_with_the_repository_state(
         slow.join(60)
         assert answers and answers[0][0] == 200, answers
         assert answers[0][1]["outputs"][0]["data"] == [6.0]
+        death = re.compile(r"server process (\d) \(pid (\d+)\) was killed by signal 11 "
+                           r"\(SIGSEGV\)")
+        until(lambda: death.search(server.output()))
         output = server.output()
-        crashed = re.search(r"server process (\d) \(pid (\d+)\) was killed by signal 11 "
-                            r"\(SIGSEGV\)", output)
-        assert crashed, output
+        crashed = death.search(output)
         assert "inference of model 'crashes', request 'req-7'" in output, output
         k, dead = int(crashed.group(1)), int(crashed.group(2))
         for _ in range(4):  # answered meanwhile, by the other process

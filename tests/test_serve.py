@@ -1578,8 +1578,11 @@ def test_grpc_bytes_raw_and_typed(served):
 
 @pytest.fixture(scope="module")
 def repository_served(packages, tmp_path_factory):
+    """Serves pair and python_heavy, with the folder of every test archive as its model
+    repository."""
     server = _start(tmp_path_factory.mktemp("repository"), [packages["pair"], packages["python_heavy"]],
-                    "--interpreters", "2", "--model-control", "explicit", "--grpc-port", "0")
+                    "--interpreters", "2", "--model-control", "explicit", "--grpc-port", "0",
+                    "--model-repository", os.path.dirname(packages["pair"]))
     try:
         yield server
     finally:
@@ -1634,8 +1637,9 @@ def test_models_unload_and_load_while_the_others_serve(repository_served, packag
                                    _eager(packages["python_heavy"])(torch.from_numpy(heavy))
                                    .detach().numpy(),
                                    rtol=1e-5)
-        # a new model, from the archive that the load request's config names
-        client.load_model("negative_fails", config=json.dumps({"path": packages["fails"]}))
+        # a new model, from the archive that the load request's config names (in the
+        # model repository)
+        client.load_model("negative_fails", config=json.dumps({"path": "fails.pt"}))
         assert client.is_model_ready("negative_fails")
         np.testing.assert_array_equal(
             client.infer("negative_fails", [_input("x", x, "FP32", True)]).as_numpy("output0"), x)
@@ -1651,14 +1655,15 @@ def test_models_unload_and_load_while_the_others_serve(repository_served, packag
     assert metrics[("multipy_inference_requests_total", (("model", "negative_fails"),))] == 2
 
 
-def test_repository_requests_that_cannot_be_done_say_why(repository_served, packages, tmp_path):
+def test_repository_requests_that_cannot_be_done_say_why(repository_served, packages):
     client = repository_served.client()
     status, message = _client_error(lambda: client.load_model("nope"))
-    assert status == "404" and "unknown model 'nope'" in message and '"path"' in message
-    not_an_archive = tmp_path / "not_an_archive.pt"
-    not_an_archive.write_bytes(b"not a zip")
+    assert status == "404" and "unknown model 'nope'" in message and "nope.pt" in message
+    not_an_archive = os.path.join(os.path.dirname(packages["pair"]), "not_an_archive.pt")
+    with open(not_an_archive, "wb") as f:
+        f.write(b"not a zip")
     status, message = _client_error(lambda: client.load_model(
-        "broken", config=json.dumps({"path": str(not_an_archive)})))
+        "broken", config=json.dumps({"path": "not_an_archive.pt"})))
     assert status == "400" and "model 'broken' cannot be loaded" in message
     status, message = _client_error(lambda: client.load_model("cast", config="{not json"))
     assert status == "400" and '"config" must be a JSON object' in message
@@ -1679,12 +1684,9 @@ def test_repository_requests_that_cannot_be_done_say_why(repository_served, pack
         client.load_model("python_heavy")
 
 
-def test_a_load_that_fails_leaves_the_model_unavailable_and_the_metrics_in_order(
-        repository_served, packages, tmp_path):
-    """A model whose archive is one but that fails as it loads (its example raises) is
-    UNAVAILABLE with the reason; the next model loaded is counted under its own name,
-    whichever interpreter answers it (the host and every front end give it the same
-    slot)."""
+def _fails_at_load(packages) -> str:
+    """An archive, in the test archives' folder, of a model whose example fails (so its
+    load does): its name there."""
     spec = importlib.util.spec_from_file_location("serve_test_models",
                                                   os.path.dirname(packages["fails"]) +
                                                   "/serve_test_models.py")
@@ -1692,17 +1694,26 @@ def test_a_load_that_fails_leaves_the_model_unavailable_and_the_metrics_in_order
     sys.modules["serve_test_models"] = module
     try:
         spec.loader.exec_module(module)
-        failing = str(tmp_path / "fails_at_load.pt")
-        with torch.package.PackageExporter(failing) as exporter:
+        with torch.package.PackageExporter(os.path.join(os.path.dirname(packages["pair"]),
+                                                        "fails_at_load.pt")) as exporter:
             exporter.extern(["torch.**", "numpy.**"])
             exporter.intern("serve_test_models")
             exporter.save_pickle("model", "model.pkl", module.Fails())
             exporter.save_pickle("model", "example.pkl", (-torch.ones(1, 3),))
     finally:
         del sys.modules["serve_test_models"]
+    return "fails_at_load.pt"
+
+
+def test_a_load_that_fails_leaves_the_model_unavailable_and_the_metrics_in_order(
+        repository_served, packages):
+    """A model whose archive is one but that fails as it loads (its example raises) is
+    UNAVAILABLE with the reason; the next model loaded is counted under its own name,
+    whichever interpreter answers it (the host and every front end give it the same
+    slot)."""
     client = repository_served.client()
     status, message = _client_error(lambda: client.load_model(
-        "fails_at_load", config=json.dumps({"path": failing})))
+        "fails_at_load", config=json.dumps({"path": _fails_at_load(packages)})))
     assert status == "500" and "negative input" in message
     index = {m["name"]: m for m in client.get_model_repository_index()}
     assert index["fails_at_load"]["state"] == "UNAVAILABLE"
@@ -1736,6 +1747,134 @@ def test_repository_over_grpc(repository_served):
     client.load_model("python_heavy")
     assert client.is_model_ready("python_heavy")
     assert "model_repository" in client.get_server_metadata(as_json=True)["extensions"]
+
+
+EVIL = '''
+class Evil:
+    """Writes the file its state names when it is unpickled: code a load would run."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __getstate__(self):
+        return {"marker": self.marker}
+
+    def __setstate__(self, state):
+        with open(state["marker"], "w") as f:
+            f.write("ran")
+'''
+
+
+def _evil(folder, marker: str) -> str:
+    """An archive in folder whose model, unpickled, writes the file marker."""
+    (folder / "evil_model.py").write_text(EVIL)
+    sys.path.insert(0, str(folder))
+    try:
+        import evil_model
+
+        path = str(folder / "evil.pt")
+        with torch.package.PackageExporter(path) as exporter:
+            exporter.intern("evil_model")
+            exporter.save_pickle("model", "model.pkl", evil_model.Evil(marker))
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("evil_model", None)
+    return path
+
+
+def test_loads_read_only_the_model_repository(repository_served, packages, tmp_path):
+    """A load that names an archive outside --model-repository (an absolute path, "..",
+    a symbolic link out of it, a device, a directory) is refused alike, whether the file
+    exists or not, and runs nothing; naming a served model with such a path leaves it
+    serving; over gRPC too."""
+    marker = tmp_path / "ran"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    evil = _evil(outside, str(marker))
+    repository = os.path.dirname(packages["pair"])
+    link = os.path.join(repository, "link_out.pt")
+    if not os.path.lexists(link):
+        os.symlink(evil, link)
+    relative = os.path.relpath(evil, repository)
+    client = repository_served.client()
+    for path in (evil, relative, "link_out.pt", "/etc/shadow", "/dev/zero", "/nonexistent.pt",
+                 "/", ".", "../" * 20 + "etc/passwd"):
+        for name in ("evil", "pair"):
+            status, message = _client_error(lambda: client.load_model(
+                name, config=json.dumps({"path": path})))
+            assert (status, message) == (
+                "404", f"model {name!r}: the model repository has no archive {path!r}"), path
+    grpc_client = _grpc(repository_served)
+    status, message = _client_error(lambda: grpc_client.load_model(
+        "evil", config=json.dumps({"path": evil})))
+    assert status == "StatusCode.NOT_FOUND" and "has no archive" in message
+    assert not marker.exists()
+    assert "evil" not in {m["name"] for m in client.get_model_repository_index()}
+    x = np.ones((1, 3), np.float32)
+    assert client.is_model_ready("pair")
+    answer = client.infer("pair", [_input("a", x, "FP32", True), _input("b", x, "FP32", True)])
+    np.testing.assert_array_equal(answer.as_numpy("output0"), x - x)
+    # NAME.pt in the repository, when the load names no path
+    status, message = _client_error(lambda: client.load_model("evil"))
+    assert status == "404" and "it has no evil.pt" in message
+
+
+def test_model_names_are_checked(repository_served):
+    """Loads of names outside the documented set (empty, control characters, "/", too
+    long) are refused with 400 over HTTP and gRPC, and leave nothing in the index or the
+    metrics."""
+    client = repository_served.client()
+    for quoted in ("a%0Ab", "a%09b", "-x", ".hidden", "x" * 129, "caf%C3%A9"):
+        status, _, body = _request(repository_served, "POST",
+                                   f"/v2/repository/models/{quoted}/load",
+                                   json.dumps({"parameters": {"path": "pair.pt"}}).encode())
+        assert status == 400 and "cannot name a model" in json.loads(body)["error"], quoted
+    grpc_client = _grpc(repository_served)
+    for name in ("", "a/b", "a\nb", "x" * (1 << 20)):
+        status, message = _client_error(lambda: grpc_client.load_model(
+            name, config=json.dumps({"path": "pair.pt"})))
+        assert status == "StatusCode.INVALID_ARGUMENT" and "cannot name a model" in message
+        assert len(message) < 1000
+    names = {m["name"] for m in client.get_model_repository_index()}
+    assert not [n for n in names if not n or len(n) > 128 or set(n) & set("/\n\t")], names
+    assert len(_request(repository_served, "GET", "/metrics")[2]) < 200_000
+    client.load_model("Ok_name-1.2", config=json.dumps({"path": "pair.pt"}))
+    assert client.is_model_ready("Ok_name-1.2")
+    client.unload_model("Ok_name-1.2")
+
+
+def test_a_reload_that_fails_leaves_the_loaded_model_serving(repository_served, packages):
+    """Loading pair again from an archive that fails to load answers 500 and leaves the
+    pair loaded before ready and answering; a reload that succeeds replaces it."""
+    repository = os.path.dirname(packages["pair"])
+    broken = os.path.join(repository, "broken_pair.pt")
+    with open(broken, "wb") as f:  # not a zip file: pair.pt's end cut off
+        with open(packages["pair"], "rb") as good:
+            f.write(good.read()[:-200])
+    client = repository_served.client()
+    x = np.ones((1, 3), np.float32)
+    failing = _fails_at_load(packages)  # an archive whose example fails as it loads
+    status, message = _client_error(lambda: client.load_model(
+        "pair", config=json.dumps({"path": failing})))
+    assert status == "500" and "the model loaded before serves on" in message, message
+    assert client.is_model_ready("pair")
+    index = {m["name"]: m for m in client.get_model_repository_index()}
+    assert index["pair"]["state"] == "READY"
+    for _ in range(4):  # new connections: both interpreters
+        answer = repository_served.client().infer(
+            "pair", [_input("a", 3 * x, "FP32", True), _input("b", x, "FP32", True)])
+        np.testing.assert_array_equal(answer.as_numpy("output0"), 2 * x)
+    status, message = _client_error(lambda: client.load_model(
+        "pair", config=json.dumps({"path": "broken_pair.pt"})))
+    assert status == "400" and client.is_model_ready("pair")
+    client.load_model("pair", config=json.dumps({"path": "cast.pt"}))  # a success replaces it
+    try:
+        answer = client.infer("pair", [_input("x", x, "FP32", True)])
+        np.testing.assert_array_equal(answer.as_numpy("same"), x)
+    finally:
+        client.load_model("pair", config=json.dumps({"path": "pair.pt"}))
+    answer = client.infer("pair", [_input("a", x, "FP32", True), _input("b", x, "FP32", True)])
+    np.testing.assert_array_equal(answer.as_numpy("output0"), 0 * x)
 
 
 def test_repository_load_and_unload_are_off_by_default(served):

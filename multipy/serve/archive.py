@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 import zipfile
 
@@ -44,6 +45,26 @@ def check(path: str, module: str, resource: str) -> None:
         raise ArchiveError(f"{path} has no resource {resource!r} in package {module!r} "
                            f"(--module, --resource); its pickles are "
                            f"{', '.join(pickles) or 'none'}")
+
+
+def find(directories: tuple[str, ...], relative: str) -> str | None:
+    """The real path of the regular file that relative names in the first of directories
+    (each a real path) that has one, or None: None too for a path that leaves its
+    directory (``..``, an absolute path elsewhere, a symbolic link out of it) or names
+    anything but a regular file (a device, a directory, a FIFO), so that a caller can
+    refuse them all alike and say nothing of the file system."""
+    if not relative or "\0" in relative:
+        return None
+    for directory in directories:
+        found = os.path.realpath(os.path.join(directory, relative))
+        if os.path.commonpath([found, directory]) != directory:
+            continue
+        try:
+            if stat.S_ISREG(os.stat(found).st_mode):
+                return found
+        except OSError:
+            continue
+    return None
 
 
 def storages(path: str) -> dict[str, np.ndarray]:

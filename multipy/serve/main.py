@@ -50,8 +50,8 @@ from .control import Control
 from .inbox import FORCE, STOP, open_inbox, receive, send
 from .link import Link
 from .models import ModelSpec
-from .protocol import MAX_REQUEST_SIZE
-from .repository import MODEL_CONTROLS
+from .protocol import MAX_REQUEST_SIZE, ProtocolError
+from .repository import MODEL_CONTROLS, check_name
 from .service import (GRACEFUL_TIMEOUT, MORE_MODELS, Options, Place, Service,
                       default_interpreters)
 from .supervised import Supervised
@@ -91,6 +91,12 @@ def parser() -> argparse.ArgumentParser:
                             "models while the server runs (up to %d more than it starts "
                             "with); 'none' (default): it serves the models it was started "
                             "with, and refuses them" % MORE_MODELS)
+    parse.add_argument("--model-repository", action="append", metavar="DIR",
+                       help="with --model-control explicit: a directory whose archives the "
+                            "repository's loads may read (NAME.pt, or the \"path\" a load "
+                            "names, inside DIR); may be given several times, searched in "
+                            "order (default: none, loads only reload the archives the "
+                            "server started with)")
     parse.add_argument("--grpc-port", type=int, metavar="PORT",
                        help="also serve the protocol over gRPC on this port, once the models "
                             "are ready (8001 by convention; 0: a free one, which the ready "
@@ -151,6 +157,10 @@ def specs(args: argparse.Namespace, parse: argparse.ArgumentParser) -> list[Mode
     found: list[ModelSpec] = []
     for path in args.paths:
         name = args.name or os.path.splitext(os.path.basename(path))[0]
+        try:
+            check_name(name)
+        except ProtocolError as error:
+            parse.error(f"{path}: {error} (--name gives it another)")
         if any(spec.name == name for spec in found):
             parse.error(f"two archives would both be served as {name!r}: rename one "
                         f"(or serve them from two servers)")
@@ -455,6 +465,12 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
     if args.ray and args.model_control != "none":
         parse.error("--model-control explicit is not served with --ray: redeploy to change "
                     "the models")
+    repositories = tuple(os.path.realpath(d) for d in args.model_repository or ())
+    if repositories and args.model_control != "explicit":
+        parse.error("--model-repository is for --model-control explicit")
+    for directory in repositories:
+        if not os.path.isdir(directory):
+            parse.error(f"--model-repository {directory}: not a directory")
     if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
         parse.error("--grpc-port must be a port number (0: a free one)")
     interpreters = args.interpreters if args.interpreters is not None else \
@@ -485,7 +501,7 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
                    args.timeout, max_request_size=args.max_request_size,
                    limits=Limits(args.max_header_size, args.max_headers, args.read_timeout),
                    graceful_timeout=args.graceful_timeout or None,
-                   model_control=args.model_control)
+                   model_control=args.model_control, model_repository=repositories)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ load and unload are refused.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping
 
 from .protocol import ProtocolError
@@ -23,6 +24,20 @@ READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
 MODEL_CONTROLS = ("none", "explicit")
 #: What a load request may say of the archive to load.
 _ARCHIVE_KEYS = ("path", "module", "resource")
+#: A model's name: 1 to 128 of ASCII letters, digits, "_", "-" and ".", not starting
+#: with "." or "-" (it names the model in URLs, metrics' labels and file names).
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
+#: The most characters of a model's reason kept in the index (a failed load's error).
+REASON_CHARACTERS = 1000
+
+
+def check_name(name: str) -> None:
+    """ProtocolError (400) unless name is a model's name (see _NAME)."""
+    if not _NAME.match(name):
+        shown = name if len(name) <= 40 else name[:40] + "..."
+        raise ProtocolError(f"{shown!r} cannot name a model: a name has 1 to 128 of the "
+                            f"letters A-Z and a-z, the digits, '_', '-' and '.', and does "
+                            f"not start with '.' or '-'")
 
 
 def index(states: Mapping[str, tuple[str, str]], ready_only: bool = False) -> list[dict]:
@@ -36,8 +51,10 @@ def index(states: Mapping[str, tuple[str, str]], ready_only: bool = False) -> li
 async def load(service: Any, name: str, parameters: Mapping[str, Any]) -> None:
     """Loads model name on every interpreter of service, from the archive that
     parameters name, if any (see ``archive``), else from the one it was served from;
-    ProtocolError if load is disabled (400) or it fails (see Service.load)."""
+    ProtocolError if load is disabled (400), name cannot name a model (400), or it fails
+    (see Service.load)."""
     _enabled(service, "load")
+    check_name(name)
     await service.load(name, archive(parameters))
 
 

@@ -28,7 +28,7 @@ from .metrics import STUCK_AFTER, Metrics
 from .models import ModelSpec, ServedModel, Turns
 from .progress import Progress
 from .protocol import MAX_REQUEST_SIZE, ProtocolError
-from .repository import LOADING, READY, UNAVAILABLE
+from .repository import LOADING, READY, REASON_CHARACTERS, UNAVAILABLE
 from .requests import named
 
 logger = logging.getLogger("multipy.serve")
@@ -59,7 +59,9 @@ class Options:
     among the interpreters); max_request_size: --max-request-size, in bytes; limits: what
     a connection may send (--max-header-size, --max-headers, --read-timeout);
     graceful_timeout: --graceful-timeout, seconds (None: no limit); model_control:
-    --model-control (multipy.serve.repository.MODEL_CONTROLS)."""
+    --model-control (multipy.serve.repository.MODEL_CONTROLS); model_repository: the
+    directories (real paths) whose archives the repository's loads may read
+    (--model-repository; none: only the archives the server started with)."""
 
     models: tuple[ModelSpec, ...]
     interpreters: int
@@ -71,6 +73,7 @@ class Options:
     limits: Limits = Limits()
     graceful_timeout: float | None = GRACEFUL_TIMEOUT
     model_control: str = "none"
+    model_repository: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,41 +207,48 @@ class Service:
 
     def load_now(self, name: str, archive_of: dict[str, str]) -> None:
         """Loads model name on every interpreter, from the archive that archive_of names
-        (multipy.serve.repository.archive), else from the one it was served from; a
-        model loaded from that archive already stays as it is, one loaded from another is
-        unloaded first.  ProtocolError: 503 while the server starts, 404 for a model it
-        does not know without a path, 400 for an archive that is not one (or no room for
-        another model's metrics), 500 if loading it fails (it is UNAVAILABLE then, with
-        the reason)."""
+        (multipy.serve.repository.archive; see _spec for where it may be), else from the
+        one it was served from; a model loaded from that archive already stays as it is.
+        A model loaded from another archive serves on while the new one loads, and is
+        replaced only once it has loaded.  ProtocolError: 503 while the server starts,
+        404 for an archive it may not read or a model it does not know, 400 for an
+        archive that is not one (or no room for another model's metrics), 500 if loading
+        it fails (a model that was not loaded is UNAVAILABLE then, with the reason; one
+        that was serves on)."""
         self._started()
         with self._changing:
             spec = self._spec(name, archive_of)
-            current = self.models.get(name)
-            if current is not None and current.spec == spec:
+            if name in self.models and self.models[name].spec == spec:
                 return
             try:
                 archive.check(spec.path, spec.module, spec.resource)
                 self.metrics.add(name)
             except (archive.ArchiveError, ValueError) as error:
                 raise ProtocolError(f"model {name!r} cannot be loaded: {error}") from None
-            if current is not None:
-                self._drop(name, LOADING, f"being loaded again, from {spec.path}")
-            self.specs[name] = spec
-            self._change(name, LOADING, f"loading {spec.path}")
+            replaced = [self.models[name]] if name in self.models else []
+            if not replaced:
+                self.specs[name] = spec
+                self._change(name, LOADING, f"loading {spec.path}")
             model = self._served(spec)
             try:
                 self._materialise([model], None)
             except Exception as error:
                 reason = f"loading {spec.path} failed: {type(error).__name__}: {error}"
-                self._change(name, UNAVAILABLE, reason)
+                reason = reason[:REASON_CHARACTERS]
+                if not replaced:
+                    self._change(name, UNAVAILABLE, reason)
                 failed = [model]
                 del model
                 self._release(failed)  # what the interpreters that loaded it hold
-                raise ProtocolError(f"model {name!r}: {reason}", 500) from None
+                also = "; the model loaded before serves on" if replaced else ""
+                raise ProtocolError(f"model {name!r}: {reason}{also}", 500) from None
+            self.specs[name] = spec
             self.models = {**self.models, name: model}
             self.states = {**self.states, name: (READY, "")}
             for watcher in self._watchers:
                 watcher.added(name, model)
+            if replaced:
+                self._release(replaced)
         logger.info("model %r loaded from %s", name, spec.path)
 
     def unload_now(self, name: str) -> None:
@@ -260,15 +270,30 @@ class Service:
                                 "once it is ready", 503)
 
     def _spec(self, name: str, archive_of: dict[str, str]) -> ModelSpec:
-        if "path" not in archive_of:
-            if name not in self.specs:
-                raise ProtocolError(
-                    f"unknown model {name!r}: to load a new model, give its archive's "
-                    f'"path" in the load request\'s parameters (or in its "config")', 404)
+        """The archive that a load of model name reads.  With --model-repository: the
+        "path" that archive_of names, relative to one of its directories and inside it,
+        else NAME.pt there, else the archive the model was served from.  Without: only
+        the archive the model was served from.  ProtocolError: 404 for any other, alike
+        whether it exists or not; 400 for a path without --model-repository."""
+        directories = self.options.model_repository
+        module = archive_of.get("module", "model")
+        resource = archive_of.get("resource", "model.pkl")
+        if "path" in archive_of and not directories:
+            raise ProtocolError(
+                "this server loads only the archives it was started with: start it with "
+                "--model-repository DIR to load archives from DIR")
+        relative = archive_of.get("path", f"{name}.pt")
+        found = archive.find(directories, relative) if directories else None
+        if found is not None:
+            return ModelSpec(name, found, module, resource)
+        if "path" not in archive_of and name in self.specs:
             return self.specs[name]
-        return ModelSpec(name, os.path.abspath(archive_of["path"]),
-                         archive_of.get("module", "model"),
-                         archive_of.get("resource", "model.pkl"))
+        if "path" in archive_of:
+            raise ProtocolError(f"model {name!r}: the model repository has no archive "
+                                f"{relative!r}", 404)
+        where = (f"it has no {name}.pt" if directories else
+                 "to load a new model, start the server with --model-repository DIR")
+        raise ProtocolError(f"unknown model {name!r}: {where}", 404)
 
     def _change(self, name: str, state: str, reason: str) -> None:
         # (models and states are replaced, not changed: the event loop reads them)

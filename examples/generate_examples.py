@@ -4,7 +4,8 @@
 Each package holds the model at ("model", "model.pkl"), its example input tuple at
 ("model", "example.pkl") and the output of running it directly at ("model",
 "expected.pkl").  The simple example also holds extra files ("extra", "hello.txt") and
-("extra", "hello.bin").  The text classifier's tokenizer (a WordPiece tokenizer of Hugging
+("extra", "hello.bin").  The Python-heavy one declares its input for `multipy serve`
+(("model", "config.json"): x, FP32, [-1, -1, 16]; docs/serving.md, "Declared inputs").  The text classifier's tokenizer (a WordPiece tokenizer of Hugging
 Face ``tokenizers``) is trained here, in memory, on a small corpus of labelled sentences
 that the model is then trained on for a few seconds; its example input is a numpy array
 of ``bytes``.  Used by the tests and the benchmarks.
@@ -15,6 +16,7 @@ of ``bytes``.  Used by the tests and the benchmarks.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -135,6 +137,8 @@ def generate(directory: str, names: list[str] | None = None) -> dict[str, str]:
             if name == "simple":
                 exporter.save_text("extra", "hello.txt", "hello")
                 exporter.save_binary("extra", "hello.bin", b"hello")
+            if name in _DECLARED:
+                exporter.save_text("model", "config.json", json.dumps(_DECLARED[name]))
         if traceable:
             torch.jit.trace(model, example, strict=False).save(
                 os.path.join(directory, f"{name}_jit.pt"))
@@ -152,7 +156,12 @@ def _resources(path: str) -> list[tuple[str, str]]:
 
 
 _MEANING = {"model.pkl": "the model", "example.pkl": "a tuple of example inputs",
-            "expected.pkl": "the model's output for them"}
+            "expected.pkl": "the model's output for them",
+            "config.json": "its inputs, as multipy serve checks them"}
+#: What an example declares of its inputs for multipy serve (its config.json): any rows
+#: of any length of 16 features.
+_DECLARED = {"python_heavy": {"inputs": [{"name": "x", "datatype": "FP32",
+                                          "shape": [-1, -1, 16]}]}}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
               + (f"  (TorchScript copy: {os.path.abspath(jit)})" if os.path.exists(jit) else ""))
         for package, resource in _resources(path):
             load = ("load_pickle" if resource.endswith(".pkl") else
-                    "load_text" if resource.endswith(".txt") else "load_binary")
+                    "load_text" if resource.endswith((".txt", ".json")) else "load_binary")
             call = f'package.{load}("{package}", "{resource}")'
             print(f"    {call:45s} {_MEANING.get(resource, '')}".rstrip())
 

@@ -3,6 +3,7 @@ binary data extension's length-prefixed encoding, both ways."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
@@ -141,3 +142,59 @@ def test_bytes_that_are_not_utf8_cannot_go_as_json_but_can_as_binary_data():
         'JSON cannot carry: ask for the output as binary data ("parameters": '
         '{"binary_data": true})')
     assert _answer(array, binary=True)[1] == _prefixed(b"ok", b"\xff\xfe")
+
+
+def test_declared_inputs_missing_and_optional():
+    """multipy.serve.requests checks a request against the inputs a model declares: a
+    declared input left out is a 400 unless it is optional; a request that matches
+    reaches the model, by name."""
+    import asyncio
+
+    pytest.importorskip("prometheus_client")
+    from multipy.serve.metrics import Metrics
+    from multipy.serve.protocol import InferRequest
+    from multipy.serve.requests import ModelRequests, Timing
+
+    class Echo(ModelRequests):
+        async def _run(self, names, datatypes, arrays, started):
+            with started:
+                return (tuple(names), tuple(datatypes), *arrays)
+
+    metrics = Metrics(["m"], 1)  # (kept: its board is the series' memory)
+    model = Echo("m", metrics.models["m"])
+    model.describe({"declared": True, "outputs": [], "inputs": [
+        {"name": "a", "datatype": "INT32", "shape": [-1, 2]},
+        {"name": "b", "datatype": "FP32", "shape": [3], "optional": True}]})
+    a = Tensor("a", "INT32", np.zeros((5, 2), np.int32))
+
+    def infer(*inputs):
+        return asyncio.run(model.infer(InferRequest(list(inputs), None), Timing()))
+
+    with pytest.raises(ProtocolError, match=r"^model 'm': input 'a' is missing "
+                                            r"\(INT32 \[-1, 2\]\)$") as missing:
+        infer(Tensor("b", "FP32", np.zeros(3, np.float32)))
+    assert missing.value.status == 400
+    assert [t.name for t in infer(a)] == ["a"]  # b is optional
+    assert [t.name for t in infer(a, Tensor("b", "FP32", np.ones(3, np.float32)))] == ["a", "b"]
+    assert model.metadata()["inputs"][1] == {"name": "b", "datatype": "FP32", "shape": [3]}
+
+
+@pytest.mark.parametrize("text, says", [
+    ("not json", "config.json is not JSON"),
+    ('{"outputs": []}', 'must be an object with a list "inputs"'),
+    ('{"inputs": [{"name": "x", "datatype": "FP33", "shape": [1]}]}', "not {'name': 'x'"),
+    ('{"inputs": [{"name": "x", "datatype": "FP32", "shape": [-2]}]}', "sizes (-1: any)"),
+    ('{"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "colour": 1}]}', "colour"),
+    ('{"inputs": [{"name": "x", "datatype": "FP32", "shape": []},'
+     ' {"name": "x", "datatype": "FP32", "shape": []}]}', "two of 'inputs' have one name"),
+])
+def test_a_config_json_that_declares_nothing_valid_says_why(manager, text, says):
+    """Inside an interpreter, where a served model's config.json is read."""
+    with manager.acquire_one() as session:
+        declared = session.global_("multipy._inside.serving", "declared")
+        with pytest.raises(ValueError, match=re.escape(says)):
+            declared(text)
+        assert declared('{"inputs": [{"name": "x", "datatype": "BYTES", "shape": [-1], '
+                        '"optional": true}]}').deref() == {
+            "inputs": [{"name": "x", "datatype": "BYTES", "shape": [-1], "optional": True}],
+            "outputs": []}

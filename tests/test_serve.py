@@ -384,11 +384,38 @@ def test_health_and_server_metadata(served):
     assert _request(served, "GET", "/v2/health/live")[:3:2] == (200, b"")
 
 
+def test_requests_are_checked_against_declared_inputs(served):
+    """python_heavy declares x, FP32, [-1, -1, 16] (its config.json): an input of another
+    name, datatype or shape, or none, is a 400 saying which and what was expected, before
+    the model runs; a model that declares nothing (cast) takes any input as before."""
+    def infer(model: str, inputs: list[dict]) -> tuple[int, dict]:
+        return _infer_json(served, model, {"inputs": inputs})
+
+    x = {"name": "x", "datatype": "FP32", "shape": [1, 1, 16], "data": list(range(16))}
+    status, answer = infer("python_heavy", [x])
+    assert status == 200 and answer["outputs"][0]["shape"] == [1, 16], answer
+    cases = [
+        ([{**x, "shape": [16]}],
+         "model 'python_heavy': input 'x' has shape [16], not [-1, -1, 16] (-1: any size)"),
+        ([{**x, "shape": [1, 2, 8]}],
+         "model 'python_heavy': input 'x' has shape [1, 2, 8], not [-1, -1, 16] (-1: any size)"),
+        ([{**x, "datatype": "FP64"}], "model 'python_heavy': input 'x' is FP64, not FP32"),
+        ([{**x, "name": "y"}], "model 'python_heavy' has no input 'y'; its inputs are 'x'"),
+    ]
+    before = _metrics(served)[("multipy_model_calls_total", (("model", "python_heavy"),))]
+    for inputs, message in cases:
+        assert infer("python_heavy", inputs) == (400, {"error": message}), inputs
+    after = _metrics(served)[("multipy_model_calls_total", (("model", "python_heavy"),))]
+    assert after == before  # none reached the model
+    status, answer = infer("cast", [{**x, "name": "anything", "shape": [16]}])
+    assert status == 200 and answer["outputs"][0]["shape"] == [16]
+
+
 def test_model_metadata_names_inputs_after_forward(served):
     client = served.client()
     heavy = client.get_model_metadata("python_heavy")
     assert heavy["name"] == "python_heavy" and heavy["versions"] == ["1"]
-    assert heavy["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 48, 16]}]
+    assert heavy["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, -1, 16]}]
     assert heavy["outputs"] == [{"name": "output0", "datatype": "FP32", "shape": [-1, 16]}]
     pair = client.get_model_metadata("pair", "1")
     assert [(i["name"], i["datatype"], i["shape"]) for i in pair["inputs"]] == \

@@ -19,6 +19,7 @@ their type named in the message and the original chained in the traceback.
 from __future__ import annotations
 
 import inspect
+import json
 import linecache
 import sys
 import types
@@ -34,6 +35,8 @@ _DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "U
 _NUMPY_DATATYPES = {"bool": "BOOL", "uint8": "UINT8", "uint16": "UINT16", "uint32": "UINT32",
                     "uint64": "UINT64", "int8": "INT8", "int16": "INT16", "int32": "INT32",
                     "int64": "INT64", "float16": "FP16", "float32": "FP32", "float64": "FP64"}
+#: Every datatype a model may declare for an input or output.
+_DECLARABLE = (*_DATATYPES.values(), "BYTES")
 #: How the names of a torch.package's own modules begin (its PackageImporter mangles them).
 _MANGLED = "<torch_package_"
 _INPUT_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD,
@@ -46,7 +49,9 @@ def load(path: str, module: str, resource: str, storages: dict[str, Any]) -> Ser
     array lent by the host), which the model's tensors alias instead of reading the file
     again.  The archive's
     (module, "example.pkl"), if it has one, is a tuple of example inputs: it names the
-    inputs' datatypes and shapes in the metadata, and warms the model up."""
+    inputs' datatypes and shapes in the metadata, and warms the model up.  Its
+    (module, "config.json"), if it has one, declares the inputs (and outputs): see
+    ``declared``."""
     import torch
 
     from .package import importer, load_pickle
@@ -54,20 +59,58 @@ def load(path: str, module: str, resource: str, storages: dict[str, Any]) -> Ser
     shared = {name: torch.from_numpy(array) for name, array in storages.items()}
     package_importer = importer(path, shared)
     model = load_pickle(package_importer, module, resource)
-    example = None
+    example = config = None
     folder = module.replace(".", "/")
-    if f"{folder}/example.pkl" in package_importer.zip_reader.get_all_records():
+    records = package_importer.zip_reader.get_all_records()
+    if f"{folder}/example.pkl" in records:
         example = load_pickle(package_importer, module, "example.pkl")
         if not isinstance(example, tuple):
             example = (example,)
-    return Served(model, example, package_importer.modules.values())
+    if f"{folder}/config.json" in records:
+        config = declared(package_importer.load_text(module, "config.json"))
+    return Served(model, example, package_importer.modules.values(), config)
+
+
+def declared(text: str) -> dict[str, list[dict]]:
+    """What a model's config.json declares: {"inputs": [...], "outputs": [...]}, each
+    an object {"name", "datatype" (the protocol's), "shape" (a list of sizes, -1 for any
+    size)}, an input also "optional": true if it may be left out; "outputs" may be left
+    out.  ValueError saying what is wrong."""
+    try:
+        config = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"config.json is not JSON: {error}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("inputs"), list) \
+            or not isinstance(config.get("outputs", []), list):
+        raise ValueError('config.json must be an object with a list "inputs" (and a list '
+                         '"outputs")')
+    found: dict[str, list[dict]] = {"inputs": [], "outputs": []}
+    for kind in found:
+        for spec in config.get(kind, []):
+            if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) \
+                    or spec.get("datatype") not in _DECLARABLE \
+                    or not isinstance(spec.get("shape"), list) \
+                    or not all(type(size) is int and size >= -1 for size in spec["shape"]) \
+                    or set(spec) - {"name", "datatype", "shape", "optional"}:
+                raise ValueError(f"config.json: each of {kind!r} must be an object with a "
+                                 f'"name", a "datatype" of {", ".join(_DECLARABLE)} and a '
+                                 f'"shape" of sizes (-1: any), not {spec!r}')
+            found[kind].append({"name": spec["name"], "datatype": spec["datatype"],
+                                "shape": spec["shape"],
+                                **({"optional": True} if spec.get("optional") else {})})
+        names = [spec["name"] for spec in found[kind]]
+        if len(set(names)) != len(names):
+            raise ValueError(f"config.json: two of {kind!r} have one name")
+    return found
 
 
 class Served:
     """One model in this interpreter, called by the host with numpy arrays."""
 
-    def __init__(self, model: Any, example: tuple | None, modules: Any = ()) -> None:
+    def __init__(self, model: Any, example: tuple | None, modules: Any = (),
+                 config: dict[str, list[dict]] | None = None) -> None:
         self.model = model
+        self.config = config
         # the package's own modules (mangled names; not its extern ones): see forget
         own = [module for module in modules if isinstance(module, types.ModuleType)
                and module.__name__.startswith(_MANGLED)]
@@ -131,23 +174,31 @@ class Served:
                 if id(namespace) in self._namespaces:
                     del registry[key]
 
-    def metadata(self) -> dict[str, list[dict]]:
+    def metadata(self) -> dict[str, Any]:
         """The inputs (forward's parameters) and, when the archive has an example, the
         outputs, each as {"name", "datatype", "shape"}: shapes are the example's with
         -1 for the leading (batch) dimension (BYTES for an example of str or bytes, as
-        ``_array`` takes them); without an example, FP32 and [-1]."""
+        ``_array`` takes them); without an example, FP32 and [-1].  What config.json
+        declares instead, where it does ("declared": True then, and requests are checked
+        against the inputs)."""
         import torch
 
+        if self.config is not None:
+            outputs = self.config["outputs"]
+            if not outputs and self.example is not None:
+                outputs = self._example_outputs(torch)
+            return {"inputs": self.config["inputs"], "outputs": outputs, "declared": True}
         inputs = []
         for position, name in enumerate(self.parameters):
             value = self.example[position] if self.example and position < len(self.example) else None
             inputs.append({"name": name, **_described(torch, value)})
-        outputs = []
-        if self.example is not None:
-            for name, datatype, array in self._run_example(torch):
-                shape = [-1, *array.shape[1:]] if array.ndim else []
-                outputs.append({"name": name, "datatype": datatype, "shape": shape})
+        outputs = self._example_outputs(torch) if self.example is not None else []
         return {"inputs": inputs, "outputs": outputs}
+
+    def _example_outputs(self, torch: Any) -> list[dict]:
+        return [{"name": name, "datatype": datatype,
+                 "shape": [-1, *array.shape[1:]] if array.ndim else []}
+                for name, datatype, array in self._run_example(torch)]
 
     def warm_up(self) -> None:
         """Runs the example once, if the archive has one: first calls are slow."""

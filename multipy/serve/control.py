@@ -52,7 +52,7 @@ class Control:
     # -- the service's watcher --
 
     def added(self, name: str, model: Any) -> None:
-        described = model.metadata()
+        described = model.described
         for k, (front, interpreter) in enumerate(zip(self._fronts, self._interpreters)):
             self._tell(k, "add_model", (name, model.instance(interpreter), described))
 

@@ -319,7 +319,7 @@ class FrontEnds:
                     "graceful_timeout": options.graceful_timeout, "grpc": grpc,
                     "states": service.states, "model_control": service.model_control,
                     "slots": metrics.slots,
-                    "described": {name: model.metadata() for name, model in service.models.items()}}
+                    "described": {name: model.described for name, model in service.models.items()}}
         fronts, inboxes, controls = [], [], []
         interpreters = service.manager.all_instances()
         try:

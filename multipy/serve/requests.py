@@ -48,26 +48,37 @@ class ModelRequests(abc.ABC):
         self._series = series
         self._timeout = timeout
         self._described: dict[str, list[dict]] | None = None
+        self._declared: dict[str, dict] | None = None  # name -> input, if declared
         self._parameters: list[str] = []
         self._batcher = Batcher(self._call, max_batch_size, batch_delay) \
             if max_batch_size > 1 else None
 
-    def describe(self, described: dict[str, list[dict]]) -> None:
+    def describe(self, described: dict[str, Any]) -> None:
         """Sets the model's inputs and outputs, as ``multipy._inside.serving.Served.metadata``
-        gives them."""
+        gives them; requests are checked against inputs it says are declared."""
         self._described = described
         self._parameters = [spec["name"] for spec in described["inputs"]]
+        self._declared = {spec["name"]: spec for spec in described["inputs"]} \
+            if described.get("declared") else None
 
     @property
     def ready(self) -> bool:
         """Whether the model answers (the host's may still load on some interpreters)."""
         return True
 
+    @property
+    def described(self) -> dict[str, Any] | None:
+        """What ``describe`` was given (for another front end's copy of the model)."""
+        return self._described
+
     def metadata(self) -> dict[str, Any]:
-        """The protocol's model metadata: inputs named after forward's parameters."""
+        """The protocol's model metadata: inputs named after forward's parameters, or
+        those the model declares."""
         described = self._described or {"inputs": [], "outputs": []}
         return {"name": self.name, "versions": ["1"], "platform": "pytorch_torch_package",
-                "inputs": described["inputs"], "outputs": described["outputs"]}
+                "inputs": [{key: spec[key] for key in ("name", "datatype", "shape")}
+                           for spec in described["inputs"]],
+                "outputs": described["outputs"]}
 
     @abc.abstractmethod
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
@@ -78,8 +89,11 @@ class ModelRequests(abc.ABC):
     async def infer(self, request: InferRequest, timing: Timing) -> list[Tensor]:
         """The outputs for request, as the request selects them, with the time it waited
         and its call took in timing; ProtocolError for an output it names that the model
-        does not give, ModelError if the model fails, BatchError if a batch's outputs
-        cannot be split, ServiceTimeout past the timeout (the call is cancelled)."""
+        does not give, or inputs that are not those the model declares, ModelError if the
+        model fails, BatchError if a batch's outputs cannot be split, ServiceTimeout past
+        the timeout (the call is cancelled)."""
+        if self._declared is not None:
+            self._check(request.inputs)
         if self._timeout is None:
             outputs = await self._queued(request, timing)
         else:
@@ -125,6 +139,30 @@ class ModelRequests(abc.ABC):
         if self._parameters and set(names) <= set(self._parameters):
             return names
         return None
+
+    def _check(self, inputs: list[Tensor]) -> None:
+        """ProtocolError (400) unless inputs are the declared ones: each by its name, of
+        its datatype and of its shape (-1: any size), none missing unless optional."""
+        declared = self._declared
+        for tensor in inputs:
+            spec = declared.get(tensor.name)
+            if spec is None:
+                raise ProtocolError(f"model {self.name!r} has no input {tensor.name!r}; its "
+                                    f"inputs are {', '.join(map(repr, declared))}")
+            if tensor.datatype != spec["datatype"]:
+                raise ProtocolError(f"model {self.name!r}: input {tensor.name!r} is "
+                                    f"{tensor.datatype}, not {spec['datatype']}")
+            shape, wanted = list(tensor.array.shape), spec["shape"]
+            if len(shape) != len(wanted) or any(w not in (-1, s) for w, s in zip(wanted, shape)):
+                raise ProtocolError(f"model {self.name!r}: input {tensor.name!r} has shape "
+                                    f"{shape}, not {wanted} (-1: any size)")
+        given = {tensor.name for tensor in inputs}
+        missing = [name for name, spec in declared.items()
+                   if name not in given and not spec.get("optional")]
+        if missing:
+            raise ProtocolError(f"model {self.name!r}: input {missing[0]!r} is missing "
+                                f"({declared[missing[0]]['datatype']} "
+                                f"{declared[missing[0]]['shape']})")
 
     def _select(self, outputs: list[Tensor], request: InferRequest) -> list[Tensor]:
         if request.outputs is None:

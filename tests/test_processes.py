@@ -162,3 +162,72 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
         assert server.process.wait(timeout=120) == 0, server.output()
     finally:
         _stop(server)
+
+
+ARMED = '''
+import ctypes
+import os
+
+import torch
+from torch import nn
+
+
+class Armed(nn.Module):
+    """Segfaults on a negative input, and as it loads once its marker file exists."""
+
+    def __init__(self, marker):
+        super().__init__()
+        self.marker = marker
+
+    def __setstate__(self, state):
+        if os.path.exists(state["marker"]):
+            ctypes.memset(16, 0, 1)
+        super().__setstate__(state)
+
+    def forward(self, x):
+        if bool((x < 0).any()):
+            ctypes.memset(16, 0, 1)
+        return x
+'''
+
+
+def test_replacements_that_keep_dying_stop_the_server(tmp_path):
+    """A process dies; its replacements die as they load, each retried after a longer
+    pause (1, 2, 4, 8 s), never in a loop; after 5 in a row the server stops with exit
+    status 1 and says why, the other process answering until then."""
+    import sys
+
+    import torch
+    import torch.package
+
+    marker = tmp_path / "armed"
+    (tmp_path / "armed_model.py").write_text(ARMED)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import armed_model
+
+        path = str(tmp_path / "armed.pt")
+        with torch.package.PackageExporter(path) as exporter:
+            exporter.extern(["torch.**"])
+            exporter.intern("armed_model")
+            exporter.save_pickle("model", "model.pkl", armed_model.Armed(str(marker)))
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("armed_model", None)
+    server = _start(tmp_path, [path], "--processes", "2", "--interpreters", "1")
+    try:
+        _all_ready(server)
+        marker.write_text("armed")
+        with pytest.raises((ConnectionError, OSError)):
+            _infer_json(server, "armed", {"inputs": [
+                {"name": "x", "shape": [1], "datatype": "FP32", "data": [-1]}]})
+        until(lambda: "a replacement starts now" in server.output())
+        status, answer = _infer_json(server, "armed", ONE)  # the other process answers
+        assert status == 200 and answer["outputs"][0]["data"] == [1.0], answer
+        assert server.process.wait(timeout=180) == 1, server.output()
+        output = server.output()
+        for pause in (1, 2, 4, 8):
+            assert f"while starting; a replacement starts in {pause} s" in output, output
+        assert "5 processes in a row died while starting: stopping the server" in output
+    finally:
+        _stop(server)

@@ -10,7 +10,6 @@ import re
 import signal
 import socket
 import threading
-import time
 
 import pytest
 
@@ -123,10 +122,10 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
                     "--processes", "2", "--interpreters", "10")
     try:
         _all_ready(server)
-        # 20 connections open at once: each is handed to an interpreter with none
+        # 20 connections open at once: the supervisor hands them to the two processes in
+        # turn, and each process each of its ten to an interpreter with the fewest
         connections = [socket.create_connection(("127.0.0.1", server.port), timeout=60)
                        for _ in range(20)]
-        time.sleep(1)  # every one handed on (a request would follow the connection anyway)
         body = json.dumps(ONE).encode()
         head = (f"POST /v2/models/where/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
                 f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()

@@ -882,7 +882,8 @@ def test_slow_requests_idle_connections_and_a_stalled_stop_are_bounded(packages,
             _until_accepted(server.port)
             server.process.send_signal(signal.SIGTERM)
             assert server.process.wait(timeout=60) == 0, server.output()
-            assert stalled.recv(1 << 16) is not None  # answered (408) or closed: not left open
+            answer = stalled.recv(1 << 16)  # answered (408) or closed: not left open
+            assert answer == b"" or answer.startswith(b"HTTP/1.1 408 "), answer
         finally:
             stalled.close()
     finally:
@@ -1651,6 +1652,9 @@ def test_models_unload_and_load_while_the_others_serve(repository_served, packag
         assert (index["python_heavy"]["state"], index["python_heavy"]["reason"]) == (
             "UNAVAILABLE", "unloaded")
         assert not client.is_model_ready("python_heavy") and client.is_model_ready("pair")
+        # the server stays ready: it answers its other models (docs/serving.md)
+        for _ in range(4):  # new connections: every interpreter's front end
+            assert server.client().is_server_ready()
         status, message = _client_error(
             lambda: client.infer("python_heavy", [_input("x", heavy, "FP32", True)]))
         assert status == "503" and "model 'python_heavy' is not loaded: unloaded" in message
@@ -2036,12 +2040,7 @@ def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(pe
     calls = []
     try:
         for fifo in fifos:  # the second connection goes to the interpreter not in a call
-            os.mkfifo(fifo)
-            connection = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
-            connection.request("POST", "/v2/models/blocks/infer", body=json.dumps({"inputs": [
-                {"name": "path", "shape": [len(fifo)], "datatype": "UINT8",
-                 "data": list(fifo.encode())}]}).encode())
-            calls.append(connection)
+            calls.append(_send_blocks(per_loop, fifo))
             writers.append(_until_opened(fifo))  # the call runs: it opened the FIFO
         for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
             assert _request(per_loop, "GET", path)[0] == 200, path
@@ -2058,6 +2057,19 @@ def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(pe
         call.close()
 
 
+def _send_blocks(server: Server, fifo: str,
+                 connection: http.client.HTTPConnection | None = None) -> http.client.HTTPConnection:
+    """connection (default: a new one) once it has sent the blocks model a request that
+    blocks until fifo (made here) is opened for writing and written to."""
+    os.mkfifo(fifo)
+    if connection is None:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v2/models/blocks/infer", body=json.dumps({"inputs": [
+        {"name": "path", "shape": [len(fifo)], "datatype": "UINT8",
+         "data": list(fifo.encode())}]}).encode())
+    return connection
+
+
 def _until_opened(fifo: str) -> int:
     """A writer's descriptor of fifo, once a reader has opened it (60 s at most)."""
     deadline = time.monotonic() + 60
@@ -2069,23 +2081,31 @@ def _until_opened(fifo: str) -> int:
             time.sleep(0.01)
 
 
-def test_a_new_connection_goes_to_a_loop_that_is_not_in_a_call(per_loop):
-    """While one loop calls the slow model on its own thread (its one connection's
-    request), a new connection goes to the other loop, which serves another client's
-    idle connection, and is answered before the call ends."""
+def test_a_new_connection_goes_to_a_loop_that_is_not_in_a_call(per_loop, tmp_path):
+    """While one loop is in a call (its one connection's request, which blocks until
+    released), a new connection goes to the other loop, which serves another client's
+    idle connection, and is answered while the call still runs."""
     calling = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
     idle = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
+    fifo = str(tmp_path / "gate")
+    writer = None
     try:
         for connection in (calling, idle):  # one on each loop, in this order
             connection.request("GET", "/v2/health/live")
-            assert connection.getresponse().read() is not None
-        _send_slow(per_loop, 3.0, calling)
-        time.sleep(0.5)  # the call has begun (if not, the health check below comes first)
+            response = connection.getresponse()
+            assert (response.status, response.read()) == (200, b"")
+        _send_blocks(per_loop, fifo, calling)
+        writer = _until_opened(fifo)  # the call has begun, and runs until released
         assert _request(per_loop, "GET", "/v2/health/ready")[0] == 200
-        answered_meanwhile = calling.sock is not None and not _readable(calling.sock)
+        assert not _readable(calling.sock)  # the call still runs
+    finally:
+        if writer is not None:
+            os.write(writer, b"x")
+            os.close(writer)
+    try:
         response = calling.getresponse()
-        assert response.status == 200 and json.loads(response.read())["outputs"][0]["data"] == [6.0]
-        assert answered_meanwhile, "the health check waited for the call"
+        assert response.status == 200
+        assert bytes(json.loads(response.read())["outputs"][0]["data"]).decode() == fifo
     finally:
         calling.close()
         idle.close()
@@ -2139,25 +2159,35 @@ def _sigterm_answers_all(server: Server, requests, seconds: float) -> None:
     assert "Shutting down" in server.output()
 
 
-def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop):
-    """Each loop calls the slow model on its own thread when two new connections come,
-    so that they reach their loops only once the server is stopping: the one that sent
-    a request is answered, the idle one is closed, and the server exits 0."""
-    slow = [_send_slow(per_loop, 2.0) for _ in range(2)]
-    time.sleep(0.5)  # both calls have begun (if not, the new connections come in time)
+def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop, tmp_path):
+    """Each loop is in a call (that blocks until released) when two new connections
+    come, so that they reach their loops only once the server is stopping: the one that
+    sent a request is answered, the idle one is closed, and the server exits 0."""
+    fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
+    blocked = [_send_blocks(per_loop, fifo) for fifo in fifos]
+    writers = [_until_opened(fifo) for fifo in fifos]  # both calls have begun
     late = _send_slow(per_loop, 0.5)
     idle = socket.create_connection(("127.0.0.1", per_loop.port), timeout=60)
     try:
         _until_accepted(per_loop.port)  # a stop closes the listening socket
         per_loop.process.send_signal(signal.SIGTERM)
-        for connection, seconds in zip(slow + [late], (2.0, 2.0, 0.5)):
+        for writer in writers:  # the calls end once the server is stopping
+            os.write(writer, b"x")
+            os.close(writer)
+        writers.clear()
+        for connection, fifo in zip(blocked, fifos):
             response = connection.getresponse()
             assert response.status == 200, per_loop.output()
-            assert json.loads(response.read())["outputs"][0]["data"] == [2 * seconds]
+            assert bytes(json.loads(response.read())["outputs"][0]["data"]).decode() == fifo
+        response = late.getresponse()
+        assert response.status == 200, per_loop.output()
+        assert json.loads(response.read())["outputs"][0]["data"] == [1.0]
         assert idle.recv(1) == b""  # closed by the server
         assert per_loop.process.wait(timeout=60) == 0, per_loop.output()
     finally:
-        for connection in slow + [late]:
+        for writer in writers:
+            os.close(writer)
+        for connection in blocked + [late]:
             connection.close()
         idle.close()
     assert per_loop.output().count("Started server process") == 1  # one server's lines

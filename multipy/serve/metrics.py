@@ -40,8 +40,9 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 #: Requests per call.
 _BATCHED = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The HTTP statuses an inference request can fail with (499: the client went away);
-#: any other is counted as 500.
-STATUSES = (400, 404, 408, 413, 431, 499, 500, 503)
+#: any other is counted as 500.  (408 and 431 are a connection's, before any model is
+#: named: multipy.serve.connection.)
+STATUSES = (400, 404, 413, 499, 500, 503)
 #: Seconds after which an interpreter in one call counts as stuck, without --timeout.
 STUCK_AFTER = 30.0
 

@@ -28,10 +28,9 @@ from .inference import infer, ready_model, server_metadata, statistics
 from .protocol import (BYTES, InferRequest, ProtocolError, Tensor, bytes_array, parse_request,
                        tensor_bytes, to_length_prefixed)
 
-#: The gRPC code of each HTTP status that an answer can have.
+#: The gRPC code of each HTTP status that a ProtocolError can have here.
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-          408: grpc.StatusCode.DEADLINE_EXCEEDED, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          431: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
+          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
           500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
 
 #: The protocol's service, as its clients call it.

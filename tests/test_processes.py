@@ -18,9 +18,10 @@ from conftest import until
 pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import (_evil, _infer_json, _metrics, _request, _start, _stop,  # noqa: E402
-                        packages)  # noqa: F401
+from test_serve import (_evil, _grpc_port, _infer_json, _metrics, _request,  # noqa: E402
+                        _start, _stop, packages)  # noqa: F401
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -116,10 +117,10 @@ def test_a_crash_ends_one_process_which_is_replaced_with_the_repository_state(
 
 def test_counts_and_statistics_are_every_process(packages, tmp_path):
     """Twenty interpreters serve (two processes of ten); /metrics and the statistics count
-    every process's requests, whichever process answers; SIGTERM answers every request
-    accepted, and the server exits 0."""
+    every process's requests, whichever process answers; gRPC reaches both processes on
+    one port; SIGTERM answers every request accepted, and the server exits 0."""
     server = _start(tmp_path, [packages["where"], packages["slow"]],
-                    "--processes", "2", "--interpreters", "10")
+                    "--processes", "2", "--interpreters", "10", "--grpc-port", "0")
     try:
         _all_ready(server)
         # 20 connections open at once: the supervisor hands them to the two processes in
@@ -145,11 +146,18 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
         metrics = _metrics(server)
         assert metrics[("multipy_interpreters", ())] == 20
         assert metrics[("multipy_inference_requests_total", (("model", "where"),))] == 20
+        x = grpcclient.InferInput("x", [1], "FP32")
+        x.set_data_from_numpy(np.ones(1, np.float32))
+        over_grpc = set()
+        for _ in range(16):  # new channels: the kernel spreads them over both processes
+            with grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}") as client:
+                over_grpc.add(int(client.infer("where", [x]).as_numpy("output0")[0]))
+        assert over_grpc == {pid for pid, _ in where}
         for _ in range(6):  # on new connections, so both processes answer the scrape
             status, _, stats = _request(server, "GET", "/v2/models/where/stats")
             assert status == 200
             success = json.loads(stats)["model_stats"][0]["inference_stats"]["success"]
-            assert success["count"] == 20, stats
+            assert success["count"] == 36, stats
         answers: list = []
         slow = [_slow(server, 2.0, answers) for _ in range(4)]
         until(lambda: _metrics(server)[("multipy_busy_interpreters",

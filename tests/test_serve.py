@@ -9,6 +9,7 @@ batching: one event loop), ``batching`` (1 interpreter, --max-batch-size 8: one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gzip
 import http.client
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import pytest
 
@@ -1860,27 +1862,24 @@ def test_at_most_one_call_per_interpreter_whatever_the_loop(per_loop):
     assert [a.as_numpy("together")[0] for a in answers] == [1] * 4
 
 
-def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(per_loop,
-                                                                            tmp_path):
-    """Both interpreters are in a call that does not end (no --timeout): liveness,
-    readiness and the metrics, each on a new connection, are answered meanwhile; then
-    the calls end and are answered."""
+@contextlib.contextmanager
+def _every_interpreter_in_a_call(server: Server, tmp_path) -> Iterator[list]:
+    """Both interpreters of server in a call of model blocks that does not end (each on
+    a connection of its own: the connections, yielded), until the block is left: then
+    the calls end, and each is answered."""
     fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
     writers: list[int] = []
     calls = []
     try:
         for fifo in fifos:  # the second connection goes to the interpreter not in a call
             os.mkfifo(fifo)
-            connection = http.client.HTTPConnection("127.0.0.1", per_loop.port, timeout=60)
+            connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
             connection.request("POST", "/v2/models/blocks/infer", body=json.dumps({"inputs": [
                 {"name": "path", "shape": [len(fifo)], "datatype": "UINT8",
                  "data": list(fifo.encode())}]}).encode())
             calls.append(connection)
             writers.append(_until_opened(fifo))  # the call runs: it opened the FIFO
-        for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
-            assert _request(per_loop, "GET", path)[0] == 200, path
-        assert _metrics(per_loop)[("multipy_busy_interpreters", (("model", "blocks"),))] == 2
-        assert not any(_readable(call.sock) for call in calls)  # still running
+        yield calls
     finally:
         for writer in writers:
             os.write(writer, b"x")
@@ -1890,6 +1889,55 @@ def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(pe
         assert response.status == 200
         assert bytes(json.loads(response.read())["outputs"][0]["data"]).decode() == fifo
         call.close()
+
+
+def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(per_loop,
+                                                                            tmp_path):
+    """Both interpreters are in a call that does not end (no --timeout): liveness,
+    readiness and the metrics, each on a new connection, are answered meanwhile; then
+    the calls end and are answered."""
+    with _every_interpreter_in_a_call(per_loop, tmp_path) as calls:
+        for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
+            assert _request(per_loop, "GET", path)[0] == 200, path
+        assert _metrics(per_loop)[("multipy_busy_interpreters", (("model", "blocks"),))] == 2
+        assert not any(_readable(call.sock) for call in calls)  # still running
+
+
+def _sent_in_pieces(server: Server, line: bytes, rest: bytes) -> socket.socket:
+    """A new connection to server once it has sent line a byte at a time, then rest."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for k in range(len(line)):
+        sock.sendall(line[k:k + 1])
+        time.sleep(0.01)
+    sock.sendall(rest)
+    return sock
+
+
+def test_a_get_that_arrives_in_pieces_is_answered_while_every_interpreter_is_in_a_call(
+        per_loop, tmp_path):
+    """While both interpreters are in a call that does not end, a GET whose request line
+    arrives a byte at a time is answered (the host waits for the whole line before it
+    chooses), and a POST that arrives so is handed to an interpreter, which answers it
+    once its call has ended."""
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                   "data": [1]}]}).encode()
+    with _every_interpreter_in_a_call(per_loop, tmp_path) as calls:
+        get = _sent_in_pieces(per_loop, b"GET /v2/health/live HTTP/1.1\r\n",
+                              b"Host: test\r\n\r\n")
+        with get:
+            response = http.client.HTTPResponse(get)
+            response.begin()  # (before, it waited for a call: a timeout, 20 s)
+            assert response.status == 200 and response.read() == b""
+        post = _sent_in_pieces(per_loop, b"POST /v2/models/thread/infer HTTP/1.1\r\n",
+                               b"Host: test\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert not any(_readable(sock) for sock in [post] + [call.sock for call in calls])
+    with post:
+        post.settimeout(60)
+        response = http.client.HTTPResponse(post)
+        response.begin()
+        assert response.status == 200
+        assert len(json.loads(response.read())["outputs"][0]["data"]) == 1
 
 
 def _until_opened(fifo: str) -> int:

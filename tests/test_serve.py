@@ -74,14 +74,16 @@ class Fails(nn.Module):
 
 
 RUNNING = 0  # calls of Slow running in this interpreter
+ENDED = 0  # calls of Slow that ran to their end in this interpreter
 
 
 class Slow(nn.Module):
     """Takes seconds[0] seconds, in Python (so that a cancel stops it at once); says how
-    many calls of it ran in this interpreter at once, at most, while it ran."""
+    many calls of it ran in this interpreter at once, at most, while it ran, and how many
+    ran to their end there before it."""
 
     def forward(self, seconds):
-        global RUNNING
+        global RUNNING, ENDED
         RUNNING += 1
         try:
             peak = RUNNING
@@ -91,7 +93,9 @@ class Slow(nn.Module):
                 peak = max(peak, RUNNING)
         finally:
             RUNNING -= 1
-        return {"doubled": seconds * 2, "together": torch.tensor([peak])}
+        ENDED += 1
+        return {"doubled": seconds * 2, "together": torch.tensor([peak]),
+                "ended": torch.tensor([ENDED - 1])}
 
 
 class Exits(nn.Module):
@@ -1039,19 +1043,33 @@ def _exits(connection: http.client.HTTPConnection, x: float) -> tuple[int, dict]
     return response.status, json.loads(response.read())
 
 
+@contextlib.contextmanager
+def _by_interpreter(server: Server, enough) -> Iterator[dict[int, list]]:
+    """Keep-alive connections to server, opened one at a time (at most 8) until
+    enough(found) holds, found mapping each interpreter (the thread that runs model exits
+    there) to its connections, in order; closed at the end.  (Connections open at once
+    go to different interpreters.)"""
+    found: dict[int, list[http.client.HTTPConnection]] = {}
+    connections: list[http.client.HTTPConnection] = []
+    try:
+        while not enough(found):
+            assert len(connections) < 8, found
+            connections.append(http.client.HTTPConnection("127.0.0.1", server.port, timeout=60))
+            status, answer = _exits(connections[-1], 1)
+            assert status == 200, answer
+            found.setdefault(answer["outputs"][0]["data"][0], []).append(connections[-1])
+        yield found
+    finally:
+        for connection in connections:
+            connection.close()
+
+
 def _system_exit_is_the_models_error(server: Server) -> None:
     """On a connection to each interpreter (told apart by the thread that runs the model),
     a model that raises SystemExit gets a 500 naming it; then each interpreter answers
     the next requests, on the same thread, and none is left busy or stuck."""
-    connections: list[http.client.HTTPConnection] = []
-    by_thread: dict[int, http.client.HTTPConnection] = {}
-    try:
-        while len(by_thread) < 2:  # connections open at once go to different interpreters
-            assert len(connections) < 8, "no connection went to the second interpreter"
-            connections.append(http.client.HTTPConnection("127.0.0.1", server.port, timeout=60))
-            status, answer = _exits(connections[-1], 1)
-            assert status == 200, answer
-            by_thread.setdefault(answer["outputs"][0]["data"][0], connections[-1])
+    with _by_interpreter(server, lambda found: len(found) == 2) as found:
+        by_thread = {thread: connections[0] for thread, connections in found.items()}
         for connection in by_thread.values():
             status, answer = _exits(connection, -1)
             assert (status, answer) == (500, {"error": "model 'exits' raised SystemExit: asked to"})
@@ -1059,15 +1077,85 @@ def _system_exit_is_the_models_error(server: Server) -> None:
             for _ in range(3):
                 status, answer = _exits(connection, 1)
                 assert status == 200 and answer["outputs"][0]["data"] == [thread], answer
-    finally:
-        for connection in connections:
-            connection.close()
     assert _busy(server, "exits") == 0
     assert _metrics(server)[("multipy_stuck_interpreters", ())] == 0
 
 
 def test_a_model_that_raises_system_exit_under_the_timeout_is_answered(served):
     _system_exit_is_the_models_error(served)
+
+
+def _slow_answer(connection: http.client.HTTPConnection) -> dict[str, list]:
+    """The slow model's answer to what _send_slow sent on connection: each output's data."""
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    assert response.status == 200, answer
+    return {output["name"]: output["data"] for output in answer["outputs"]}
+
+
+def _gone(server: Server) -> float:
+    """How many of the slow model's requests were answered 499: their client went away."""
+    return _metrics(server).get(("multipy_inference_failures_total",
+                                 (("model", "slow"), ("status", "499"))), 0)
+
+
+def test_a_call_whose_client_leaves_is_cancelled_and_counted(served):
+    """A client closes its connection while its call runs (4.5 s in Python, within
+    --timeout): the call is cancelled and its request counted as 499, and the next
+    request on that interpreter is answered, the abandoned call never having run to
+    its end."""
+    with _by_interpreter(served, lambda found: any(len(c) == 2 for c in found.values())) \
+            as found:
+        leaving, staying = next(c for c in found.values() if len(c) == 2)
+        ended = _slow_answer(_send_slow(served, 0, staying))["ended"][0]
+        gone = _gone(served)
+        _send_slow(served, 4.5, leaving)
+        until(lambda: _busy(served, "slow") == 1)
+        leaving.close()
+        until(lambda: _busy(served, "slow") == 0)
+        answer = _slow_answer(_send_slow(served, 0.5, staying))
+        assert answer["doubled"] == [1.0] and answer["ended"] == [ended + 1], answer
+    until(lambda: _gone(served) == gone + 1)
+
+
+def _grpc_alone(server: Server):
+    """A gRPC client of server on a connection of its own (grpcio's channels to one
+    address otherwise share one)."""
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}", channel_args=[
+        ("grpc.use_local_subchannel_pool", 1)])
+
+
+def _grpc_thread(client) -> int:
+    """The thread that runs model exits for client: its connection's interpreter's."""
+    answer = client.infer("exits", [_grpc_input("x", np.ones(1, np.float32), "FP32")])
+    return int(answer.as_numpy("output0")[0])
+
+
+def test_a_grpc_call_past_its_deadline_is_cancelled_and_counted(served):
+    """A gRPC call whose deadline (0.5 s) passes while its call runs (4.5 s in Python):
+    the call is cancelled and its request counted as 499, and the channel's next call,
+    on the same interpreter, is answered, the abandoned call never having run to its
+    end."""
+    client = _grpc_alone(served)
+
+    def slow(seconds: float, **options):
+        return client.infer("slow", [_grpc_input("seconds", np.array([seconds], np.float32),
+                                                 "FP32")], **options)
+
+    try:
+        ended = slow(0).as_numpy("ended")[0]
+        gone = _gone(served)
+        status, _ = _client_error(lambda: slow(4.5, client_timeout=0.5))
+        assert status == "StatusCode.DEADLINE_EXCEEDED"
+        until(lambda: _busy(served, "slow") == 0)
+        answer = slow(0.5)
+        assert answer.as_numpy("doubled")[0] == 1.0
+        assert answer.as_numpy("ended")[0] == ended + 1
+    finally:
+        client.close()
+    until(lambda: _gone(served) == gone + 1)
 
 
 #: Run inside an interpreter: a front end's call worker, driven by hand.

@@ -5,21 +5,21 @@ The host accepts the connections and hands each to the front end of the interpre
 the fewest open ones, by writing its socket's file descriptor into the front end's
 inbox, a pipe whose read end the front end's event loop watches (the host never waits
 for this interpreter's GIL); a stop comes the same way, after every connection handed
-before it.  From then on, every request on it is parsed,
-decoded, checked, run and answered here, by uvicorn and the same Starlette application
-as the host's (multipy.serve.app), on an event loop that runs on the host thread that
-called ``run``.  A model runs on that thread, blocking the loop: one call at a time in
-this interpreter, as in one worker process of other servers.  With a per-request
-timeout, calls run one at a time on a thread of this interpreter instead, where a call
-whose request has waited too long is cancelled as the host cancels one
+before it.  From then on, every request on it is parsed, decoded, checked, run and
+answered here, by uvicorn and the same Starlette application as the host's
+(multipy.serve.app), on an event loop that runs on the host thread that called ``run``.
+A model runs on that thread, blocking the loop: one call at a time in this interpreter,
+as in one worker process of other servers.  With a per-request timeout, calls run one at
+a time on a thread of this interpreter instead, where a call whose request has waited
+too long, or whose client went away, is cancelled as the host cancels one
 (``_multipy_bootstrap.call`` and ``cancel``: the cancel reaches that call only).  With
 gRPC (``multipy serve --grpc-port``), the same loop also runs this interpreter's gRPC
 server (multipy.serve.rpc) on the port that every interpreter's shares.  Counts go to
 this interpreter's row of the server's metrics board (multipy.serve.metrics), which
 ``/metrics`` sums, whichever front end answers it.  The model repository's load and
 unload requests go to the host, which does them (multipy.serve.service), through this
-front end's control pipe: the front end writes the request's number there and waits;
-the host reads the request (``control_request``), tells every front end what changed
+front end's control pipe: the front end writes the request's number there and waits; the
+host reads the request (``control_request``), tells every front end what changed
 (``add_model``, ``set_state``) and answers (``control_answer``).
 
 Imports uvicorn, Starlette, prometheus_client and numpy (the ``serve`` extra; grpcio and
@@ -57,6 +57,9 @@ _SERVING = (b"serving", b"the HTTP requests of multipy serve")
 #: Serial numbers of the worker's calls (_multipy_bootstrap.call): from 2**63 up, out of
 #: reach of the host's (``_host.next_serial``, from 1), whose calls share the registry.
 _serials = itertools.count(1 << 63)
+#: Seconds within which a cancelled call that stops (Python code stops at its next
+#: bytecode; C, when it returns) does not make its interpreter stuck.
+_STOPS_WITHIN = 0.5
 
 
 class FrontEnd:
@@ -298,6 +301,10 @@ class _Model(ModelRequests):
         super().__init__(name, series, max_batch_size, batch_delay, timeout)
         self._served, self._worker = served, worker
 
+    @property
+    def cancellable(self) -> bool:
+        return self._worker is not None or self._batcher is not None
+
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started) -> tuple:
         if self._worker is None:  # here, blocking the loop
@@ -312,18 +319,20 @@ class _Model(ModelRequests):
         stuck = self._worker.stuck
         if stuck is not None:
             raise ProtocolError(f"this interpreter still runs a call of model {stuck!r} that "
-                                f"passed its --timeout, and takes no other call until that one "
-                                f"ends; try again later", 503)
+                                f"its request gave up on (it passed --timeout, or its client "
+                                f"went away), and takes no other call until that one ends; "
+                                f"try again later", 503)
         return await self._worker.run(lambda: self._served.infer(names, datatypes, *arrays),
                                       started, self._series, self.name)
 
 
 class _Worker:
-    """This interpreter's thread for model calls that a timeout may cancel: they run
-    there one at a time, in order.  A call whose caller is cancelled (the timeout) never
-    runs if it has not started, and has CallCancelled raised in it at its next bytecode
-    if it has; the cancel reaches that call only, never the worker's bookkeeping or its
-    next call.  Whatever a call raises, BaseException included, is its caller's."""
+    """This interpreter's thread for model calls that may be cancelled: they run there
+    one at a time, in order.  A call whose caller is cancelled (the timeout, or the
+    client went away) never runs if it has not started, and has CallCancelled raised in
+    it at its next bytecode if it has; the cancel reaches that call only, never the
+    worker's bookkeeping or its next call.  Whatever a call raises, BaseException
+    included, is its caller's."""
 
     def __init__(self) -> None:
         #: the model whose call, given up on by its request, still runs here, or None
@@ -337,22 +346,27 @@ class _Worker:
                   name: str) -> tuple:
         """call()'s value (or exception), the call (of model name, counted in series) run
         on the worker thread within ``started`` (entered and left on the caller's
-        loop).  Cancelled once running, it makes the worker ``stuck`` until it ends."""
+        loop).  Cancelled once running, the cancel goes on once the call has ended, or
+        has made the worker ``stuck`` (see _abandoned)."""
         job = _Job(call, started, asyncio.get_running_loop())
         self._jobs.put(job)
         try:
             return await job.answer
         except asyncio.CancelledError:
-            if job.abandon():
-                self.stuck = name
-                series.abandoned(True)
-
-                def ended(_: asyncio.Future) -> None:
-                    self.stuck = None
-                    series.abandoned(False)
-
-                job.ended.add_done_callback(ended)
+            if job.abandon():  # (shielded: a second cancel does not skip the bookkeeping)
+                await asyncio.shield(self._abandoned(job, name, series))
             raise
+
+    async def _abandoned(self, job: _Job, name: str, series: Any) -> None:
+        """Waits for job, whose call was cancelled, to end: if it has not within
+        _STOPS_WITHIN seconds, the worker is stuck until it does."""
+        if not (await asyncio.wait({job.ended}, timeout=_STOPS_WITHIN))[0]:
+            self._set_stuck(name, series)
+            job.ended.add_done_callback(lambda _: self._set_stuck(None, series))
+
+    def _set_stuck(self, name: str | None, series: Any) -> None:
+        self.stuck = name
+        series.abandoned(name is not None)
 
     def _work(self) -> None:
         for job in iter(self._jobs.get, None):

@@ -63,6 +63,12 @@ class ModelRequests(abc.ABC):
         """Whether the model answers (the host's may still load on some interpreters)."""
         return True
 
+    @property
+    def cancellable(self) -> bool:
+        """Whether cancelling ``infer`` can stop a request before its call ends: its call
+        does not hold the event loop's thread, or it may wait for its batch."""
+        return True
+
     def metadata(self) -> dict[str, Any]:
         """The protocol's model metadata: inputs named after forward's parameters."""
         described = self._described or {"inputs": [], "outputs": []}

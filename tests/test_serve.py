@@ -1158,6 +1158,85 @@ def test_a_grpc_call_past_its_deadline_is_cancelled_and_counted(served):
     until(lambda: _gone(served) == gone + 1)
 
 
+@pytest.mark.parametrize("over", ["http", "grpc"])
+def test_a_stuck_interpreters_clients_move_to_a_free_one(served, tmp_path, over):
+    """A call blocked in C (its request sent over HTTP, or gRPC) passes --timeout (5 s)
+    on one interpreter, stuck until the call ends: the answer to its request closes its
+    connection (HTTP: Connection: close; gRPC: that interpreter's gRPC server stops, a
+    GOAWAY, before it answers), and so does the 503 that another client's keep-alive
+    connection to that interpreter gets next; each client's next request, on a new
+    connection, reaches the other interpreter and is answered.  Once the call has
+    ended, that interpreter serves gRPC again."""
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    x = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [2]}]}
+
+    def cast(connection: http.client.HTTPConnection) -> tuple[int, str | None, dict]:
+        connection.request("POST", "/v2/models/cast/infer", body=json.dumps(x).encode())
+        response = connection.getresponse()
+        return response.status, response.getheader("connection"), json.loads(response.read())
+
+    with _by_interpreter(served, lambda found: any(len(c) == 2 for c in found.values())) \
+            as found:
+        stuck, (blocked, pinned) = next((thread, c) for thread, c in found.items()
+                                        if len(c) == 2)
+        channels = [_grpc_alone(served)]
+        while _grpc_thread(channels[-1]) != stuck:  # (the kernel picks their interpreters)
+            assert len(channels) < 40
+            channels.append(_grpc_alone(served))
+        answers: list = []
+
+        def block() -> None:
+            path = np.frombuffer(fifo.encode(), np.uint8)
+            if over == "grpc":
+                answers.append(_client_error(lambda: channels[-1].infer(
+                    "blocks", [_grpc_input("path", path, "UINT8")])))
+                return
+            blocked.request("POST", "/v2/models/blocks/infer", body=json.dumps({"inputs": [
+                {"name": "path", "shape": [len(path)], "datatype": "UINT8",
+                 "data": path.tolist()}]}).encode())
+            response = blocked.getresponse()
+            answers.append((response.status, response.getheader("connection"),
+                            json.loads(response.read())["error"]))
+
+        calling = threading.Thread(target=block)
+        calling.start()
+        try:
+            calling.join(3)  # then pinned's keep-alive (5 s) outlasts the call
+            pinned.request("GET", "/v2/health/live")
+            assert pinned.getresponse().read() == b""
+            calling.join(60)
+            if over == "grpc":
+                status, error = answers[0]
+                assert status == "StatusCode.INTERNAL", error
+            else:
+                status, close, error = answers[0]
+                assert (status, close) == (500, "close"), error
+                status, _, answer = cast(blocked)
+                assert status == 200 and answer["outputs"][0]["data"] == [2.0], answer
+            assert "'blocks' did not answer" in error
+            assert _grpc_thread(channels[-1]) != stuck
+            status, close, answer = cast(pinned)
+            assert (status, close) == (503, "close") and "'blocks'" in answer["error"], answer
+            status, _, answer = cast(pinned)
+            assert status == 200 and answer["outputs"][0]["data"] == [2.0], answer
+        finally:
+            until(lambda: write_one(fifo))
+            calling.join(60)
+            for channel in channels:
+                channel.close()
+    until(lambda: _metrics(served)[("multipy_stuck_interpreters", ())] == 0)
+
+    def reaches_it() -> bool:
+        client = _grpc_alone(served)
+        try:
+            return _grpc_thread(client) == stuck
+        finally:
+            client.close()
+
+    until(reaches_it)  # (each a new connection, which the kernel gives either interpreter)
+
+
 #: Run inside an interpreter: a front end's call worker, driven by hand.
 WORKER = '''
 import asyncio, functools, threading
@@ -1185,7 +1264,7 @@ class Series:
 
 
 async def _cancelled_as_it_ends():
-    worker = front_end._Worker()
+    worker = front_end._Worker(lambda: None)
     started = Started()
     run = lambda call: asyncio.wait_for(worker.run(call, started, Series(), "m"), 30)
     try:

@@ -9,6 +9,7 @@ batching: one event loop), ``batching`` (1 interpreter, --max-batch-size 8: one 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import gzip
 import http.client
@@ -25,6 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import pytest
 
@@ -72,14 +74,16 @@ class Fails(nn.Module):
 
 
 RUNNING = 0  # calls of Slow running in this interpreter
+ENDED = 0  # calls of Slow that ran to their end in this interpreter
 
 
 class Slow(nn.Module):
     """Takes seconds[0] seconds, in Python (so that a cancel stops it at once); says how
-    many calls of it ran in this interpreter at once, at most, while it ran."""
+    many calls of it ran in this interpreter at once, at most, while it ran, and how many
+    ran to their end there before it."""
 
     def forward(self, seconds):
-        global RUNNING
+        global RUNNING, ENDED
         RUNNING += 1
         try:
             peak = RUNNING
@@ -89,7 +93,9 @@ class Slow(nn.Module):
                 peak = max(peak, RUNNING)
         finally:
             RUNNING -= 1
-        return {"doubled": seconds * 2, "together": torch.tensor([peak])}
+        ENDED += 1
+        return {"doubled": seconds * 2, "together": torch.tensor([peak]),
+                "ended": torch.tensor([ENDED - 1])}
 
 
 class Exits(nn.Module):
@@ -1065,19 +1071,33 @@ def _exits(connection: http.client.HTTPConnection, x: float) -> tuple[int, dict]
     return response.status, json.loads(response.read())
 
 
+@contextlib.contextmanager
+def _by_interpreter(server: Server, enough) -> Iterator[dict[int, list]]:
+    """Keep-alive connections to server, opened one at a time (at most 8) until
+    enough(found) holds, found mapping each interpreter (the thread that runs model exits
+    there) to its connections, in order; closed at the end.  (Connections open at once
+    go to different interpreters.)"""
+    found: dict[int, list[http.client.HTTPConnection]] = {}
+    connections: list[http.client.HTTPConnection] = []
+    try:
+        while not enough(found):
+            assert len(connections) < 8, found
+            connections.append(http.client.HTTPConnection("127.0.0.1", server.port, timeout=60))
+            status, answer = _exits(connections[-1], 1)
+            assert status == 200, answer
+            found.setdefault(answer["outputs"][0]["data"][0], []).append(connections[-1])
+        yield found
+    finally:
+        for connection in connections:
+            connection.close()
+
+
 def _system_exit_is_the_models_error(server: Server) -> None:
     """On a connection to each interpreter (told apart by the thread that runs the model),
     a model that raises SystemExit gets a 500 naming it; then each interpreter answers
     the next requests, on the same thread, and none is left busy or stuck."""
-    connections: list[http.client.HTTPConnection] = []
-    by_thread: dict[int, http.client.HTTPConnection] = {}
-    try:
-        while len(by_thread) < 2:  # connections open at once go to different interpreters
-            assert len(connections) < 8, "no connection went to the second interpreter"
-            connections.append(http.client.HTTPConnection("127.0.0.1", server.port, timeout=60))
-            status, answer = _exits(connections[-1], 1)
-            assert status == 200, answer
-            by_thread.setdefault(answer["outputs"][0]["data"][0], connections[-1])
+    with _by_interpreter(server, lambda found: len(found) == 2) as found:
+        by_thread = {thread: connections[0] for thread, connections in found.items()}
         for connection in by_thread.values():
             status, answer = _exits(connection, -1)
             assert (status, answer) == (500, {"error": "model 'exits' raised SystemExit: asked to"})
@@ -1085,15 +1105,164 @@ def _system_exit_is_the_models_error(server: Server) -> None:
             for _ in range(3):
                 status, answer = _exits(connection, 1)
                 assert status == 200 and answer["outputs"][0]["data"] == [thread], answer
-    finally:
-        for connection in connections:
-            connection.close()
     assert _busy(server, "exits") == 0
     assert _metrics(server)[("multipy_stuck_interpreters", ())] == 0
 
 
 def test_a_model_that_raises_system_exit_under_the_timeout_is_answered(served):
     _system_exit_is_the_models_error(served)
+
+
+def _slow_answer(connection: http.client.HTTPConnection) -> dict[str, list]:
+    """The slow model's answer to what _send_slow sent on connection: each output's data."""
+    response = connection.getresponse()
+    answer = json.loads(response.read())
+    assert response.status == 200, answer
+    return {output["name"]: output["data"] for output in answer["outputs"]}
+
+
+def _gone(server: Server) -> float:
+    """How many of the slow model's requests were answered 499: their client went away."""
+    return _metrics(server).get(("multipy_inference_failures_total",
+                                 (("model", "slow"), ("status", "499"))), 0)
+
+
+def test_a_call_whose_client_leaves_is_cancelled_and_counted(served):
+    """A client closes its connection while its call runs (4.5 s in Python, within
+    --timeout): the call is cancelled and its request counted as 499, and the next
+    request on that interpreter is answered, the abandoned call never having run to
+    its end."""
+    with _by_interpreter(served, lambda found: any(len(c) == 2 for c in found.values())) \
+            as found:
+        leaving, staying = next(c for c in found.values() if len(c) == 2)
+        ended = _slow_answer(_send_slow(served, 0, staying))["ended"][0]
+        gone = _gone(served)
+        _send_slow(served, 4.5, leaving)
+        until(lambda: _busy(served, "slow") == 1)
+        leaving.close()
+        until(lambda: _busy(served, "slow") == 0)
+        answer = _slow_answer(_send_slow(served, 0.5, staying))
+        assert answer["doubled"] == [1.0] and answer["ended"] == [ended + 1], answer
+    until(lambda: _gone(served) == gone + 1)
+
+
+def _grpc_alone(server: Server):
+    """A gRPC client of server on a connection of its own (grpcio's channels to one
+    address otherwise share one)."""
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}", channel_args=[
+        ("grpc.use_local_subchannel_pool", 1)])
+
+
+def _grpc_thread(client) -> int:
+    """The thread that runs model exits for client: its connection's interpreter's."""
+    answer = client.infer("exits", [_grpc_input("x", np.ones(1, np.float32), "FP32")])
+    return int(answer.as_numpy("output0")[0])
+
+
+def test_a_grpc_call_past_its_deadline_is_cancelled_and_counted(served):
+    """A gRPC call whose deadline (0.5 s) passes while its call runs (4.5 s in Python):
+    the call is cancelled and its request counted as 499, and the channel's next call,
+    on the same interpreter, is answered, the abandoned call never having run to its
+    end."""
+    client = _grpc_alone(served)
+
+    def slow(seconds: float, **options):
+        return client.infer("slow", [_grpc_input("seconds", np.array([seconds], np.float32),
+                                                 "FP32")], **options)
+
+    try:
+        ended = slow(0).as_numpy("ended")[0]
+        gone = _gone(served)
+        status, _ = _client_error(lambda: slow(4.5, client_timeout=0.5))
+        assert status == "StatusCode.DEADLINE_EXCEEDED"
+        until(lambda: _busy(served, "slow") == 0)
+        answer = slow(0.5)
+        assert answer.as_numpy("doubled")[0] == 1.0
+        assert answer.as_numpy("ended")[0] == ended + 1
+    finally:
+        client.close()
+    until(lambda: _gone(served) == gone + 1)
+
+
+@pytest.mark.parametrize("over", ["http", "grpc"])
+def test_a_stuck_interpreters_clients_move_to_a_free_one(served, tmp_path, over):
+    """A call blocked in C (its request sent over HTTP, or gRPC) passes --timeout (5 s)
+    on one interpreter, stuck until the call ends: the answer to its request closes its
+    connection (HTTP: Connection: close; gRPC: that interpreter's gRPC server stops, a
+    GOAWAY, before it answers), and so does the 503 that another client's keep-alive
+    connection to that interpreter gets next; each client's next request, on a new
+    connection, reaches the other interpreter and is answered.  Once the call has
+    ended, that interpreter serves gRPC again."""
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    x = {"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [2]}]}
+
+    def cast(connection: http.client.HTTPConnection) -> tuple[int, str | None, dict]:
+        connection.request("POST", "/v2/models/cast/infer", body=json.dumps(x).encode())
+        response = connection.getresponse()
+        return response.status, response.getheader("connection"), json.loads(response.read())
+
+    with _by_interpreter(served, lambda found: any(len(c) == 2 for c in found.values())) \
+            as found:
+        stuck, (blocked, pinned) = next((thread, c) for thread, c in found.items()
+                                        if len(c) == 2)
+        channels = [_grpc_alone(served)]
+        while _grpc_thread(channels[-1]) != stuck:  # (the kernel picks their interpreters)
+            assert len(channels) < 40
+            channels.append(_grpc_alone(served))
+        answers: list = []
+
+        def block() -> None:
+            path = np.frombuffer(fifo.encode(), np.uint8)
+            if over == "grpc":
+                answers.append(_client_error(lambda: channels[-1].infer(
+                    "blocks", [_grpc_input("path", path, "UINT8")])))
+                return
+            blocked.request("POST", "/v2/models/blocks/infer", body=json.dumps({"inputs": [
+                {"name": "path", "shape": [len(path)], "datatype": "UINT8",
+                 "data": path.tolist()}]}).encode())
+            response = blocked.getresponse()
+            answers.append((response.status, response.getheader("connection"),
+                            json.loads(response.read())["error"]))
+
+        calling = threading.Thread(target=block)
+        calling.start()
+        try:
+            calling.join(3)  # then pinned's keep-alive (5 s) outlasts the call
+            pinned.request("GET", "/v2/health/live")
+            assert pinned.getresponse().read() == b""
+            calling.join(60)
+            if over == "grpc":
+                status, error = answers[0]
+                assert status == "StatusCode.INTERNAL", error
+            else:
+                status, close, error = answers[0]
+                assert (status, close) == (500, "close"), error
+                status, _, answer = cast(blocked)
+                assert status == 200 and answer["outputs"][0]["data"] == [2.0], answer
+            assert "'blocks' did not answer" in error
+            assert _grpc_thread(channels[-1]) != stuck
+            status, close, answer = cast(pinned)
+            assert (status, close) == (503, "close") and "'blocks'" in answer["error"], answer
+            status, _, answer = cast(pinned)
+            assert status == 200 and answer["outputs"][0]["data"] == [2.0], answer
+        finally:
+            until(lambda: write_one(fifo))
+            calling.join(60)
+            for channel in channels:
+                channel.close()
+    until(lambda: _metrics(served)[("multipy_stuck_interpreters", ())] == 0)
+
+    def reaches_it() -> bool:
+        client = _grpc_alone(served)
+        try:
+            return _grpc_thread(client) == stuck
+        finally:
+            client.close()
+
+    until(reaches_it)  # (each a new connection, which the kernel gives either interpreter)
 
 
 #: Run inside an interpreter: a front end's call worker, driven by hand.
@@ -1123,7 +1292,7 @@ class Series:
 
 
 async def _cancelled_as_it_ends():
-    worker = front_end._Worker()
+    worker = front_end._Worker(lambda: None)
     started = Started()
     run = lambda call: asyncio.wait_for(worker.run(call, started, Series(), "m"), 30)
     try:
@@ -2030,22 +2199,19 @@ def test_at_most_one_call_per_interpreter_whatever_the_loop(per_loop):
     assert [a.as_numpy("together")[0] for a in answers] == [1] * 4
 
 
-def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(per_loop,
-                                                                            tmp_path):
-    """Both interpreters are in a call that does not end (no --timeout): liveness,
-    readiness and the metrics, each on a new connection, are answered meanwhile; then
-    the calls end and are answered."""
+@contextlib.contextmanager
+def _every_interpreter_in_a_call(server: Server, tmp_path) -> Iterator[list]:
+    """Both interpreters of server in a call of model blocks that does not end (each on
+    a connection of its own: the connections, yielded), until the block is left: then
+    the calls end, and each is answered."""
     fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
     writers: list[int] = []
     calls = []
     try:
         for fifo in fifos:  # the second connection goes to the interpreter not in a call
-            calls.append(_send_blocks(per_loop, fifo))
+            calls.append(_send_blocks(server, fifo))
             writers.append(_until_opened(fifo))  # the call runs: it opened the FIFO
-        for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
-            assert _request(per_loop, "GET", path)[0] == 200, path
-        assert _metrics(per_loop)[("multipy_busy_interpreters", (("model", "blocks"),))] == 2
-        assert not any(_readable(call.sock) for call in calls)  # still running
+        yield calls
     finally:
         for writer in writers:
             os.write(writer, b"x")
@@ -2068,6 +2234,55 @@ def _send_blocks(server: Server, fifo: str,
         {"name": "path", "shape": [len(fifo)], "datatype": "UINT8",
          "data": list(fifo.encode())}]}).encode())
     return connection
+
+
+def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(per_loop,
+                                                                            tmp_path):
+    """Both interpreters are in a call that does not end (no --timeout): liveness,
+    readiness and the metrics, each on a new connection, are answered meanwhile; then
+    the calls end and are answered."""
+    with _every_interpreter_in_a_call(per_loop, tmp_path) as calls:
+        for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
+            assert _request(per_loop, "GET", path)[0] == 200, path
+        assert _metrics(per_loop)[("multipy_busy_interpreters", (("model", "blocks"),))] == 2
+        assert not any(_readable(call.sock) for call in calls)  # still running
+
+
+def _sent_in_pieces(server: Server, line: bytes, rest: bytes) -> socket.socket:
+    """A new connection to server once it has sent line a byte at a time, then rest."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for k in range(len(line)):
+        sock.sendall(line[k:k + 1])
+        time.sleep(0.01)
+    sock.sendall(rest)
+    return sock
+
+
+def test_a_get_that_arrives_in_pieces_is_answered_while_every_interpreter_is_in_a_call(
+        per_loop, tmp_path):
+    """While both interpreters are in a call that does not end, a GET whose request line
+    arrives a byte at a time is answered (the host waits for the whole line before it
+    chooses), and a POST that arrives so is handed to an interpreter, which answers it
+    once its call has ended."""
+    body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
+                                   "data": [1]}]}).encode()
+    with _every_interpreter_in_a_call(per_loop, tmp_path) as calls:
+        get = _sent_in_pieces(per_loop, b"GET /v2/health/live HTTP/1.1\r\n",
+                              b"Host: test\r\n\r\n")
+        with get:
+            response = http.client.HTTPResponse(get)
+            response.begin()  # (before, it waited for a call: a timeout, 20 s)
+            assert response.status == 200 and response.read() == b""
+        post = _sent_in_pieces(per_loop, b"POST /v2/models/thread/infer HTTP/1.1\r\n",
+                               b"Host: test\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        assert not any(_readable(sock) for sock in [post] + [call.sock for call in calls])
+    with post:
+        post.settimeout(60)
+        response = http.client.HTTPResponse(post)
+        response.begin()
+        assert response.status == 200
+        assert len(json.loads(response.read())["outputs"][0]["data"]) == 1
 
 
 def _until_opened(fifo: str) -> int:

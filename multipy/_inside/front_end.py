@@ -5,22 +5,25 @@ The host accepts the connections and hands each to the front end of the interpre
 the fewest open ones, by writing its socket's file descriptor into the front end's
 inbox, a pipe whose read end the front end's event loop watches (the host never waits
 for this interpreter's GIL); a stop comes the same way, after every connection handed
-before it.  From then on, every request on it is parsed,
-decoded, checked, run and answered here, by uvicorn and the same Starlette application
-as the host's (multipy.serve.app), on an event loop that runs on the host thread that
-called ``run``.  A model runs on that thread, blocking the loop: one call at a time in
-this interpreter, as in one worker process of other servers.  With a per-request
-timeout, calls run one at a time on a thread of this interpreter instead, where a call
-whose request has waited too long is cancelled as the host cancels one
-(``_multipy_bootstrap.call`` and ``cancel``: the cancel reaches that call only).  With
-gRPC (``multipy serve --grpc-port``), the same loop also runs this interpreter's gRPC
-server (multipy.serve.rpc) on the port that every interpreter's shares.  Counts go to
-this interpreter's row of the server's metrics board (multipy.serve.metrics), which
-``/metrics`` sums, whichever front end answers it.  The model repository's load and
-unload requests go to the host, which does them (multipy.serve.service), through this
-front end's control pipe: the front end writes the request's number there and waits;
-the host reads the request (``control_request``), tells every front end what changed
-(``add_model``, ``set_state``) and answers (``control_answer``).
+before it.  From then on, every request on it is parsed, decoded, checked, run and
+answered here, by uvicorn and the same Starlette application as the host's
+(multipy.serve.app), on an event loop that runs on the host thread that called ``run``.
+A model runs on that thread, blocking the loop: one call at a time in this interpreter,
+as in one worker process of other servers.  With a per-request timeout, calls run one at
+a time on a thread of this interpreter instead, where a call whose request has waited
+too long, or whose client went away, is cancelled as the host cancels one
+(``_multipy_bootstrap.call`` and ``cancel``: the cancel reaches that call only); while
+such a call does not stop, this interpreter is stuck, and moves its clients to the
+others: its HTTP answers close their connections, and its gRPC server stops until the
+call ends.  With gRPC (``multipy serve --grpc-port``), the same loop also runs this
+interpreter's gRPC server (multipy.serve.rpc) on the port that every interpreter's
+shares.  Counts go to this interpreter's row of the server's metrics board
+(multipy.serve.metrics), which ``/metrics`` sums, whichever front end answers it.  The
+model repository's load and unload requests go to the host, which does them
+(multipy.serve.service), through this front end's control pipe: the front end writes the
+request's number there and waits; the host reads the request (``control_request``),
+tells every front end what changed (``add_model``, ``set_state``) and answers
+(``control_answer``).
 
 Imports uvicorn, Starlette, prometheus_client and numpy (the ``serve`` extra; grpcio and
 protobuf with gRPC), and of multipy only what host and interpreters share of
@@ -50,6 +53,8 @@ from ..serve.requests import ModelRequests, Started, named
 from .serving import Served
 
 
+logger = logging.getLogger("multipy.serve")
+
 #: A graceful stop's limit (seconds) when --graceful-timeout sets none.
 _NO_LIMIT = 365 * 24 * 3600.0
 #: What a crash report names while a front end runs no model call.
@@ -57,6 +62,9 @@ _SERVING = (b"serving", b"the HTTP requests of multipy serve")
 #: Serial numbers of the worker's calls (_multipy_bootstrap.call): from 2**63 up, out of
 #: reach of the host's (``_host.next_serial``, from 1), whose calls share the registry.
 _serials = itertools.count(1 << 63)
+#: Seconds within which a cancelled call that stops (Python code stops at its next
+#: bytecode; C, when it returns) does not make its interpreter stuck.
+_STOPS_WITHIN = 0.5
 
 
 class FrontEnd:
@@ -93,16 +101,17 @@ class FrontEnd:
         self._limits = Limits(**settings["limits"])
         self._graceful_timeout = settings["graceful_timeout"]
         self.ready = True
-        self._worker = _Worker() if settings["timeout"] is not None else None
+        self._worker = None if settings["timeout"] is None else _Worker(self._stuck_changed)
         self._settings = settings
         self.models: dict[str, _Model] = {}
         for name, served in models.items():
             self.add_model(name, served, settings["described"][name])
-        self._app = create_app(self)
+        self._app = create_app(self) if self._worker is None else \
+            _closing_while_stuck(create_app(self), self._worker)
         self._inbox = settings["inbox"]
         self._grpc_address = settings["grpc"]
-        self._grpc: Any = None
-        self._grpc_stopped: asyncio.Future | None = None
+        self._grpc: Any = None  # the gRPC server serving here, if one does
+        self._grpc_stops: dict[Any, asyncio.Future] = {}  # server stopped -> its stop
         self._server: _Server | None = None
         self._connecting: set[asyncio.Task] = set()
         self._serving = threading.Event()  # set once it serves, or has ended
@@ -206,10 +215,7 @@ class FrontEnd:
         self._protocol = guarded(server.config.http_protocol_class, self._limits,
                                  self.metrics.closed_connection)
         if self._grpc_address is not None:
-            from ..serve.rpc import create_server
-
-            self._grpc = create_server(self, self._grpc_address)
-            await self._grpc.start()
+            await self._serve_grpc()
         loop = self._loop = asyncio.get_running_loop()
         loop.add_reader(self._inbox, self._read_inbox)
         self._read_inbox()  # what came before the loop ran
@@ -223,8 +229,9 @@ class FrontEnd:
                 continue
             if value == FORCE:
                 self._server.force_exit = True
-                if self._grpc is not None:  # its calls end now
-                    self._keep(self._grpc.stop(0))
+                for server in [self._grpc, *self._grpc_stops]:  # their calls end now
+                    if server is not None:
+                        self._keep(server.stop(0))
             if not self._stopping:
                 self._stopping = True
                 self._keep(self._stop())
@@ -256,8 +263,7 @@ class FrontEnd:
         closes each connection that has none."""
         if self._grpc is not None:  # no new calls; those running end within the limit
             grace = self._graceful_timeout  # (None: none; grpc's None would be at once)
-            self._grpc_stopped = asyncio.ensure_future(
-                self._grpc.stop(_NO_LIMIT if grace is None else grace))
+            self._stop_grpc(_NO_LIMIT if grace is None else grace)
         if self._connecting:
             await asyncio.gather(*self._connecting, return_exceptions=True)
         for _ in range(2):  # turns of the loop, which read what the new sockets hold
@@ -267,9 +273,48 @@ class FrontEnd:
     async def _finish(self) -> None:
         """Once the HTTP server has stopped: the gRPC calls end, then the batches still
         waiting run."""
-        if self._grpc_stopped is not None:
-            await self._grpc_stopped
+        await asyncio.gather(*self._grpc_stops.values())
         await self.drain()
+
+    # -- gRPC while this interpreter is stuck --
+
+    async def _serve_grpc(self) -> None:
+        """Starts a gRPC server here (multipy.serve.rpc), unless the front end stops."""
+        from ..serve.rpc import create_server
+
+        if not self._stopping:
+            self._grpc = create_server(self, self._grpc_address)
+            await self._grpc.start()
+
+    def _stop_grpc(self, grace: float) -> None:
+        """Stops the gRPC server: no new calls (GOAWAY: its clients' channels connect
+        again, to the servers that listen), those running end within grace seconds."""
+        server, self._grpc = self._grpc, None
+        self._grpc_stops[server] = asyncio.ensure_future(server.stop(grace))
+
+    def _stuck_changed(self) -> None:
+        """The worker is stuck, or free again (on the loop): a stuck interpreter's gRPC
+        server stops while another interpreter of the process is not stuck, so that the
+        gRPC channels held here go there (HTTP's connections are closed as they are
+        answered: _closing_while_stuck); a new one starts once it is free again."""
+        if self._grpc_address is None or self._stopping:
+            return
+        if self._worker.stuck is None:
+            if self._grpc is None:
+                self._keep(self._restart_grpc())
+            return
+        row, metrics = self._settings["row"], self.metrics
+        if self._grpc is not None and any(metrics.stuck(k) is None for k in
+                                          range(1, metrics.interpreters + 1) if k != row):
+            self._stop_grpc(self._settings["timeout"])  # (every call here ends within it)
+
+    async def _restart_grpc(self) -> None:
+        try:
+            await self._serve_grpc()
+        except Exception as error:  # (the port could not be bound again, say)
+            self._grpc = None
+            logger.error("an interpreter's gRPC server could not start again (the others "
+                         "serve gRPC): %s: %s", type(error).__name__, error)
 
 
 class _Server(uvicorn.Server):
@@ -290,6 +335,23 @@ class _Server(uvicorn.Server):
         await self._finish()
 
 
+def _closing_while_stuck(app: Any, worker: _Worker) -> Any:
+    """The ASGI application app, but an answer it gives while worker is stuck closes its
+    connection (Connection: close): the client's next request comes on a new connection,
+    which the host hands to an interpreter that is not stuck."""
+
+    async def closing(scope: dict, receive: Callable, send: Callable) -> None:
+        async def sending(message: dict) -> None:
+            if message["type"] == "http.response.start" and worker.stuck is not None:
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"connection", b"close")]}
+            await send(message)
+
+        await app(scope, receive, sending)
+
+    return closing
+
+
 class _Model(ModelRequests):
     """A model loaded in this interpreter; see ModelRequests."""
 
@@ -297,6 +359,10 @@ class _Model(ModelRequests):
                  max_batch_size: int, batch_delay: float, timeout: float | None) -> None:
         super().__init__(name, series, max_batch_size, batch_delay, timeout)
         self._served, self._worker = served, worker
+
+    @property
+    def cancellable(self) -> bool:
+        return self._worker is not None or self._batcher is not None
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started) -> tuple:
@@ -312,22 +378,26 @@ class _Model(ModelRequests):
         stuck = self._worker.stuck
         if stuck is not None:
             raise ProtocolError(f"this interpreter still runs a call of model {stuck!r} that "
-                                f"passed its --timeout, and takes no other call until that one "
-                                f"ends; try again later", 503)
+                                f"its request gave up on (it passed --timeout, or its client "
+                                f"went away), and takes no other call until that one ends; "
+                                f"try again later", 503)
         return await self._worker.run(lambda: self._served.infer(names, datatypes, *arrays),
                                       started, self._series, self.name)
 
 
 class _Worker:
-    """This interpreter's thread for model calls that a timeout may cancel: they run
-    there one at a time, in order.  A call whose caller is cancelled (the timeout) never
-    runs if it has not started, and has CallCancelled raised in it at its next bytecode
-    if it has; the cancel reaches that call only, never the worker's bookkeeping or its
-    next call.  Whatever a call raises, BaseException included, is its caller's."""
+    """This interpreter's thread for model calls that may be cancelled: they run there
+    one at a time, in order.  A call whose caller is cancelled (the timeout, or the
+    client went away) never runs if it has not started, and has CallCancelled raised in
+    it at its next bytecode if it has; the cancel reaches that call only, never the
+    worker's bookkeeping or its next call.  Whatever a call raises, BaseException
+    included, is its caller's.  ``stuck_changed()`` is called on the caller's loop when
+    ``stuck`` changes."""
 
-    def __init__(self) -> None:
+    def __init__(self, stuck_changed: Callable[[], None]) -> None:
         #: the model whose call, given up on by its request, still runs here, or None
         self.stuck: str | None = None
+        self._stuck_changed = stuck_changed
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="multipy-serve-call",
                                         daemon=True)
@@ -337,22 +407,30 @@ class _Worker:
                   name: str) -> tuple:
         """call()'s value (or exception), the call (of model name, counted in series) run
         on the worker thread within ``started`` (entered and left on the caller's
-        loop).  Cancelled once running, it makes the worker ``stuck`` until it ends."""
+        loop).  Cancelled once running, the cancel goes on once the call has ended, or
+        has made the worker ``stuck`` (see _abandoned)."""
         job = _Job(call, started, asyncio.get_running_loop())
         self._jobs.put(job)
         try:
             return await job.answer
         except asyncio.CancelledError:
-            if job.abandon():
-                self.stuck = name
-                series.abandoned(True)
-
-                def ended(_: asyncio.Future) -> None:
-                    self.stuck = None
-                    series.abandoned(False)
-
-                job.ended.add_done_callback(ended)
+            if job.abandon():  # (shielded: a second cancel does not skip the bookkeeping)
+                await asyncio.shield(self._abandoned(job, name, series))
             raise
+
+    async def _abandoned(self, job: _Job, name: str, series: Any) -> None:
+        """Waits for job, whose call was cancelled, to end: if it has not within
+        _STOPS_WITHIN seconds, the worker is stuck until it does, and what
+        stuck_changed() then starts (a gRPC server's stop) has begun on return."""
+        if not (await asyncio.wait({job.ended}, timeout=_STOPS_WITHIN))[0]:
+            self._set_stuck(name, series)
+            job.ended.add_done_callback(lambda _: self._set_stuck(None, series))
+            await asyncio.sleep(0)
+
+    def _set_stuck(self, name: str | None, series: Any) -> None:
+        self.stuck = name
+        series.abandoned(name is not None)
+        self._stuck_changed()
 
     def _work(self) -> None:
         for job in iter(self._jobs.get, None):

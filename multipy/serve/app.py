@@ -90,10 +90,14 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
             body = compress(body, headers, request.headers.get("accept-encoding"))
             return Response(body, headers=headers)
 
+        async def gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass  # (once the body is read, only the disconnect comes)
+
         name = request.path_params["model"]
         try:
-            return await infer_through(service, name,
-                                       request.path_params.get("version"), decode, encode)
+            return await infer_through(service, name, request.path_params.get("version"),
+                                       decode, encode, gone)
         except ProtocolError as error:
             if error.status == 499:
                 return Response(status_code=499)

@@ -9,10 +9,15 @@ limits a server on the open network needs, the same wherever a connection is ser
   first byte, and a new connection must start one within as long: else 408 (or, for a
   connection that sent nothing, it is closed).  Between requests, uvicorn's keep-alive
   timeout closes an idle connection.
+
+``request_line`` peeks at a new connection until its request line is whole, within the
+same read_timeout (the host chooses by it where the connection goes), and ``accept``
+accepts them.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http
 import json
 import logging
@@ -155,6 +160,38 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             self.transport.close()
 
     return Guarded
+
+
+async def request_line(connection: socket.socket, limits: Limits) -> bytes | None:
+    """What connection has sent (left unread there) once its request line has arrived
+    whole, or once read_timeout seconds have passed, the client has stopped sending, or
+    a head's max_header_size bytes have come without the line's end; None if nothing
+    came, or the connection failed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.read_timeout
+    more = asyncio.Event()
+    fd = connection.fileno()
+    seen = b""
+    loop.add_reader(fd, more.set)
+    try:
+        while b"\n" not in seen and len(seen) < limits.max_header_size:
+            # readable once a byte more has come (or the client has stopped sending)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, len(seen) + 1)
+            more.clear()
+            await asyncio.wait_for(more.wait(), deadline - loop.time())
+            peeked = connection.recv(limits.max_header_size, socket.MSG_PEEK)
+            if len(peeked) == len(seen):  # it stopped
+                break
+            seen = peeked
+    except asyncio.TimeoutError:
+        pass
+    except OSError:  # it went
+        return None
+    finally:
+        loop.remove_reader(fd)
+        with contextlib.suppress(OSError):
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+    return seen or None
 
 
 async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:

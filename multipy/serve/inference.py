@@ -69,12 +69,15 @@ def ready_model(service: Any, name: str, version: str | None) -> ModelRequests:
 
 async def infer(service: Any, name: str, version: str | None,
                 decode: Callable[[], Awaitable[InferRequest]],
-                encode: Callable[[InferRequest, list[Tensor]], Answer]) -> Answer:
+                encode: Callable[[InferRequest, list[Tensor]], Answer],
+                gone: Callable[[], Awaitable[None]] | None = None) -> Answer:
     """The answer to one inference request for model name of service (see
     multipy.serve.app.create_app for what a service has): ``decode()`` reads and decodes
     the request, the model answers it, and ``encode(request, outputs)`` makes the
-    answer.  The request is counted in the model's metrics and statistics, and a model's
-    or multipy's failure is logged.  ProtocolError for every failure (see the module's
+    answer.  ``gone()``, if given, returns once the client has gone away (it is awaited
+    once the request is decoded): the request is then cancelled, its call too.  The
+    request is counted in the model's metrics and statistics, and a model's or
+    multipy's failure is logged.  ProtocolError for every failure (see the module's
     docstring)."""
     model = ready_model(service, name, version)
     series = service.metrics.models[model.name]
@@ -86,7 +89,8 @@ async def infer(service: Any, name: str, version: str | None,
         request = await decode()
         decoded = time.perf_counter_ns()
         timing.input_ns = decoded - began
-        outputs = await model.infer(request, timing)
+        work = model.infer(request, timing)
+        outputs = await (_unless_gone(work, gone) if gone and model.cancellable else work)
         encoding = time.perf_counter_ns()
         answer = encode(request, outputs)
         timing.output_ns = time.perf_counter_ns() - encoding
@@ -114,6 +118,23 @@ async def infer(service: Any, name: str, version: str | None,
             series.succeeded(elapsed, timing)
         else:
             series.failed(status, elapsed)
+
+
+async def _unless_gone(work: Awaitable[Answer],
+                       gone: Callable[[], Awaitable[None]]) -> Answer:
+    """work's value; if ``gone()`` returns first (the client went away), work is
+    cancelled and ProtocolError (499) raised once it has ended."""
+    working = asyncio.ensure_future(work)
+    watching = asyncio.ensure_future(gone())
+    watching.add_done_callback(lambda _: working.cancel())
+    try:
+        return await working
+    except asyncio.CancelledError:
+        if watching.done() and not watching.cancelled():  # (not this task's own cancel)
+            raise ProtocolError("the client went away", 499) from None
+        raise
+    finally:
+        watching.cancel()
 
 
 def _model_traceback(error: BaseException) -> str:

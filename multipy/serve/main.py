@@ -45,7 +45,8 @@ from .._pool import capacity
 from ..manager import cores
 from .app import create_app, logging_config
 from .archive import ArchiveError, check
-from .connection import MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, accept, guarded
+from .connection import (MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, accept,
+                         guarded, request_line)
 from .control import Control
 from .inbox import FORCE, STOP, open_inbox, receive, send
 from .link import Link
@@ -239,22 +240,13 @@ class _Server(uvicorn.Server):
 
     async def _get_here(self, connection: socket.socket) -> None:
         """Every front end can take a connection but is in a call: connection's first
-        request is served here if it is a GET, else handed to a front end."""
-        loop = asyncio.get_running_loop()
-        readable = loop.create_future()
-        fd = connection.fileno()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-        try:
-            await asyncio.wait_for(readable, self._limits.read_timeout)
-            first = connection.recv(4, socket.MSG_PEEK)
-        except (asyncio.TimeoutError, OSError):  # nothing came, or it went
-            first = None
-        finally:
-            loop.remove_reader(fd)
-        if first is None:
+        request is served here if it is a GET, else handed to a front end; its request
+        line is waited for first (see multipy.serve.connection.request_line)."""
+        line = await request_line(connection, self._limits)
+        if line is None:  # nothing came, or it went
             connection.close()
             return
-        if first == b"GET " or not self._fronts.hand(connection, busy_ones=True):
+        if line.startswith(b"GET ") or not self._fronts.hand(connection, busy_ones=True):
             await self._serve_here(connection)
 
     async def _serve_here(self, connection: socket.socket) -> None:

@@ -14,10 +14,11 @@ status), latency, requests queued (waiting for their batch, or for the model to 
 free), interpreters busy with it, and calls (a batch is one), with how many requests
 each answered; and, for the statistics extension (``statistics``), the successes and
 failures with their nanoseconds, and the nanoseconds that successful requests spent
-queued, being decoded, in the model's call and being encoded.  A row also counts the connections its writer has closed, says since
-when it runs a call and whether that call's request gave up on it (the call passed
---timeout and still runs): by these the host hands new connections to the least busy
-front end, and the server says when its interpreters are stuck.
+queued, being decoded, in the model's call and being encoded.  A row also counts the
+connections its writer has closed, says since when it runs a call and whether that
+call's request gave up on it (the call passed --timeout, or its client went away, and
+still runs): by these the host hands new connections to the least busy front end, and
+the server says when its interpreters are stuck.
 """
 from __future__ import annotations
 
@@ -271,15 +272,16 @@ class Metrics:
 
     def stuck(self, row: int) -> str | None:
         """Why the interpreter of row (of this process's rows) is stuck, or None: it runs
-        a call of a model that its request gave up on (it passed --timeout), or one that
-        has run longer than stuck_after seconds."""
+        a call of a model that its request gave up on (it passed --timeout, or its client
+        went away), or one that has run longer than stuck_after seconds."""
         return self._stuck(self.first + row)
 
     def _stuck(self, at: int) -> str | None:
         values = self.board.row(at)
         if values[_ABANDONED]:
             name = self.names[int(values[_ABANDONED]) - 1]
-            return f"it still runs a call of model {name!r} that passed its --timeout"
+            return (f"it still runs a call of model {name!r} that its request gave up on "
+                    f"(it passed --timeout, or its client went away)")
         running = self._calling_for(at)
         if running > self.stuck_after:
             return f"it has been in one call for {running:.0f} s"
@@ -392,8 +394,9 @@ class _Collector:
         interpreters.add_metric([], metrics.interpreters * metrics.processes)
         stuck = GaugeMetricFamily(
             "multipy_stuck_interpreters",
-            "Interpreters that take no call: each runs one that passed --timeout, or has "
-            "run one call longer than the time after which it counts as stuck")
+            "Interpreters that take no call: each runs one that its request gave up on "
+            "(past --timeout, or its client went away), or has run one call longer than "
+            "the time after which it counts as stuck")
         per = metrics.interpreters + 1  # each process's host row, then its interpreters'
         rows = [p * per + k for p in range(metrics.processes)
                 for k in range(1, per)] if board.rows > 1 else []

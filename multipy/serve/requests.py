@@ -71,6 +71,12 @@ class ModelRequests(abc.ABC):
         """What ``describe`` was given (for another front end's copy of the model)."""
         return self._described
 
+    @property
+    def cancellable(self) -> bool:
+        """Whether cancelling ``infer`` can stop a request before its call ends: its call
+        does not hold the event loop's thread, or it may wait for its batch."""
+        return True
+
     def metadata(self) -> dict[str, Any]:
         """The protocol's model metadata: inputs named after forward's parameters, or
         those the model declares."""

@@ -20,6 +20,10 @@ from .protocol import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
 
+#: The most seconds a request waits for the server to become ready (its front ends
+#: serve while the last of them start).
+_READY_WAIT = 60.0
+
 
 class Control:
     """The control pipes (pipes: (read end, write end) of each) of fronts (the FrontEnd
@@ -84,8 +88,11 @@ class Control:
                         self._do(key.data, number)
 
     def _do(self, k: int, number: int) -> None:
-        """Does the request that front end k asked under number, and answers it."""
+        """Does the request that front end k asked under number, and answers it.  (The
+        front ends serve just before the server is ready: a request that comes between
+        waits for it.)"""
         front = self._fronts[k]
+        self._service.wait_ready(_READY_WAIT)
         try:
             request = front.call_value("control_request", (number,))
             if request is None:  # its client went away

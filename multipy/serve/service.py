@@ -118,6 +118,7 @@ class Service:
         self.manager: InterpreterManager | None = None
         self.models: dict[str, ServedModel] = {}
         self.ready = False
+        self._readied = threading.Event()  # set with ready
         self.failure: BaseException | None = None
         self._turns: Turns | None = None
         self._watchers: list[Any] = []
@@ -152,6 +153,7 @@ class Service:
             if before_ready is not None:
                 before_ready()
             self.ready = True
+            self._readied.set()
         finally:
             progress.close()
 
@@ -263,6 +265,10 @@ class Service:
                 return
             self._drop(name, UNAVAILABLE, "unloaded")
         logger.info("model %r unloaded", name)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Waits (at most timeout seconds) until the server is ready; whether it is."""
+        return self._readied.wait(timeout)
 
     def _started(self) -> None:
         if not self.ready:

@@ -2077,6 +2077,54 @@ def test_a_reload_that_fails_leaves_the_loaded_model_serving(repository_served, 
     np.testing.assert_array_equal(answer.as_numpy("output0"), 0 * x)
 
 
+def test_an_unload_answers_the_requests_received_before(repository_served, tmp_path):
+    """An interpreter is in a call (blocked until released) when a request for another
+    model arrives, pipelined behind it on the same connection, unread; that model is then
+    unloaded, through the other interpreter: the request received before is answered
+    once the call ends, and the unload answers then; a request after it gets 503."""
+    client = repository_served.client()
+    for name in ("blocks", "slow"):
+        client.load_model(name)  # blocks.pt and slow.pt, from the model repository
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    slow = json.dumps({"inputs": [{"name": "seconds", "shape": [1], "datatype": "FP32",
+                                   "data": [0.1]}]}).encode()
+    blocks = json.dumps({"inputs": [{"name": "path", "shape": [len(fifo)], "datatype": "UINT8",
+                                     "data": list(fifo.encode())}]}).encode()
+    unloaded: list = []
+    writer = None
+    with socket.create_connection(("127.0.0.1", repository_served.port), timeout=60) as sock:
+        try:
+            for model, body in (("blocks", blocks), ("slow", slow)):  # pipelined
+                sock.sendall(b"POST /v2/models/%s/infer HTTP/1.1\r\nHost: test\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (model.encode(), len(body), body))
+                if model == "blocks":
+                    writer = _until_opened(fifo)  # that interpreter is in the call
+            unload = threading.Thread(target=lambda: unloaded.append(_request(
+                repository_served, "POST", "/v2/repository/models/slow/unload")))
+            unload.start()
+            until(lambda: {m["name"]: m["state"] for m in client.get_model_repository_index()}
+                  ["slow"] == "UNAVAILABLE")
+        finally:
+            if writer is not None:
+                os.write(writer, b"x")
+                os.close(writer)
+        answers = sock.makefile("rb")  # both answers, in order
+        for model in ("blocks", "slow"):
+            status = answers.readline()
+            length = 0
+            while (line := answers.readline()) != b"\r\n":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            body = answers.read(length)
+            assert status.startswith(b"HTTP/1.1 200 "), (model, status, body)
+        unload.join(60)
+    assert unloaded and unloaded[0][0] == 200, unloaded
+    status, answer = _infer_json(repository_served, "slow", json.loads(slow))
+    assert status == 503 and "not loaded: unloaded" in answer["error"]
+    client.unload_model("blocks")
+
+
 def test_repository_load_and_unload_are_off_by_default(served):
     client = served.client()
     for call in (lambda: client.load_model("pair"), lambda: client.unload_model("pair")):

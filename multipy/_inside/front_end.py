@@ -32,11 +32,14 @@ inference, app and rpc; and the inbox).
 """
 from __future__ import annotations
 
+import array
 import asyncio
+import fcntl
 import itertools
 import logging.config
 import queue
 import socket
+import termios
 import threading
 from typing import Any, Callable
 
@@ -57,6 +60,8 @@ logger = logging.getLogger("multipy.serve")
 
 #: A graceful stop's limit (seconds) when --graceful-timeout sets none.
 _NO_LIMIT = 365 * 24 * 3600.0
+#: The most seconds a model being unloaded waits for the requests received before.
+_LEAVE_WAIT = 30.0
 #: What a crash report names while a front end runs no model call.
 _SERVING = (b"serving", b"the HTTP requests of multipy serve")
 #: Serial numbers of the worker's calls (_multipy_bootstrap.call): from 2**63 up, out of
@@ -175,12 +180,58 @@ class FrontEnd:
         self.states = {**self.states, name: (READY, "")}
 
     def set_state(self, name: str, state: str, reason: str) -> None:
-        """Model name is not ready (state, for reason): its new requests are refused
-        (those in flight are answered).  A model new to this server takes its slot of
-        the metrics here, in the order the host gave it one."""
+        """Model name is not ready (state, for reason): its new requests are refused.
+        Those received before are answered: the requests being answered, and those that
+        wait, unread or pipelined, on this front end's connections (HTTP), which it
+        reads first (waiting for that, at most _LEAVE_WAIT seconds: a call in progress
+        here ends first).  A model new to this server takes its slot of the metrics
+        here, in the order the host gave it one."""
         self.metrics.add(name)
+        if name not in self.models or self._loop is None or self._server is None:
+            self._leave(name, state, reason)
+            return
+        waiting = self._waiting()
+        left = threading.Event()
+
+        async def leave() -> None:
+            deadline = asyncio.get_running_loop().time() + _LEAVE_WAIT
+            while any(not protocol.transport.is_closing() and
+                      (protocol.received < target or protocol.pipeline)
+                      for protocol, target in waiting.items()):
+                if asyncio.get_running_loop().time() > deadline:
+                    break
+                await asyncio.sleep(0.001)
+            for _ in range(2):  # turns in which the requests read look their model up
+                await asyncio.sleep(0)
+            self._leave(name, state, reason)
+            left.set()
+
+        try:
+            self._loop.call_soon_threadsafe(self._keep, leave())
+        except RuntimeError:  # the loop has closed
+            self._leave(name, state, reason)
+            return
+        left.wait(_LEAVE_WAIT)
+
+    def _leave(self, name: str, state: str, reason: str) -> None:
         self.models = {other: model for other, model in self.models.items() if other != name}
         self.states = {**self.states, name: (state, reason)}
+
+    def _waiting(self) -> dict[Any, int]:
+        """The connections with requests that wait to be read or answered in turn (HTTP
+        pipelining): each connection's protocol -> the bytes it will have read once it
+        has read what waits now."""
+        waiting = {}
+        count = array.array("i", [0])
+        for protocol in list(self._server.server_state.connections):
+            sock = protocol.transport.get_extra_info("socket")
+            try:
+                fcntl.ioctl(sock.fileno(), termios.FIONREAD, count, True)
+            except (OSError, AttributeError):  # closed meanwhile
+                continue
+            if count[0] or protocol.pipeline:
+                waiting[protocol] = protocol.received + count[0]
+        return waiting
 
     async def drain(self) -> None:
         for model in list(self.models.values()):

@@ -54,11 +54,13 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             one_request: bool = False) -> type:
     """A subclass of uvicorn's httptools protocol ``base`` that enforces limits (see the
     module's docstring), calls on_lost() when a connection ends, and with one_request
-    closes each connection once it has answered one request."""
+    closes each connection once it has answered one request.  Its ``received`` counts
+    the bytes read from the connection."""
 
     class Guarded(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self.received = 0
             self._limits = limits
             self._heading = True  # bytes that come now belong to a request's head
             self._head = 0
@@ -77,6 +79,7 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                     on_lost()
 
         def data_received(self, data: bytes) -> None:
+            self.received += len(data)
             self._unset_keepalive_if_required()
             if self._deadline is None:
                 self._arm()  # the first byte of a request

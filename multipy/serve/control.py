@@ -61,8 +61,15 @@ class Control:
             self._tell(k, "add_model", (name, model.instance(interpreter), described))
 
     def changed(self, name: str, state: str, reason: str) -> None:
-        for k in range(len(self._fronts)):
-            self._tell(k, "set_state", (name, state, reason))
+        """Tells every front end at once, and waits for them: each answers the model's
+        requests it has received first (FrontEnd.set_state)."""
+        telling = [threading.Thread(target=self._tell, args=(k, "set_state", (name, state, reason)),
+                                    name=f"multipy-serve-tell-{k}", daemon=True)
+                   for k in range(len(self._fronts))]
+        for thread in telling:
+            thread.start()
+        for thread in telling:
+            thread.join()
 
     def _tell(self, k: int, method: str, args: tuple) -> None:
         """Calls front end k's method; logs its failure (a front end that has ended

@@ -8,7 +8,7 @@ TORCH ?= cpu
 VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')$(if $(filter cpu,$(TORCH)),,-$(TORCH))
 EXTRAS = test,torch-$(TORCH)
 
-.PHONY: serve demo test bench clean
+.PHONY: serve demo test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -43,6 +43,11 @@ bench: $(VENV)/.installed-bench
 # The test suite, run with room for 15 interpreters.
 test: $(VENV)/.installed
 	$(VENV)/bin/multipy run -m pytest -q
+
+# Seconds, before the suite: the request path, the protocol and the layers in this
+# process (the interpreters of one test only, no server, no torch).
+test-fast: $(VENV)/.installed
+	$(VENV)/bin/multipy run -m pytest -q tests/test_request_path.py tests/test_protocol.py tests/test_layers.py
 
 clean:
 	rm -rf .venv build multipy/*.so multipy.egg-info

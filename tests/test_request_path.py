@@ -1,0 +1,171 @@
+"""The serving request path in this process, without torch or interpreters: the batcher,
+the connection's limits (uvicorn's protocol, guarded, on a loopback socket), the host's
+choice of front end for a new connection, and the model repository's requests.  The
+fast tier (`make test-fast`) runs this file with test_protocol.py and test_layers.py.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+
+import pytest
+
+np = pytest.importorskip("numpy")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("httptools")
+pytest.importorskip("prometheus_client")
+
+from multipy.serve.batching import Batcher  # noqa: E402
+from multipy.serve.connection import Limits, guarded  # noqa: E402
+from multipy.serve.inbox import open_inbox, receive  # noqa: E402
+from multipy.serve.main import FrontEnds  # noqa: E402
+from multipy.serve.metrics import Metrics  # noqa: E402
+from multipy.serve.protocol import ProtocolError, Tensor  # noqa: E402
+from multipy.serve.repository import archive, check_name  # noqa: E402
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# -- the batcher --
+
+def test_requests_close_together_run_as_one_call_and_get_their_own_rows():
+    calls = []
+
+    async def run(inputs, tokens):
+        calls.append((inputs[0].array.shape[0], tokens))
+        return [Tensor("y", "FP32", inputs[0].array * 2)]
+
+    async def main():
+        batcher = Batcher(run, max_rows=8, delay=0.05)
+        rows = [np.full((k, 2), k, np.float32) for k in (1, 2, 3)]
+        answers = await asyncio.gather(*(batcher.submit([Tensor("x", "FP32", r)], token=k)
+                                         for k, r in enumerate(rows)))
+        return rows, answers
+
+    rows, answers = asyncio.run(main())
+    assert calls == [(6, [0, 1, 2])]  # one call of every row, the requests in order
+    for sent, [answer] in zip(rows, answers):
+        np.testing.assert_array_equal(answer.array, sent * 2)
+
+
+def test_requests_that_cannot_batch_run_alone():
+    calls = []
+
+    async def run(inputs, tokens):
+        calls.append(tuple(t.array.shape for t in inputs))
+        return [Tensor("y", "FP32", inputs[0].array)]
+
+    async def main():
+        batcher = Batcher(run, max_rows=4, delay=0.05)
+        await asyncio.gather(
+            batcher.submit([Tensor("x", "FP32", np.zeros((4, 2), np.float32))]),  # full
+            batcher.submit([Tensor("x", "FP32", np.zeros((), np.float32))]),  # a scalar
+            batcher.submit([Tensor("x", "FP32", np.zeros((1, 3), np.float32))]),  # other
+            batcher.submit([Tensor("x", "FP32", np.zeros((1, 2), np.float32))]))
+
+    asyncio.run(main())
+    assert sorted(calls) == sorted([((4, 2),), ((),), ((1, 3),), ((1, 2),)])
+
+
+# -- the connection's limits --
+
+async def _answers(limits: Limits, raw: bytes) -> bytes:
+    """What a server of guarded uvicorn protocol (limits) answers raw, on loopback."""
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    config = uvicorn.Config(app, lifespan="off", log_config=None)
+    config.load()
+    state = uvicorn.server.ServerState()
+    protocol = guarded(config.http_protocol_class, limits)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: protocol(config=config, server_state=state, app_state={}), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(raw)
+        answer = await asyncio.wait_for(reader.read(1 << 16), 10)
+        writer.close()
+        return answer
+    finally:
+        server.close()
+
+
+def test_a_head_past_the_limit_is_431():
+    limits = Limits(max_header_size=200, max_headers=3)
+    big = b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 300 + b"\r\n\r\n"
+    answer = asyncio.run(_answers(limits, big))
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"--max-header-size" in answer
+    many = b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % k for k in range(5)) + b"\r\n"
+    answer = asyncio.run(_answers(limits, many))
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"--max-headers" in answer
+    fine = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+    assert asyncio.run(_answers(limits, fine)).startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_request_that_does_not_arrive_in_time_is_408():
+    answer = asyncio.run(_answers(Limits(read_timeout=0.2), b"GET / HTTP/1.1\r\nHost"))
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"--read-timeout" in answer
+
+
+# -- the host's choice of front end --
+
+def test_a_new_connection_goes_to_the_front_end_with_the_fewest_open_connections():
+    """FrontEnds.hand writes the connection's descriptor into the inbox of the front end
+    with the fewest open connections (then the fewest calls), skipping busy ones unless
+    told not to."""
+    fronts = FrontEnds()
+    metrics = Metrics(["m"], 3, rows=4)
+    inboxes = [open_inbox() for _ in range(3)]
+    fronts._inboxes, fronts._metrics, fronts._handed = inboxes, metrics, [2, 0, 1]
+    first = Metrics(["m"], 3, rows=4, row=1, address=metrics.board.address)  # front end 0's
+    first.closed_connection()
+    first.closed_connection()  # both of its connections
+    try:
+        chosen = []
+        for _ in range(3):
+            left, right = socket.socketpair()
+            right.close()
+            assert fronts.hand(left, busy_ones=False)
+            chosen.append(next(k for k, (read, _) in enumerate(inboxes) if receive(read)))
+        assert chosen == [0, 1, 0]  # open: 0, 0, 1; then 1, 1, 1: the first of the fewest
+        first.models["m"].busy.inc()  # front end 0 is in a call now
+        left, right = socket.socketpair()
+        right.close()
+        assert fronts.hand(left, busy_ones=False)
+        assert [bool(receive(read)) for read, _ in inboxes] == [False, True, False]
+    finally:
+        for read, write in inboxes:
+            for fd in receive(read):
+                os.close(fd)
+            os.close(read)
+            os.close(write)
+
+
+# -- the model repository's requests --
+
+def test_a_load_names_its_archive_in_parameters_or_config():
+    assert archive({}) == {}
+    assert archive({"path": "a.pt", "module": "m"}) == {"path": "a.pt", "module": "m"}
+    assert archive({"config": json.dumps({"path": "a.pt"}), "resource": "r.pkl"}) == {
+        "path": "a.pt", "resource": "r.pkl"}
+    assert archive({"config": b'{"path": "b.pt"}'}) == {"path": "b.pt"}
+    for wrong, says in (({"colour": "red"}, "'colour'"),
+                        ({"config": "{not json"}, '"config" must be a JSON object'),
+                        ({"config": "[1]"}, '"config" must be a JSON object'),
+                        ({"path": 3}, "'path' must be a string"),
+                        ({"path": ""}, "'path' must be a string")):
+        with pytest.raises(ProtocolError, match=says) as refused:
+            archive(wrong)
+        assert refused.value.status == 400
+
+
+def test_model_names():
+    for name in ("a", "python_heavy", "Model-2.1", "_x", "x" * 128):
+        check_name(name)
+    for name in ("", ".x", "-x", "a/b", "a b", "a\nb", "caf\u00e9", "x" * 129):
+        with pytest.raises(ProtocolError, match="cannot name a model"):
+            check_name(name)

@@ -16,7 +16,7 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
 #: the rest of multipy only the layers below "serve".
 SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "repository", "inference",
                 "app", "inference_pb2", "rpc", "connection", "inbox",
-                "archive", "models", "control", "link",
+                "archive", "model_class", "models", "control", "link",
                 "progress", "service", "supervised", "supervisor", "on_ray", "main", "__main__",
                 "__init__"]
 #: What the code inside interpreters may import of multipy: of multipy.serve, the
@@ -123,5 +123,6 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
     front_end = {"multipy._inside.front_end", "multipy.serve",
                  *(f"multipy.serve.{name}" for name in SHARED_SERVE)}  # in a server only
     assert set(names) <= {"multipy", "multipy._inside", "multipy._inside.package",
-                          "multipy._inside.serving", "multipy._protocol",
+                          "multipy._inside.serving", "multipy._inside.served_class",
+                          "multipy._protocol",
                           "multipy._sharing", *front_end}, names

@@ -423,6 +423,8 @@ class _Model(ModelRequests):
             _multipy_bootstrap.note(*running)
             try:
                 with started:
+                    if getattr(self._served, "asynchronous", False):  # a class's async predict
+                        return await self._served.infer_async(names, datatypes, *arrays)
                     return self._served.infer(names, datatypes, *arrays)
             finally:
                 _multipy_bootstrap.note(*_SERVING)

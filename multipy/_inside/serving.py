@@ -72,18 +72,24 @@ def load(path: str, module: str, resource: str, storages: dict[str, Any]) -> Ser
 
 
 def declared(text: str) -> dict[str, list[dict]]:
-    """What a model's config.json declares: {"inputs": [...], "outputs": [...]}, each
-    an object {"name", "datatype" (the protocol's), "shape" (a list of sizes, -1 for any
-    size)}, an input also "optional": true if it may be left out; "outputs" may be left
-    out.  ValueError saying what is wrong."""
+    """What a model's config.json declares (see ``declaration``); ValueError saying what
+    is wrong."""
     try:
         config = json.loads(text)
     except ValueError as error:
         raise ValueError(f"config.json is not JSON: {error}") from None
+    return declaration(config)
+
+
+def declaration(config: Any, where: str = "config.json") -> dict[str, list[dict]]:
+    """The inputs and outputs that config declares: {"inputs": [...], "outputs": [...]},
+    each an object {"name", "datatype" (the protocol's), "shape" (a list of sizes, -1 for
+    any size)}, an input also "optional": true if it may be left out; "outputs" may be
+    left out.  ValueError saying what is wrong (in where)."""
     if not isinstance(config, dict) or not isinstance(config.get("inputs"), list) \
             or not isinstance(config.get("outputs", []), list):
-        raise ValueError('config.json must be an object with a list "inputs" (and a list '
-                         '"outputs")')
+        raise ValueError(f'{where} must be an object with a list "inputs" (and a list '
+                         f'"outputs")')
     found: dict[str, list[dict]] = {"inputs": [], "outputs": []}
     for kind in found:
         for spec in config.get(kind, []):
@@ -92,7 +98,7 @@ def declared(text: str) -> dict[str, list[dict]]:
                     or not isinstance(spec.get("shape"), list) \
                     or not all(type(size) is int and size >= -1 for size in spec["shape"]) \
                     or set(spec) - {"name", "datatype", "shape", "optional"}:
-                raise ValueError(f"config.json: each of {kind!r} must be an object with a "
+                raise ValueError(f"{where}: each of {kind!r} must be an object with a "
                                  f'"name", a "datatype" of {", ".join(_DECLARABLE)} and a '
                                  f'"shape" of sizes (-1: any), not {spec!r}')
             found[kind].append({"name": spec["name"], "datatype": spec["datatype"],
@@ -100,7 +106,7 @@ def declared(text: str) -> dict[str, list[dict]]:
                                 **({"optional": True} if spec.get("optional") else {})})
         names = [spec["name"] for spec in found[kind]]
         if len(set(names)) != len(names):
-            raise ValueError(f"config.json: two of {kind!r} have one name")
+            raise ValueError(f"{where}: two of {kind!r} have one name")
     return found
 
 
@@ -284,7 +290,7 @@ def _array(torch: Any, name: str, value: Any, state: set[int]) -> tuple[str, Any
     """(datatype, numpy array over the same memory) for an output value; a copy of a
     tensor over one of the storages in state; for str and bytes (see the module's
     docstring), a new array of dtype object holding bytes."""
-    if isinstance(value, torch.Tensor):
+    if torch is not None and isinstance(value, torch.Tensor):
         tensor = value.detach()
         if tensor.untyped_storage().data_ptr() in state:
             tensor = tensor.clone()

@@ -15,3 +15,6 @@ interpreters is ``multipy._inside.serving`` and ``multipy._inside.front_end``.  
 the ``serve`` extra: ``pip install 'multipy[serve]'`` (``--ray``: the ``ray`` extra).
 docs/serving.md is the guide.
 """
+from .protocol import InvalidInput
+
+__all__ = ["InvalidInput"]

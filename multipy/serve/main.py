@@ -44,7 +44,8 @@ from .._launch import make_room
 from .._pool import capacity
 from ..manager import cores
 from .app import create_app, logging_config
-from .archive import ArchiveError, check
+from . import model_class
+from .archive import ArchiveError
 from .connection import (MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, accept,
                          guarded, request_line)
 from .control import Control
@@ -60,16 +61,19 @@ from .supervised import Supervised
 logger = logging.getLogger("multipy.serve")
 
 DESCRIPTION = """\
-Serves torch.package archives over HTTP/REST with the Open Inference Protocol (KServe's
-v2 protocol, which Triton speaks too): every interpreter runs every model, requests go to
-free interpreters, and the host process never imports torch.  Each PATH's object at
-(--module, --resource) is served as a model named after the file's stem."""
+Serves torch.package archives and models written as Python classes over HTTP/REST with
+the Open Inference Protocol (KServe's v2 protocol, which Triton speaks too): every
+interpreter runs every model, requests go to free interpreters, and the host process
+never imports torch.  Each PATH's object at (--module, --resource) is served as a model
+named after the file's stem; each FILE.py:CLASS or MODULE:CLASS, as one named after the
+class, in lower case (docs/serving.md, "Models written as classes")."""
 
 
 def parser() -> argparse.ArgumentParser:
     """The options of ``multipy serve``."""
     parse = argparse.ArgumentParser(prog="multipy serve", description=DESCRIPTION)
-    parse.add_argument("paths", metavar="PATH", nargs="+", help="a torch.package archive")
+    parse.add_argument("paths", metavar="PATH", nargs="+",
+                       help="a torch.package archive, or a class: FILE.py:CLASS, MODULE:CLASS")
     parse.add_argument("--module", default="model",
                        help="the package that holds the model in each archive (default: model)")
     parse.add_argument("--resource", default="model.pkl",
@@ -157,15 +161,22 @@ def specs(args: argparse.Namespace, parse: argparse.ArgumentParser) -> list[Mode
         parse.error("--name names one model: give one PATH with it")
     found: list[ModelSpec] = []
     for path in args.paths:
-        name = args.name or os.path.splitext(os.path.basename(path))[0]
+        written = model_class.parse(path)
+        if written is None:
+            spec = ModelSpec("", os.path.abspath(path), args.module, args.resource)
+            stem = os.path.splitext(os.path.basename(path))[0]
+        else:
+            spec = ModelSpec("", *written, kind="class")
+            stem = spec.resource.lower()
+        spec.name = name = args.name or stem
         try:
             check_name(name)
         except ProtocolError as error:
             parse.error(f"{path}: {error} (--name gives it another)")
         if any(spec.name == name for spec in found):
-            parse.error(f"two archives would both be served as {name!r}: rename one "
+            parse.error(f"two models would both be served as {name!r}: rename one "
                         f"(or serve them from two servers)")
-        found.append(ModelSpec(name, os.path.abspath(path), args.module, args.resource))
+        found.append(spec)
     return found
 
 
@@ -486,8 +497,8 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
         parse.error("--replica-cpus must be above 0")
     try:
         for spec in models:
-            check(spec.path, spec.module, spec.resource)
-    except ArchiveError as error:
+            spec.check()
+    except (ArchiveError, model_class.ClassError) as error:
         parse.exit(2, f"multipy serve: {error}\n")
     return Options(tuple(models), interpreters, args.max_batch_size, args.batch_timeout_ms,
                    args.timeout, max_request_size=args.max_request_size,

@@ -1,5 +1,6 @@
-"""A model served by ``multipy serve``, as the host sees it: one torch.package archive,
-materialised in every interpreter of the manager.
+"""A model served by ``multipy serve``, as the host sees it: one torch.package archive
+or one Python class (multipy.serve.model_class), materialised in every interpreter of
+the manager.
 
 The host never imports torch.  Each interpreter loads the archive itself with
 ``multipy._inside.serving.load`` (its own PackageImporter), its tensors aliasing the
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InterpreterError
 from ..replicated import ReplicatedObj
-from . import archive
+from . import archive, model_class
 from .protocol import ProtocolError
 from .requests import ModelError, ModelRequests, Started
 
@@ -28,16 +29,33 @@ if TYPE_CHECKING:
     from .metrics import Metrics
 
 _INSIDE = "multipy._inside.serving"
+_INSIDE_CLASS = "multipy._inside.served_class"
 
 
 @dataclass
 class ModelSpec:
-    """What to serve: the archive at path, its object at (module, resource), as name."""
+    """What to serve, as name: the archive at path, its object at (module, resource);
+    or, of kind "class", the class called resource in module (imported by name, or from
+    the file at path if there is one)."""
 
     name: str
     path: str
     module: str = "model"
     resource: str = "model.pkl"
+    kind: str = "archive"
+
+    def check(self) -> None:
+        """ArchiveError, or model_class.ClassError, unless the model can be loaded (as
+        far as the host sees without importing it)."""
+        if self.kind == "class":
+            model_class.check(self.path, self.module, self.resource)
+        else:
+            archive.check(self.path, self.module, self.resource)
+
+    def __str__(self) -> str:
+        if self.kind == "class":
+            return f"{self.path or self.module}:{self.resource}"
+        return self.path
 
 
 class ServedModel(ModelRequests):
@@ -68,6 +86,10 @@ class ServedModel(ModelRequests):
     # -- loading: from the start-up thread --
 
     def _load(self, interpreter: Interpreter) -> Obj:
+        spec = self.spec
+        if spec.kind == "class":
+            return interpreter.global_(_INSIDE_CLASS, "load")(spec.path, spec.module,
+                                                              spec.resource)
         with self._mapping:  # interpreters load in parallel: the archive is mapped once
             if self._storages is None:
                 self._storages = archive.storages(self.spec.path)

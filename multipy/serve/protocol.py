@@ -67,6 +67,14 @@ class ProtocolError(Exception):
         self.status = status
 
 
+class InvalidInput(ProtocolError):
+    """Raised by a model's own code for a request it cannot take: answered with status
+    400 and the message (``from multipy.serve import InvalidInput``)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 400)
+
+
 @dataclass
 class Tensor:
     """A named tensor of the protocol: its datatype and its data as an array of its shape."""

@@ -50,6 +50,7 @@ class ModelRequests(abc.ABC):
         self._described: dict[str, list[dict]] | None = None
         self._declared: dict[str, dict] | None = None  # name -> input, if declared
         self._parameters: list[str] = []
+        self._platform = "pytorch_torch_package"  # "python": a class, given inputs by name
         self._batcher = Batcher(self._call, max_batch_size, batch_delay) \
             if max_batch_size > 1 else None
 
@@ -60,6 +61,7 @@ class ModelRequests(abc.ABC):
         self._parameters = [spec["name"] for spec in described["inputs"]]
         self._declared = {spec["name"]: spec for spec in described["inputs"]} \
             if described.get("declared") else None
+        self._platform = described.get("platform", "pytorch_torch_package")
 
     @property
     def ready(self) -> bool:
@@ -81,7 +83,7 @@ class ModelRequests(abc.ABC):
         """The protocol's model metadata: inputs named after forward's parameters, or
         those the model declares."""
         described = self._described or {"inputs": [], "outputs": []}
-        return {"name": self.name, "versions": ["1"], "platform": "pytorch_torch_package",
+        return {"name": self.name, "versions": ["1"], "platform": self._platform,
                 "inputs": [{key: spec[key] for key in ("name", "datatype", "shape")}
                            for spec in described["inputs"]],
                 "outputs": described["outputs"]}
@@ -140,9 +142,11 @@ class ModelRequests(abc.ABC):
 
     def _names(self, inputs: list[Tensor]) -> tuple[str, ...] | None:
         """The inputs' names when every one names one of forward's parameters (they are
-        given by name), else None (by position in request order)."""
+        given by name), or always for a class's predict (it gets a dict), else None (by
+        position in request order)."""
         names = tuple(t.name for t in inputs)
-        if self._parameters and set(names) <= set(self._parameters):
+        if self._platform == "python" or (self._parameters
+                                          and set(names) <= set(self._parameters)):
             return names
         return None
 

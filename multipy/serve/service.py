@@ -89,12 +89,13 @@ class Place:
 
 class Service:
     """The models of one server (see the module's docstring), as options say, as the
-    process at place.  ArchiveError, at once, if a model's path is not a torch.package
-    archive with its (module, resource)."""
+    process at place.  ArchiveError (or model_class.ClassError), at once, if a model's
+    path is not a torch.package archive with its (module, resource) (or its class is
+    not to be found)."""
 
     def __init__(self, options: Options, place: Place = Place()) -> None:
         for spec in options.models:
-            archive.check(spec.path, spec.module, spec.resource)
+            spec.check()
         self.options = options
         self.specs = {spec.name: spec for spec in options.models}
         self.interpreters = options.interpreters
@@ -147,7 +148,8 @@ class Service:
             for model in models:
                 inputs = ", ".join(f"{i['name']} {i['datatype']}{i['shape']}"
                                    for i in model.metadata()["inputs"])
-                progress.stage(f"model {model.name!r} from {model.spec.path}: inputs {inputs}")
+                progress.stage(f"model {model.name!r} from {model.spec}: inputs "
+                               f"{inputs or '(not declared)'}")
             self.models = {model.name: model for model in models}
             self.states = {name: (READY, "") for name in self.specs}
             if before_ready is not None:
@@ -223,19 +225,19 @@ class Service:
             if name in self.models and self.models[name].spec == spec:
                 return
             try:
-                archive.check(spec.path, spec.module, spec.resource)
+                spec.check()
                 self.metrics.add(name)
             except (archive.ArchiveError, ValueError) as error:
                 raise ProtocolError(f"model {name!r} cannot be loaded: {error}") from None
             replaced = [self.models[name]] if name in self.models else []
             if not replaced:
                 self.specs[name] = spec
-                self._change(name, LOADING, f"loading {spec.path}")
+                self._change(name, LOADING, f"loading {spec}")
             model = self._served(spec)
             try:
                 self._materialise([model], None)
             except Exception as error:
-                reason = f"loading {spec.path} failed: {type(error).__name__}: {error}"
+                reason = f"loading {spec} failed: {type(error).__name__}: {error}"
                 reason = reason[:REASON_CHARACTERS]
                 if not replaced:
                     self._change(name, UNAVAILABLE, reason)
@@ -251,7 +253,7 @@ class Service:
                 watcher.added(name, model)
             if replaced:
                 self._release(replaced)
-        logger.info("model %r loaded from %s", name, spec.path)
+        logger.info("model %r loaded from %s", name, spec)
 
     def unload_now(self, name: str) -> None:
         """Unloads model name from every interpreter: its requests are refused from now on

@@ -1,0 +1,120 @@
+"""A model written as a Python class, inside one interpreter: what ``multipy serve
+MODULE:CLASS`` (or ``FILE.py:CLASS``) runs here.
+
+The contract (docs/serving.md, "Models written as classes"): the class is made with no
+arguments; its ``load()``, if it has one, runs once, before the server is ready;
+``predict(inputs)`` gets a dict of input name -> numpy array (BYTES: an array of dtype
+object holding bytes) and returns the outputs: a dict of name -> array (or tensor), a
+tuple or list (output0, output1, ...), or one array; it may be ``async``.  Class
+attributes ``inputs`` (and ``outputs``) declare them, as a config.json does for an
+archive: requests are then checked against them.  ``multipy.serve.InvalidInput``
+raised in ``predict`` is a 400 with its message; anything else a 500.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any
+
+from ..serve.protocol import ProtocolError
+from .serving import _outputs, _raise_plainly, declaration
+
+
+def load(path: str, module: str, name: str) -> ServedClass:
+    """An instance of class name of module (imported by name, or from the file at path,
+    whose folder goes on sys.path), loaded (``load()``) and ready to serve."""
+    if path:
+        folder = os.path.dirname(path)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        spec = importlib.util.spec_from_file_location(module, path)
+        found = importlib.util.module_from_spec(spec)
+        sys.modules[module] = found
+        try:
+            spec.loader.exec_module(found)
+        except BaseException:
+            del sys.modules[module]
+            raise
+    else:
+        found = importlib.import_module(module)
+    kind = getattr(found, name, None)
+    if not inspect.isclass(kind):
+        raise TypeError(f"{module} has no class {name}")
+    if not callable(getattr(kind, "predict", None)):
+        raise TypeError(f"{module}.{name} has no predict method")
+    config = None
+    if getattr(kind, "inputs", None) is not None:
+        config = declaration({"inputs": kind.inputs, "outputs": getattr(kind, "outputs", [])},
+                             f"{module}.{name}.inputs and .outputs")
+    instance = kind()
+    if callable(getattr(instance, "load", None)):
+        instance.load()
+    return ServedClass(instance, config)
+
+
+class ServedClass:
+    """One class-written model in this interpreter, called as ``multipy._inside.serving.
+    Served`` is: ``infer`` (on a thread with no event loop running), ``infer_async`` (on
+    the front end's loop), ``metadata``, ``warm_up`` and ``forget``."""
+
+    parameters: list[str] = []
+
+    def __init__(self, instance: Any, config: dict[str, list[dict]] | None) -> None:
+        self.instance = instance
+        self.config = config
+        #: whether predict is a coroutine function: awaited, on the front end's loop
+        self.asynchronous = inspect.iscoroutinefunction(instance.predict)
+
+    def infer(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any
+              ) -> tuple:
+        """The model's outputs for the arrays (named names), as Served.infer gives them;
+        an async predict runs to its end here, on an event loop of its own."""
+        if self.asynchronous:
+            return asyncio.run(self.infer_async(names, datatypes, *arrays))
+        return self._answer(lambda: self.instance.predict(self._inputs(names, arrays)))
+
+    async def infer_async(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
+                          *arrays: Any) -> tuple:
+        """infer's, awaiting an async predict on the running loop."""
+        result = await self._guarded(self.instance.predict(self._inputs(names, arrays)))
+        return self._answer(lambda: result)
+
+    async def _guarded(self, work: Any) -> Any:
+        try:
+            return await work
+        except ProtocolError:
+            raise
+        except Exception as error:
+            _raise_plainly(error)
+
+    def _inputs(self, names: tuple[str, ...] | None, arrays: tuple) -> dict[str, Any]:
+        if names is None:  # (no declared names: position k is input k's)
+            names = tuple(f"input{k}" for k in range(len(arrays)))
+        return dict(zip(names, arrays))
+
+    def _answer(self, predict: Any) -> tuple:
+        try:
+            outputs = _outputs(sys.modules.get("torch"), predict(), set())
+        except ProtocolError:  # InvalidInput: the client's fault, a 400
+            raise
+        except Exception as error:
+            _raise_plainly(error)
+        return (tuple(name for name, _, _ in outputs),
+                tuple(datatype for _, datatype, _ in outputs),
+                *(array for _, _, array in outputs))
+
+    def metadata(self) -> dict[str, Any]:
+        """What the class declares (its ``inputs`` and ``outputs``), else none."""
+        if self.config is None:
+            return {"inputs": [], "outputs": [], "platform": "python"}
+        return {**self.config, "declared": True, "platform": "python"}
+
+    def warm_up(self) -> None:
+        """Nothing: load() has run."""
+
+    def forget(self) -> None:
+        """Nothing is kept for good beyond the module, which stays imported."""

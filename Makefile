@@ -24,9 +24,11 @@ examples/generated/python_heavy.pt: $(VENV)/.installed examples/generate_example
 	$(VENV)/bin/python examples/generate_examples.py --models python_heavy examples/generated
 
 # The main command: the example Python-heavy model served with the Open Inference Protocol
-# on http://127.0.0.1:8000 until Ctrl-C (options: make serve SERVE_OPTIONS="--port 8001").
+# on http://127.0.0.1:$(PORT) until Ctrl-C: make serve PORT=8002 picks the port, and
+# SERVE_OPTIONS adds options of multipy serve (SERVE_OPTIONS="--interpreters 4").
+PORT ?= 8000
 serve: $(VENV)/.installed-serve examples/generated/python_heavy.pt
-	$(VENV)/bin/multipy serve examples/generated/python_heavy.pt $(SERVE_OPTIONS)
+	$(VENV)/bin/multipy serve examples/generated/python_heavy.pt --port $(PORT) $(SERVE_OPTIONS)
 
 # The same CPU-bound function on N threads in one interpreter vs N interpreters.
 demo: $(VENV)/.installed

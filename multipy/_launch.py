@@ -1,17 +1,18 @@
 """Room for interpreters: how ``multipy run`` and ``make_room()`` start a program with the
 glibc tunables that let a process hold 15 interpreters.
 
-``multipy run`` execs ``python -m multipy._launch (SCRIPT | -m MODULE) ARGS`` with them in
-the environment; ``make_room()`` re-executes the running program once with them.  glibc
-reads them only when the process starts, so once it has, ``os.environ`` gets the user's
-own GLIBC_TUNABLES back (or none): the program's child processes inherit what the user
-gave, not multipy's reserve.  Standard library only.
+``multipy run`` execs ``python -m multipy._launch (SCRIPT | -m MODULE | -c CODE) ARGS``
+with them in the environment; ``make_room()`` re-executes the running program once with
+them.  glibc reads them only when the process starts, so once it has, ``os.environ``
+gets the user's own GLIBC_TUNABLES back (or none): the program's child processes
+inherit what the user gave, not multipy's reserve.  Standard library only.
 """
 from __future__ import annotations
 
 import os
 import runpy
 import sys
+import types
 import warnings
 
 #: Extra static TLS for libraries with initial-exec TLS beyond what nns=16 reserves.
@@ -108,11 +109,18 @@ def restore_environment() -> None:
 
 
 def main() -> None:
+    """Runs the program that follows, SCRIPT, -m MODULE or -c CODE, then its arguments,
+    as python does."""
     restore_environment()
     arguments = sys.argv[1:]
     if arguments[:1] == ["-m"]:
         sys.argv = arguments[1:]  # run_module sets argv[0] to the module's path
         runpy.run_module(arguments[1], run_name="__main__", alter_sys=True)
+    elif arguments[:1] == ["-c"]:
+        sys.argv = ["-c", *arguments[2:]]
+        sys.path[0] = ""  # as `python -c`: the current directory
+        sys.modules["__main__"] = program = types.ModuleType("__main__")
+        exec(compile(arguments[1], "<string>", "exec"), program.__dict__)
     else:
         sys.argv = arguments
         sys.path[0] = os.path.dirname(os.path.abspath(arguments[0]))  # as `python SCRIPT`

@@ -33,6 +33,9 @@ _stale: set[Runtime] = set()   # given back but still holding a manager's object
 #: while _lock is held on the same thread, so it only appends here.
 _returned: collections.deque = collections.deque()
 _prepared = False
+#: Whether this code runs inside one of multipy's interpreters (whose bootstrap adds the
+#: module), which cannot start interpreters: its namespace's pthread keys are multipy's.
+_INSIDE = "_multipy_bootstrap" in sys.builtin_module_names
 
 
 def _take_returned() -> None:
@@ -80,8 +83,14 @@ def acquire(count: int) -> list[Runtime]:
     """Lends count runtimes, starting new ones as needed (they initialise in parallel).
 
     InterpreterLimitError, before any is started, if the process cannot hold them;
-    InterpreterStartError if one fails to start.
+    InterpreterStartError if one fails to start, or at once if this code runs inside an
+    interpreter.
     """
+    if _INSIDE:
+        raise InterpreterStartError(
+            "this code runs inside one of multipy's interpreters, which cannot start "
+            "interpreters of their own: start them from the host program (`multipy run "
+            "SCRIPT`), not from a model, a call or `multipy shell`")
     with _lock:
         short = count > len(_free()) + _glibc.namespaces_that_fit(len(_runtimes))
     if short:  # managers dropped without close() give theirs back when collected

@@ -14,8 +14,9 @@ from . import _cuda, _glibc
 from ._launch import launch_environment
 
 
-def _run(module: str | None, script: str | None, args: list[str]) -> None:
-    target = ["-m", module] if module else [script]
+def _run(target: list[str], args: list[str]) -> None:
+    """Execs this Python on the launcher, which runs target (SCRIPT, -m MODULE or
+    -c CODE) with args as python would, with room for 15 interpreters."""
     argv = [sys.executable, "-m", "multipy._launch", *target, *args]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         description=f"Execs this Python on the program with GLIBC_TUNABLES set to "
                     f"{_glibc.LAUNCH_TUNABLES}, which glibc reads only when a process starts.")
     run.add_argument("-m", dest="module", help="run a library module as a script, as python -m")
+    run.add_argument("-c", dest="code", help="run the program CODE, as python -c")
     run.add_argument("script", nargs="?", help="the program's path")
     run.add_argument("args", nargs="*", help="the program's arguments, passed on untouched")
     commands.add_parser("info", help="what this Python and glibc allow")
@@ -120,22 +122,25 @@ def main(argv: list[str] | None = None) -> None:
                                              "and of torch, ';'-separated, for "
                                              "-DCMAKE_PREFIX_PATH (docs/cpp.md)")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["run"] and len(argv) > 1 and argv[1] not in ("-h", "--help"):
-        # Everything after the script or module belongs to the program, options too.
-        module = argv[2] if argv[1] == "-m" and len(argv) > 2 else None
-        rest = argv[3:] if module else argv[2:]
-        _run(module, None if module else argv[1], rest)
+    if argv[:1] == ["run"] and len(argv) > 2 and argv[1] in ("-m", "-c"):
+        # Everything after the module, code or script belongs to the program, options too.
+        _run(argv[1:3], argv[3:])
+    if argv[:1] == ["run"] and len(argv) > 1 and argv[1] not in ("-h", "--help", "-m", "-c"):
+        if not os.path.exists(argv[1]):
+            run.exit(2, f"multipy run: can't open file {os.path.abspath(argv[1])!r}: no such "
+                        f"file (give the program's path, or -m MODULE, or -c CODE)\n")
+        _run(argv[1:2], argv[2:])
     if argv[:1] == ["bench"]:  # every argument, --help too, belongs to the benchmark
         _require("bench")
-        _run(None, _bench_script(), argv[1:])
+        _run([_bench_script()], argv[1:])
     if argv[:1] == ["serve"]:  # every argument, --help too, belongs to the server
         _require("serve")
-        _run("multipy.serve", None, argv[1:])
+        _run(["-m", "multipy.serve"], argv[1:])
     if argv[:1] == ["shell"]:  # every argument, --help too, belongs to the shell
-        _run("multipy.shell", None, argv[1:])
+        _run(["-m", "multipy.shell"], argv[1:])
     args = parser.parse_args(argv)
     if args.command == "run":
-        run.error("a script or -m module is required")
+        run.error("a script, -m MODULE or -c CODE is required")
     if args.command == "cmake-prefix":
         _cmake_prefix()
         return

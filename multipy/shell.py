@@ -302,7 +302,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
 def _session(manager: InterpreterManager, interpreter: Interpreter, console: Obj,
              arguments: Arguments, lines: list[str], source: bytes | None) -> int:
-    """Runs the program or the prompt; the exit status."""
+    """Runs the program or the prompt; the exit status.  Exits with status 2 and one
+    line if the program starts interpreters, which it cannot inside one."""
+    from .errors import InterpreterStartError
+
     if arguments.code is not None or source is not None:
         if arguments.code is not None:
             program, filename = arguments.code, "<string>"
@@ -313,6 +316,12 @@ def _session(manager: InterpreterManager, interpreter: Interpreter, console: Obj
             return console.call_value("run", (program, filename))
         except KeyboardInterrupt:  # the program printed its traceback inside
             return 130
+        except InterpreterStartError:  # raised by the program's own multipy, inside
+            instead = ("run it with `multipy run -c CODE`" if arguments.code is not None else
+                       "save it as FILE and run `multipy run FILE`" if arguments.file == "-"
+                       else f"run it with `multipy run {arguments.file}`")
+            _fail(f"the program starts interpreters of its own, which a program run inside "
+                  f"an interpreter cannot: {instead} instead", 2)
     prompt = Prompt(console)
     try:
         text = "" if arguments.quiet else banner(manager, interpreter, lines)

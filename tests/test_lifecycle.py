@@ -376,11 +376,29 @@ def test_run_a_module(tmp_path):
     assert result.stdout.strip() == "__main__ ['a']"
 
 
+def test_run_c_runs_code_as_python_c_does(tmp_path):
+    (tmp_path / "helper.py").write_text("WORD = 'found'\n")
+    code = ("import sys, helper; from multipy._launch import has_room; "
+            "print(__name__, sys.argv, repr(sys.path[0]), helper.WORD, has_room())")
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", "-c", code, "a", "-m"],
+                            capture_output=True, text=True, timeout=HANG, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "__main__ ['-c', 'a', '-m'] '' found True\n"
+
+
 def test_run_needs_a_program():
     result = subprocess.run([sys.executable, "-m", "multipy", "run"], capture_output=True,
                             text=True, timeout=HANG)
     assert result.returncode == 2
-    assert "a script or -m module is required" in result.stderr
+    assert "a script, -m MODULE or -c CODE is required" in result.stderr
+
+
+def test_run_says_in_one_line_that_a_script_is_not_there(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", "nosuch.py", "-c", "x"],
+                            capture_output=True, text=True, timeout=HANG, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == (f"multipy run: can't open file {str(tmp_path / 'nosuch.py')!r}: no "
+                             f"such file (give the program's path, or -m MODULE, or -c CODE)\n")
 
 
 def test_small_stack_threads_work_under_the_launcher(python):

@@ -273,7 +273,8 @@ class Server:
 
 
 def _start(tmp_path, paths: list[str], *options: str) -> Server:
-    """A server on a free port, ready (every model on every interpreter)."""
+    """A server on a free port, ready (every model on every interpreter), its ready line
+    logged (just after it is ready)."""
     wrapper = tmp_path / "serve_wrapper.py"
     wrapper.write_text(WRAPPER)
     port = _free_port()
@@ -291,7 +292,8 @@ def _start(tmp_path, paths: list[str], *options: str) -> Server:
         assert process.poll() is None, f"the server exited:\n{server.output()}"
         assert time.monotonic() < deadline, f"the server was not ready:\n{server.output()}"
         try:
-            if _request(server, "GET", "/v2/health/ready")[0] == 200:
+            if _request(server, "GET", "/v2/health/ready")[0] == 200 and \
+                    "ready in" in server.output():
                 return server
         except OSError:
             pass  # not listening yet
@@ -2144,8 +2146,8 @@ def _cli(*args: str, patch: str = "", timeout: float = 60) -> subprocess.Complet
 
 
 def test_a_port_in_use_is_said_in_one_line(packages):
-    """The server exits with uvicorn's start-up failure status and its one error line,
-    no traceback, when its port is taken."""
+    """The server exits with uvicorn's start-up failure status and one error line that
+    names the address and --port, no traceback, when its port is taken."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -2153,7 +2155,30 @@ def test_a_port_in_use_is_said_in_one_line(packages):
         done = _cli("serve", packages["cast"], "--interpreters", "1", "--port", str(port),
                     timeout=120)
     assert done.returncode == 3, done.stderr
-    assert "Address already in use" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("ERROR")]
+    assert errors == [f"ERROR:    cannot listen on 127.0.0.1:{port}: [Errno 98] Address already "
+                      f"in use (--port picks another port)"], done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("option", ["--port", "--grpc-port"])
+def test_a_port_out_of_range_is_said_in_one_line(packages, option):
+    done = _cli("serve", packages["cast"], option, "99999")
+    assert done.returncode == 2
+    assert done.stderr == (f"multipy serve: error: {option} must be a port number, 0 to 65535 "
+                           f"(0: a free one), not 99999\n")
+
+
+def test_the_first_line_says_it_listens_and_loads_and_a_later_one_that_it_is_ready(served):
+    """Listening is not readiness: the first line that names the address says the models
+    are loading; "ready" comes once they are."""
+    lines = served.output().splitlines()
+    listening = [k for k, line in enumerate(lines) if "listening on" in line]
+    ready = [k for k, line in enumerate(lines) if "ready in" in line]
+    assert len(listening) == 1 and len(ready) == 1 and listening[0] < ready[0], lines
+    assert lines[listening[0]].startswith(
+        f"INFO:     listening on http://127.0.0.1:{served.port}; loading models"), lines
+    assert not any("Uvicorn running" in line for line in lines), lines
 
 
 def test_cli_serve_help_and_errors(tmp_path):

@@ -124,6 +124,25 @@ def test_a_file_neither_script_nor_archive_is_said_to_be_what_it_is(tmp_path):
     assert "torch.save wrote in its legacy format" in result.stderr
 
 
+def test_a_program_that_starts_interpreters_is_told_to_use_multipy_run(tmp_path):
+    """Code inside an interpreter cannot start interpreters: it gets InterpreterStartError
+    at once, saying so, and a program that ends with it is told in one line what to run
+    instead (exit status 2)."""
+    script = tmp_path / "starts.py"
+    script.write_text("import multipy\nprint('before')\nmultipy.InterpreterManager(2)\n")
+    result = shell(str(script))
+    assert (result.returncode, result.stdout) == (2, "before\n"), result.stderr
+    assert result.stderr == (
+        f"multipy shell: the program starts interpreters of its own, which a program run "
+        f"inside an interpreter cannot: run it with `multipy run {script}` instead\n")
+    code = ("import multipy\ntry:\n    multipy.InterpreterManager(1)\n"
+            "except multipy.InterpreterStartError as error:\n    print(error)")
+    caught = shell("-c", code)
+    assert caught.returncode == 0, caught.stderr
+    assert "cannot start interpreters of their own" in caught.stdout
+    assert "`multipy run SCRIPT`" in caught.stdout
+
+
 def test_a_piped_prompt_runs_each_statement_inside_and_keeps_its_names():
     lines = ["x = 6 * 7", "x", "1/0", "for i in range(2):", "    print(i, x)", "",
              "import sys; 'multipy.manager' in sys.modules"]

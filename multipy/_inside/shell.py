@@ -32,6 +32,14 @@ def exit_status(exc: SystemExit) -> int:
     return 1
 
 
+def _starts_interpreters(exc: BaseException) -> bool:
+    """Whether exc is what the program's own multipy raised as the program asked for
+    interpreters, which no code inside one can start.  Looked up, not imported: this
+    interpreter holds multipy's host API only if the program imported it."""
+    errors = sys.modules.get("multipy.errors")
+    return errors is not None and isinstance(exc, errors.InterpreterStartError)
+
+
 def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -81,7 +89,9 @@ class Console:
     def run(self, source: str | bytes, filename: str) -> int:
         """Runs a program (``-c`` code or a script's contents) in the namespace, as
         ``python -c`` or ``python FILE`` would: the exit status (SystemExit's, 1 after
-        printing the traceback of an uncaught exception, 130 after Ctrl-C's)."""
+        printing the traceback of an uncaught exception, 130 after Ctrl-C's).  Raises,
+        unprinted, the error of a program that starts interpreters, for the host to
+        say what to run instead."""
         try:
             try:
                 compiled = compile(source, filename, "exec", dont_inherit=True)
@@ -96,6 +106,8 @@ class Console:
         except SystemExit as exc:
             return exit_status(exc)
         except BaseException as exc:  # noqa: B036 - printed as python prints it
+            if _starts_interpreters(exc):
+                raise
             tb = exc.__traceback__
             # this frame is not the user's (the excepthook prints the exception's own)
             exc.__traceback__ = tb = tb.tb_next if tb is not None else None

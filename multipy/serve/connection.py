@@ -197,6 +197,23 @@ async def request_line(connection: socket.socket, limits: Limits) -> bytes | Non
     return seen or None
 
 
+def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A non-blocking socket listening on (host, port), a free port for 0.  If it cannot
+    (the port is taken, say), logs why in one line that names the address and --port,
+    and raises SystemExit(3), uvicorn's start-up failure status."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(backlog)
+    except OSError as error:
+        listener.close()
+        logger.error("cannot listen on %s:%d: %s (--port picks another port)", host, port, error)
+        raise SystemExit(3) from None
+    listener.setblocking(False)
+    return listener
+
+
 async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:
     """Accepts connections on listener until cancelled, giving each to hand.  An error
     accepting one (too many open files, say) is logged, and accepting goes on after a

@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import uvicorn
 
@@ -47,7 +47,7 @@ from .app import create_app, logging_config
 from . import model_class
 from .archive import ArchiveError
 from .connection import (MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, accept,
-                         guarded, request_line)
+                         guarded, listen, request_line)
 from .control import Control
 from .inbox import FORCE, STOP, open_inbox, receive, send
 from .link import Link
@@ -69,9 +69,17 @@ named after the file's stem; each FILE.py:CLASS or MODULE:CLASS, as one named af
 class, in lower case (docs/serving.md, "Models written as classes")."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but an error is one line, without the usage (a dozen lines,
+    which ``--help`` prints)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parser() -> argparse.ArgumentParser:
     """The options of ``multipy serve``."""
-    parse = argparse.ArgumentParser(prog="multipy serve", description=DESCRIPTION)
+    parse = _Parser(prog="multipy serve", description=DESCRIPTION)
     parse.add_argument("paths", metavar="PATH", nargs="+",
                        help="a torch.package archive, or a class: FILE.py:CLASS, MODULE:CLASS")
     parse.add_argument("--module", default="model",
@@ -228,13 +236,14 @@ class _Server(uvicorn.Server):
             self._supervised.listen(self._hand, self._supervisor_gone)
             return
         try:
-            listener = self.config.bind_socket()  # says why it cannot, and exits
+            listener = listen(self.config.host, self.config.port, self.config.backlog)
         except SystemExit:  # (the port is taken, say): the lifespan ends first, as uvicorn's
             await self.lifespan.shutdown()
             raise
         self.config.port = listener.getsockname()[1]  # the port --port 0 got, for the ready line
-        listener.listen(self.config.backlog)
-        listener.setblocking(False)
+        logger.info("listening on http://%s; loading models (inference answers 503 until "
+                    "the \"ready\" line; Ctrl-C stops)", _host_port(self.config.host,
+                                                                 self.config.port))
         self._accepting = asyncio.get_running_loop().create_task(accept(listener, self._hand))
 
     def _hand(self, connection: socket.socket) -> None:
@@ -474,8 +483,9 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
     for directory in repositories:
         if not os.path.isdir(directory):
             parse.error(f"--model-repository {directory}: not a directory")
-    if args.grpc_port is not None and not 0 <= args.grpc_port <= 65535:
-        parse.error("--grpc-port must be a port number (0: a free one)")
+    for option, port in (("--port", args.port), ("--grpc-port", args.grpc_port)):
+        if port is not None and not 0 <= port <= 65535:
+            parse.error(f"{option} must be a port number, 0 to 65535 (0: a free one), not {port}")
     interpreters = args.interpreters if args.interpreters is not None else \
         default_interpreters(args.processes)
     if not 1 <= interpreters <= fit:
@@ -509,8 +519,8 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the server until SIGTERM or SIGINT; returns the exit status (0 after a
-    graceful stop, 1 if the models failed to load).  SystemExit(3), with uvicorn's one
-    error line, if it cannot listen (the port is taken, say)."""
+    graceful stop, 1 if the models failed to load).  SystemExit(3), with one error line
+    naming the address and --port, if it cannot listen (the port is taken, say)."""
     make_room()  # re-executes this process with room for 15 interpreters if it lacks it
     parse = parser()
     args = parse.parse_args(argv)
@@ -572,7 +582,8 @@ def reserve_port(host: str, port: int, parse: argparse.ArgumentParser) -> socket
         reserved.bind((host, port))
     except OSError as error:
         reserved.close()
-        parse.exit(3, f"multipy serve: cannot listen for gRPC on {host}:{port}: {error}\n")
+        parse.exit(3, f"multipy serve: cannot listen for gRPC on {host}:{port}: {error} "
+                      f"(--grpc-port picks another port)\n")
     return reserved
 
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._launch import launch_environment
-from .connection import accept
+from .connection import accept, listen
 from .link import Link, pair
 from .metrics import Board, board_width
 
@@ -135,18 +135,8 @@ class Supervisor:
         return self._status
 
     def _listen(self) -> socket.socket:
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((self._host, self._port))
-            listener.listen(2048)
-        except OSError as error:
-            listener.close()
-            logger.error("cannot listen on %s:%d: %s", self._host, self._port, error)
-            raise SystemExit(3) from None
+        listener = listen(self._host, self._port)
         self._port = listener.getsockname()[1]
-        listener.setblocking(False)
         return listener
 
     # -- the processes --

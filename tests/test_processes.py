@@ -53,6 +53,28 @@ def _slow(server, seconds: float, answers: list) -> threading.Thread:
     return thread
 
 
+def _twenty(server) -> set[tuple[int, int]]:
+    """(process id, interpreter) of each of 20 connections opened at once, each then
+    asking model where once."""
+    connections = [socket.create_connection(("127.0.0.1", server.port), timeout=60)
+                   for _ in range(20)]
+    body = json.dumps(ONE).encode()
+    head = (f"POST /v2/models/where/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
+            f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    for connection in connections:
+        connection.sendall(head + body)
+    where = set()
+    for connection in connections:
+        with connection, connection.makefile("rb") as answer:
+            assert answer.readline().startswith(b"HTTP/1.1 200"), "not answered"
+            length = 0
+            while (line := answer.readline()) != b"\r\n":
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            where.add(tuple(json.loads(answer.read(length))["outputs"][0]["data"]))
+    return where
+
+
 def _readies(server, k: int) -> int:
     return len(re.findall(rf"server process {k} \(pid \d+\) ready", server.output()))
 
@@ -124,28 +146,21 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
     try:
         _all_ready(server)
         # 20 connections open at once: the supervisor hands them to the two processes in
-        # turn, and each process each of its ten to an interpreter with the fewest
-        connections = [socket.create_connection(("127.0.0.1", server.port), timeout=60)
-                       for _ in range(20)]
-        body = json.dumps(ONE).encode()
-        head = (f"POST /v2/models/where/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        for connection in connections:
-            connection.sendall(head + body)
-        where = set()
-        for connection in connections:
-            with connection, connection.makefile("rb") as answer:
-                assert answer.readline().startswith(b"HTTP/1.1 200"), "not answered"
-                length = 0
-                while (line := answer.readline()) != b"\r\n":
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                where.add(tuple(json.loads(answer.read(length))["outputs"][0]["data"]))
-        assert len(where) == 20, where
+        # turn, and each process each of its ten to an interpreter with the fewest open
+        # (a front end counts a connection closed once its loop has seen it close: on a
+        # loaded machine, the readiness checks' may still count, and the round is
+        # tried again)
+        sent = 0
+        for _ in range(5):
+            where = _twenty(server)
+            sent += 20
+            if len(where) == 20:
+                break
+        assert len(where) == 20, sorted(where)
         assert len({pid for pid, _ in where}) == 2
         metrics = _metrics(server)
         assert metrics[("multipy_interpreters", ())] == 20
-        assert metrics[("multipy_inference_requests_total", (("model", "where"),))] == 20
+        assert metrics[("multipy_inference_requests_total", (("model", "where"),))] == sent
         x = grpcclient.InferInput("x", [1], "FP32")
         x.set_data_from_numpy(np.ones(1, np.float32))
         over_grpc = set()
@@ -157,7 +172,7 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
             status, _, stats = _request(server, "GET", "/v2/models/where/stats")
             assert status == 200
             success = json.loads(stats)["model_stats"][0]["inference_stats"]["success"]
-            assert success["count"] == 36, stats
+            assert success["count"] == sent + 16, stats
         answers: list = []
         slow = [_slow(server, 2.0, answers) for _ in range(4)]
         until(lambda: _metrics(server)[("multipy_busy_interpreters",

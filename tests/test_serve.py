@@ -1,9 +1,10 @@
 """`multipy serve`: the Open Inference Protocol over HTTP and gRPC, checked with tritonclient.http and tritonclient.grpc
 against servers running in subprocesses on free ports of 127.0.0.1.
 
-Three servers serve the whole module: ``served`` (2 interpreters, --timeout 5, no
-batching: one event loop), ``batching`` (1 interpreter, --max-batch-size 8: one loop) and
-``per_loop`` (2 interpreters, neither: a loop per interpreter).  The last tests stop
+Four servers serve the whole module: ``served`` (2 interpreters, --timeout 5, no
+batching: one event loop), ``batching`` (1 interpreter, --max-batch-size 8: one loop),
+``per_loop`` (2 interpreters, neither: a loop per interpreter) and ``large`` (1
+interpreter, with gRPC: requests of millions of elements).  The last tests stop
 ``per_loop`` and ``served`` with SIGTERM while requests run.
 """
 from __future__ import annotations
@@ -176,6 +177,13 @@ class Wrapped:
         return self.net(x)
 
 
+class Shape(nn.Module):
+    """The input's shape, reading none of its elements: for requests of millions."""
+
+    def forward(self, x):
+        return torch.tensor(x.shape, dtype=torch.int64)
+
+
 class Text(nn.Module):
     """BYTES in (a numpy array of bytes, of at least one dimension) and out: its strings
     upper-cased, as str ("upper"); their lengths in bytes, as a tensor ("lengths"); the
@@ -222,7 +230,7 @@ def packages(tmp_path_factory):
         examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3)),
                     "text": (np.array([b"hello", "w\u00f6rld".encode()], dtype=object),)}
         for name in ("Cast", "Pair", "Fails", "Slow", "Exits", "Blocks", "Crashes", "Where",
-                     "Thread", "Rows", "Total", "Wrapped", "Text"):
+                     "Thread", "Rows", "Total", "Wrapped", "Shape", "Text"):
             path = folder / f"{name.lower()}.pt"
             with torch.package.PackageExporter(str(path)) as exporter:
                 exporter.extern(["torch.**", "numpy.**"])
@@ -325,6 +333,16 @@ def per_loop(packages, tmp_path_factory):
     server = _start(tmp_path_factory.mktemp("per_loop"),
                     [packages[n] for n in ("thread", "slow", "exits", "blocks")],
                     "--interpreters", "2")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def large(packages, tmp_path_factory):
+    server = _start(tmp_path_factory.mktemp("large"), [packages["shape"], packages["text"]],
+                    "--interpreters", "1", "--grpc-port", "0")
     try:
         yield server
     finally:
@@ -718,11 +736,21 @@ def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(serv
     assert metrics[("multipy_inference_requests_total", (("model", "fails"),))] == 2
 
 
-def _rss(server: Server) -> int:
-    """The server process's resident memory, in bytes."""
+def _rss(server: Server, field: str = "VmRSS") -> int:
+    """The server process's resident memory (VmHWM: its peak), in bytes."""
     with open(f"/proc/{server.process.pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
+        line = next(line for line in status if line.startswith(f"{field}:"))
     return int(line.split()[1]) * 1024
+
+
+def _peak(server: Server, call):
+    """call()'s value, and how far the server's resident memory rose, at its peak,
+    while call() ran (bytes)."""
+    with open(f"/proc/{server.process.pid}/clear_refs", "w") as refs:
+        refs.write("5")  # the peak is reset to what the process holds now
+    before = _rss(server)
+    value = call()
+    return value, _rss(server, "VmHWM") - before
 
 
 def _answer_while_sending(server: Server, pieces: list[bytes]) -> tuple[int, str]:
@@ -1395,10 +1423,10 @@ def test_state_that_forward_writes_is_each_interpreters_own_and_never_lent(packa
 # -- gRPC (the served server also serves it, with --grpc-port 0) --
 
 def _grpc_port(server: Server) -> int:
-    """The gRPC port that server's ready line names."""
-    found = re.search(r"gRPC on [^ ]*:(\d+)", server.output())
-    assert found, server.output()
-    return int(found.group(1))
+    """The gRPC port that server's ready line names (which it may write just after it
+    answers that it is ready)."""
+    until(lambda: "gRPC on" in server.output())
+    return int(re.search(r"gRPC on [^ ]*:(\d+)", server.output()).group(1))
 
 
 def _grpc(server: Server):
@@ -1413,6 +1441,14 @@ def _grpc_input(name: str, array: np.ndarray, datatype: str):
     tensor = grpcclient.InferInput(name, list(array.shape), datatype)
     tensor.set_data_from_numpy(array)
     return tensor
+
+
+def _unary(channel, name: str, response):
+    """The protocol's RPC name on channel (grpc's), called with multipy's request
+    message: its answer, a response message."""
+    return channel.unary_unary(f"/inference.GRPCInferenceService/{name}",
+                               request_serializer=lambda message: message.SerializeToString(),
+                               response_deserializer=response.FromString)
 
 
 def _client_error(call) -> tuple[str, str]:
@@ -1463,10 +1499,7 @@ def test_grpc_typed_contents_and_requested_outputs(served):
     from multipy.serve import inference_pb2 as messages
 
     with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}") as channel:
-        infer = channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer",
-            request_serializer=messages.ModelInferRequest.SerializeToString,
-            response_deserializer=messages.ModelInferResponse.FromString)
+        infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
         tensor = messages.ModelInferRequest.InferInputTensor
         request = messages.ModelInferRequest(model_name="pair", inputs=[
             tensor(name="a", datatype="FP32", shape=[1, 3],
@@ -1560,10 +1593,7 @@ def test_grpc_bytes_raw_and_typed(served):
     np.testing.assert_array_equal(result.as_numpy("lengths"), [[5, 6], [0, 3]])
     assert _as_bytes(result.as_numpy("same")) == list(TEXT.reshape(-1))
     with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}") as channel:
-        infer = channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer",
-            request_serializer=messages.ModelInferRequest.SerializeToString,
-            response_deserializer=messages.ModelInferResponse.FromString)
+        infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
         request = messages.ModelInferRequest(model_name="text", inputs=[
             messages.ModelInferRequest.InferInputTensor(
                 name="text", datatype="BYTES", shape=[3],
@@ -1572,6 +1602,62 @@ def test_grpc_bytes_raw_and_typed(served):
     raw = dict(zip((o.name for o in answer.outputs), answer.raw_output_contents))
     assert raw["same"] == b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xff\x00\x00\x00\x00\x00"
     np.testing.assert_array_equal(np.frombuffer(raw["lengths"], "<i8"), [2, 2, 0])
+
+
+def _typed_bytes(model: str, elements: list[bytes]):
+    """A ModelInferRequest of model with one BYTES input, x, of elements in bytes_contents."""
+    from multipy.serve import inference_pb2 as messages
+
+    return messages.ModelInferRequest(model_name=model, inputs=[
+        messages.ModelInferRequest.InferInputTensor(
+            name="x", datatype="BYTES", shape=[len(elements)],
+            contents=messages.InferTensorContents(bytes_contents=elements))])
+
+
+def test_grpc_bytes_contents_cost_what_binary_data_costs_and_are_bounded(large):
+    """3,000,000 one-byte elements in bytes_contents (a 9 MB message) raise the server's
+    peak memory by about what the same elements as HTTP binary data do (before, by 850
+    MB: 300 bytes an element); bytes_contents with more elements than a body of
+    --max-request-size (64 MiB) holds as binary data (a 4-byte length each) are refused
+    with RESOURCE_EXHAUSTED before any is read, and the memory that its message took is
+    given back at once (before, only by the garbage collector's next pass); and the
+    server answers on."""
+    import grpc
+
+    from multipy.serve import inference_pb2 as messages
+
+    count = 3_000_000
+    header = json.dumps({"inputs": [{"name": "x", "shape": [count], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 5 * count}}]}).encode()
+    (status, _, body), over_http = _peak(large, lambda: _request(
+        large, "POST", "/v2/models/shape/infer", header + b"\x01\x00\x00\x00a" * count,
+        {"Inference-Header-Content-Length": str(len(header))}))
+    assert status == 200 and json.loads(body)["outputs"][0]["data"] == [count]
+    with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(large)}") as channel:
+        infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
+        answer, over_grpc = _peak(large, lambda: infer(_typed_bytes("shape", [b"a"] * count),
+                                                       timeout=120))
+        assert np.frombuffer(answer.raw_output_contents[0], "<i8").tolist() == [count]
+        print(f"peak memory over HTTP: {over_http >> 20} MiB; over gRPC: {over_grpc >> 20} MiB")
+        # (grpcio's own parse of the message takes about 40 bytes an element)
+        assert over_grpc < over_http + (200 << 20), (over_http, over_grpc)
+        past = (64 << 20) // 4 + 1
+        before = _rss(large)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(_typed_bytes("shape", [b""] * past), timeout=120)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details() == (
+            f"the request's bytes_contents hold {past} BYTES elements, which as binary data "
+            f"(a 4-byte length each) take more than the {64 << 20} bytes this server takes "
+            f"(--max-request-size)")
+        # what grpcio's parse of it took (500 MB) is given back once it is answered
+        until(lambda: _rss(large) < before + (200 << 20), 30)
+        answer = infer(_typed_bytes("text", [b"ab", b"\xff\x00", b""]), timeout=60)
+    raw = dict(zip((o.name for o in answer.outputs), answer.raw_output_contents))
+    assert raw["same"] == b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xff\x00\x00\x00\x00\x00"
+    np.testing.assert_array_equal(np.frombuffer(raw["lengths"], "<i8"), [2, 2, 0])
+    result = _grpc(large).infer("text", [_grpc_input("text", TEXT, "BYTES")])
+    assert _as_bytes(result.as_numpy("upper")) == [b"HELLO", "W\u00d6RLD".encode(), b"", b"A B"]
 
 
 # -- the model repository (--model-control explicit) --

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -753,18 +754,23 @@ def _peak(server: Server, call):
     return value, _rss(server, "VmHWM") - before
 
 
-def _answer_while_sending(server: Server, pieces: list[bytes]) -> tuple[int, str]:
-    """Sends pieces of a request on a new connection, as far as the server reads them,
-    then reads its answer: (status, its error message)."""
+def _answer_while_sending(server: Server, pieces: list[bytes],
+                          sent: threading.Event | None = None) -> tuple[int, Any]:
+    """Sends pieces of a request on a new connection, as far as the server reads them
+    (then sets sent), then reads its answer: (status, its error message, or the answer
+    if it is not an error)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
         try:
             for piece in pieces:
                 sock.sendall(piece)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server answered and closed before reading it all
+        if sent is not None:
+            sent.set()
         response = http.client.HTTPResponse(sock)
         response.begin()
-        return response.status, json.loads(response.read())["error"]
+        answer = json.loads(response.read())
+        return response.status, answer["error"] if "error" in answer else answer
 
 
 def test_small_hostile_requests_are_refused_without_stalling_or_exhausting(served):
@@ -1227,6 +1233,9 @@ def test_metrics_sum_every_writers_row():
     assert samples[("multipy_interpreters", ())] == 2
     assert [host.closed_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
     assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 1]
+    with fronts[1].decoding():  # a large request, decoded on a thread: busy too
+        assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 2]
+    assert host.busy(2) == 1
 
 
 def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
@@ -2011,6 +2020,118 @@ def test_a_new_connection_goes_to_a_loop_that_is_not_in_a_call(per_loop):
         idle.close()
 
 
+def _meanwhile(send, decoding, asks: dict) -> tuple[Any, list[str]]:
+    """send()'s value, sent on a thread of its own; once decoding() (the server decodes
+    it), each of asks (name -> a function that asks the server something and checks its
+    answer) is asked in turn: and the names of those answered, in order, with "large"
+    where send() returned."""
+    answered: list[str] = []
+    value = []
+
+    def sending() -> None:
+        value.append(send())
+        answered.append("large")
+
+    thread = threading.Thread(target=sending)
+    thread.start()
+    try:
+        until(decoding, 120)
+        time.sleep(0.2)  # (it has the whole request: it decodes within milliseconds)
+        for name, ask in asks.items():
+            ask()
+            answered.append(name)
+    finally:
+        thread.join(timeout=120)
+    assert value, "the large request was not answered"
+    return value[0], answered
+
+
+def test_a_large_request_is_decoded_while_the_server_answers_others(large):
+    """Requests of 16,000,000 BYTES elements (64 MB, which take seconds to decode), over
+    HTTP and gRPC: while each decodes, readiness is answered on a connection that the
+    one front end serves already, on a new connection and over gRPC, before the large
+    request (refused: its data holds one element more than its shape, which is found
+    once all are read); a JSON body whose parse holds the interpreter in C (json.loads)
+    for a second: a new connection's readiness is answered meanwhile; then the server
+    serves as before."""
+    import grpc
+
+    from multipy.serve import inference_pb2 as messages
+
+    count = 16_000_000
+    data = b"\x00" * 4 * (count + 1)
+    message = (f"input 'x': shape [{count}] has {count} elements, but 4 bytes of its binary "
+               f"data are left after them (binary_data_size {len(data)})")
+    kept = http.client.HTTPConnection("127.0.0.1", large.port, timeout=60)
+    channel = grpc.insecure_channel(f"127.0.0.1:{_grpc_port(large)}")
+    ready = _unary(channel, "ServerReady", messages.ServerReadyResponse)
+
+    def kept_ready() -> None:
+        kept.request("GET", "/v2/health/ready")
+        response = kept.getresponse()
+        assert response.status == 200 and response.read() == b""
+
+    def new_ready() -> None:
+        assert _request(large, "GET", "/v2/health/ready")[0] == 200
+
+    def grpc_ready() -> None:
+        assert ready(messages.ServerReadyRequest(), timeout=60).ready
+
+    asks = {"kept": kept_ready, "new": new_ready, "grpc": grpc_ready}
+    try:
+        kept_ready()  # its connection is the front end's, as is the channel's
+        grpc_ready()
+        header = json.dumps({"inputs": [{"name": "x", "shape": [count], "datatype": "BYTES",
+                                         "parameters": {"binary_data_size": len(data)}}]}).encode()
+        head = (b"POST /v2/models/shape/infer HTTP/1.1\r\nHost: test\r\nContent-Length: %d\r\n"
+                b"Inference-Header-Content-Length: %d\r\n\r\n" % (len(header) + len(data),
+                                                                   len(header)))
+        sent = threading.Event()
+        answer, answered = _meanwhile(
+            lambda: _answer_while_sending(large, [head + header, data], sent),
+            lambda: sent.is_set() and _all_read(large.port), asks)
+        assert answer == (400, message) and answered == ["kept", "new", "grpc", "large"], \
+            answered
+
+        with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(large)}") as other:
+            infer = _unary(other, "ModelInfer", messages.ModelInferResponse)
+            request = messages.ModelInferRequest(
+                model_name="shape", raw_input_contents=[data],
+                inputs=[messages.ModelInferRequest.InferInputTensor(name="x", datatype="BYTES",
+                                                                    shape=[count])])
+            received = lambda: _metrics(large)[  # noqa: E731
+                ("multipy_inference_requests_total", (("model", "shape"),))]
+            before = received()
+
+            def refused() -> tuple:
+                with pytest.raises(grpc.RpcError) as error:
+                    infer(request, timeout=120)
+                return error.value.code(), error.value.details()
+
+            answer, answered = _meanwhile(refused, lambda: received() > before, asks)
+        assert answer == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert answered == ["kept", "new", "grpc", "large"], answered
+
+        count = 33_000_000
+        body = json.dumps({"inputs": [{"name": "x", "shape": [count], "datatype": "INT8",
+                                       "data": [0] * count}]}, separators=(",", ":")).encode()
+        sent = threading.Event()
+        answer, answered = _meanwhile(
+            lambda: _answer_while_sending(large, [b"POST /v2/models/shape/infer HTTP/1.1\r\n"
+                                                  b"Host: test\r\nContent-Length: %d\r\n\r\n"
+                                                  % len(body), body], sent),
+            lambda: sent.is_set() and _all_read(large.port), {"new": new_ready})
+        assert answer[0] == 200 and answer[1]["outputs"][0]["data"] == [count]
+        assert answered == ["new", "large"], answered
+    finally:
+        kept.close()
+        channel.close()
+    result = large.client().infer("text", [_input("text", TEXT, "BYTES", True)])
+    assert _as_bytes(result.as_numpy("upper")) == [b"HELLO", "W\u00d6RLD".encode(), b"", b"A B"]
+    result = _grpc(large).infer("shape", [_grpc_input("x", TEXT, "BYTES")])
+    assert result.as_numpy("output0").tolist() == [2, 2]
+
+
 def test_a_model_that_raises_system_exit_on_the_loop_is_answered(per_loop):
     _system_exit_is_the_models_error(per_loop)
 
@@ -2083,15 +2204,28 @@ def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop
     assert per_loop.output().count("Started server process") == 1  # one server's lines
 
 
+def _tcp(port: int, state: str) -> list[list[str]]:
+    """The rows of /proc/net/tcp in state (hex: 01 established, 0A listening) whose local
+    or remote port is port, split: sl, local address, remote address, state,
+    tx_queue:rx_queue, ..."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return [row for row in rows if row[3] == state
+            and port in (int(row[1].split(":")[1], 16), int(row[2].split(":")[1], 16))]
+
+
+def _all_read(port: int) -> bool:
+    """Whether the server on port has read every byte sent to it on this machine: no
+    connection to it has any queued, on either side."""
+    return all(row[4] == "00000000:00000000" for row in _tcp(port, "01"))
+
+
 def _until_accepted(port: int, seconds: float = 30) -> None:
     """Waits until the server has accepted every connection made to port: its listening
     socket's accept queue (rx_queue of its LISTEN row in /proc/net/tcp) is empty."""
     deadline = time.monotonic() + seconds
     while True:
-        with open("/proc/net/tcp") as table:
-            rows = [line.split() for line in table.readlines()[1:]]
-        waiting = [int(row[4].split(":")[1], 16) for row in rows
-                   if int(row[1].split(":")[1], 16) == port and row[3] == "0A"]
+        waiting = [int(row[4].split(":")[1], 16) for row in _tcp(port, "0A")]
         if waiting and not any(waiting):
             return
         assert time.monotonic() < deadline, waiting

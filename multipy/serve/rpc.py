@@ -26,7 +26,7 @@ from google.protobuf import json_format
 
 from . import inference_pb2 as messages
 from . import repository
-from .inference import infer, ready_model, server_metadata, statistics
+from .inference import decode_apart, infer, ready_model, server_metadata, statistics
 from .protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor, parse_request,
                        tensor_bytes)
 
@@ -115,7 +115,7 @@ class _Servicer:
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def decode() -> InferRequest:
-            return _decoded(request, self._service.max_request_size)
+            return await _decoded(self._service, request)
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> Any:
             return _encoded(request.model_name, decoded.id, outputs)
@@ -157,12 +157,14 @@ def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
     return answer
 
 
-def _decoded(request: Any, limit: int) -> InferRequest:
-    """The request record of a ModelInferRequest, checked as an HTTP body's is:
-    translated to the protocol's JSON form (typed contents as its data), raw contents as
-    its binary data.  ProtocolError (413) if its bytes_contents hold more elements than
-    a body of limit bytes (--max-request-size) holds as binary data, before any is
-    read."""
+async def _decoded(service: Any, request: Any) -> InferRequest:
+    """The request record of a ModelInferRequest to service, checked as an HTTP body's
+    is: translated to the protocol's JSON form (typed contents as its data), raw
+    contents as its binary data, and decoded by multipy.serve.inference.decode_apart
+    (its size: the raw contents' bytes, and LENGTH_PREFIX for each typed value).
+    ProtocolError (413) if its bytes_contents hold more elements than a body of
+    service.max_request_size bytes holds as binary data, before any is read."""
+    limit = service.max_request_size
     elements = sum(len(tensor.contents.bytes_contents) for tensor in request.inputs)
     if elements > limit // LENGTH_PREFIX:
         raise ProtocolError(f"the request's bytes_contents hold {elements} BYTES elements, "
@@ -173,7 +175,7 @@ def _decoded(request: Any, limit: int) -> InferRequest:
     if raw and len(raw) != len(request.inputs):
         raise ProtocolError(f"the request has {len(raw)} raw_input_contents for "
                             f"{len(request.inputs)} inputs: give each input's, or none")
-    inputs = []
+    inputs, values = [], 0
     for position, tensor in enumerate(request.inputs):
         spec: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
                                 "shape": list(tensor.shape),
@@ -186,13 +188,16 @@ def _decoded(request: Any, limit: int) -> InferRequest:
             spec["parameters"]["binary_data_size"] = len(raw[position])
         else:
             spec["data"] = _contents(tensor)
+            values += len(spec["data"])
     outputs = [{"name": output.name, "parameters": _parameters(output.parameters)}
                for output in request.outputs]
     translated = {"inputs": inputs, "outputs": outputs,
                   "parameters": _parameters(request.parameters)}
     if request.id:
         translated["id"] = request.id
-    return parse_request(translated, memoryview(b"".join(raw)))
+    binary = memoryview(b"".join(raw))
+    return await decode_apart(service, len(binary) + LENGTH_PREFIX * values, parse_request,
+                              translated, binary)
 
 
 def _contents(tensor: Any) -> list:

@@ -987,15 +987,97 @@ def _requests_to_fuzz():
     return st.one_of(request, changed(), data)
 
 
+def _as_grpc(body):
+    """The ModelInferRequest of model cast that says what it can of body (a generated
+    HTTP request's JSON), and whether it says all of it: then it must be answered as
+    body is.  Typed contents say a flat list of values that fit its datatype's field
+    (JSON's numbers, true and false, and strings, as UTF-8); the messages' strings,
+    integers and parameters say the rest."""
+    from multipy.serve import inference_pb2 as messages
+    from multipy.serve.rpc import _CONTENTS
+
+    request = messages.ModelInferRequest(model_name="cast")
+    said = [isinstance(body, dict)]  # False for each part of body that is not said
+    body = body if isinstance(body, dict) else {}
+
+    def put(set_to, value, fits: bool) -> None:
+        """set_to(value), if value fits and the message can hold it."""
+        try:
+            if fits:
+                set_to(value)
+                return
+        except (TypeError, ValueError, OverflowError):  # out of range, or not UTF-8
+            pass
+        said.append(False)
+
+    def parameters(into, given) -> None:
+        said.append(isinstance(given, (dict, type(None))))
+        for key, value in (given if isinstance(given, dict) else {}).items():
+            choice = {bool: "bool_param", int: "int64_param", str: "string_param",
+                      float: "double_param"}.get(type(value))
+            put(lambda v, key=key, choice=choice: setattr(into[key], choice, v), value,
+                choice is not None)
+
+    def values(value, kinds: tuple) -> bool:
+        return type(value) in kinds or (
+            "int64" in kinds and type(value) is int and -2 ** 63 <= value < 2 ** 63)
+
+    parameters(request.parameters, body.get("parameters"))
+    if body.get("id") is not None:
+        put(lambda v: setattr(request, "id", v), body["id"], isinstance(body["id"], str))
+    outputs = body.get("outputs") or []
+    said.append(isinstance(outputs, list))
+    for output in outputs if isinstance(outputs, list) else []:
+        named = isinstance(output, dict) and isinstance(output.get("name"), str)
+        said.append(named)
+        if named:
+            parameters(request.outputs.add(name=output["name"]).parameters,
+                       output.get("parameters"))
+    inputs = body.get("inputs")
+    said.append(isinstance(inputs, list))
+    for spec in inputs if isinstance(inputs, list) else []:
+        said.append(isinstance(spec, dict) and "data" in spec)
+        spec = spec if isinstance(spec, dict) else {}
+        tensor = request.inputs.add()
+        for key in ("name", "datatype"):
+            put(lambda v, key=key: setattr(tensor, key, v), spec.get(key),
+                isinstance(spec.get(key), str))
+        shape = spec.get("shape")
+        put(tensor.shape.extend, shape,
+            isinstance(shape, list) and all(type(size) is int for size in shape))
+        parameters(tensor.parameters, spec.get("parameters"))
+        data = spec.get("data") if isinstance(spec.get("data"), list) else [spec.get("data")]
+        field = _CONTENTS.get(tensor.datatype)
+        kinds = {"bool_contents": (bool,), "fp32_contents": (float, "int64"),
+                 "fp64_contents": (float, "int64"), "bytes_contents": (str,)}.get(field, (int,))
+        if field is not None and data:
+            put(lambda data: getattr(tensor.contents, field).extend(
+                [v.encode() if isinstance(v, str) else v for v in data]), data,
+                all(values(v, kinds) for v in data))
+    return request, all(said)
+
+
+#: The gRPC code of each HTTP status that a fuzzed request may be answered with.
+_FUZZ_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 500: "INTERNAL"}
+
+
 def test_fuzzed_requests_get_an_answer_that_says_what_is_wrong(served):
     """Generated requests (hypothesis: 300, the same each run; with FUZZ_EXAMPLES, that
-    many, new each run): each is answered 200, or 400 with a message, or 500 only where
-    the model itself raised; never a server error, never no answer; and a normal
+    many, new each run), over HTTP and, as far as its messages can say them, gRPC: each
+    is answered 200 (OK), or 400 (INVALID_ARGUMENT) with a message, or 500 (INTERNAL)
+    only where the model itself raised; never a server error, never no answer; over
+    gRPC, as over HTTP where the message says all the request does; and a normal
     request is served after."""
+    import grpc
     from hypothesis import HealthCheck, given, settings
+
+    from multipy.serve import inference_pb2 as messages
 
     examples = int(os.environ.get("FUZZ_EXAMPLES", "300"))
     seen: dict[int, int] = {}
+    codes: dict[str, int] = {}
+    channel = grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}")
+    infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
 
     @settings(max_examples=examples, deadline=None, database=None,
               derandomize="FUZZ_EXAMPLES" not in os.environ,
@@ -1013,13 +1095,32 @@ def test_fuzzed_requests_get_an_answer_that_says_what_is_wrong(served):
             assert isinstance(reply["error"], str) and reply["error"], (body, reply)
             if status == 500:
                 assert reply["error"].startswith("model 'cast' raised"), (body, reply)
+        request, exact = _as_grpc(body)
+        try:
+            code, message = "OK", infer(request, timeout=60).model_name
+        except grpc.RpcError as error:
+            code, message = error.code().name, error.details()
+        codes[code] = codes.get(code, 0) + 1
+        assert code in _FUZZ_CODES.values() and message, (code, message, request)
+        if code == "INTERNAL":
+            assert message.startswith("model 'cast' raised"), (message, request)
+        if exact:
+            codes["as HTTP"] = codes.get("as HTTP", 0) + 1
+            assert code == _FUZZ_CODES[status], (status, reply, code, message, body, request)
 
-    answered()
-    print(f"fuzzed requests by status: {dict(sorted(seen.items()))}")  # (pytest -s)
+    try:
+        answered()
+    finally:
+        channel.close()
+    print(f"fuzzed requests by status: {dict(sorted(seen.items()))}; over gRPC, by code: "
+          f"{codes}")  # (pytest -s)
     assert sum(seen.values()) >= examples and seen.get(400), seen
+    assert codes.get("OK") and codes.get("as HTTP", 0) >= examples // 10, codes
     status, answer = _infer_json(served, "cast", {"inputs": [
         {"name": "x", "shape": [1], "datatype": "FP32", "data": [2]}]})
     assert status == 200 and answer["outputs"][0]["data"] == [2.0]
+    assert _grpc(served).infer("cast", [_grpc_input("x", np.ones(1, np.float32), "FP32")]) \
+        .as_numpy("same").tolist() == [1.0]
 
 
 def test_a_crash_report_names_the_model_and_the_request(packages, tmp_path):

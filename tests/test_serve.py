@@ -1,9 +1,10 @@
 """`multipy serve`: the Open Inference Protocol over HTTP and gRPC, checked with tritonclient.http and tritonclient.grpc
 against servers running in subprocesses on free ports of 127.0.0.1.
 
-Three servers serve the whole module: ``served`` (2 interpreters, --timeout 5, no
-batching: one event loop), ``batching`` (1 interpreter, --max-batch-size 8: one loop) and
-``per_loop`` (2 interpreters, neither: a loop per interpreter).  The last tests stop
+Four servers serve the whole module: ``served`` (2 interpreters, --timeout 5, no
+batching: one event loop), ``batching`` (1 interpreter, --max-batch-size 8: one loop),
+``per_loop`` (2 interpreters, neither: a loop per interpreter) and ``large`` (1
+interpreter, with gRPC: requests of millions of elements).  The last tests stop
 ``per_loop`` and ``served`` with SIGTERM while requests run.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -182,6 +183,13 @@ class Wrapped:
         return self.net(x)
 
 
+class Shape(nn.Module):
+    """The input's shape, reading none of its elements: for requests of millions."""
+
+    def forward(self, x):
+        return torch.tensor(x.shape, dtype=torch.int64)
+
+
 class Text(nn.Module):
     """BYTES in (a numpy array of bytes, of at least one dimension) and out: its strings
     upper-cased, as str ("upper"); their lengths in bytes, as a tensor ("lengths"); the
@@ -228,7 +236,7 @@ def packages(tmp_path_factory):
         examples = {"pair": (torch.ones(2, 3), torch.zeros(2, 3)),
                     "text": (np.array([b"hello", "w\u00f6rld".encode()], dtype=object),)}
         for name in ("Cast", "Pair", "Fails", "Slow", "Exits", "Blocks", "Crashes", "Where",
-                     "Thread", "Rows", "Total", "Wrapped", "Text"):
+                     "Thread", "Rows", "Total", "Wrapped", "Shape", "Text"):
             path = folder / f"{name.lower()}.pt"
             with torch.package.PackageExporter(str(path)) as exporter:
                 exporter.extern(["torch.**", "numpy.**"])
@@ -333,6 +341,16 @@ def per_loop(packages, tmp_path_factory):
     server = _start(tmp_path_factory.mktemp("per_loop"),
                     [packages[n] for n in ("thread", "slow", "exits", "blocks")],
                     "--interpreters", "2")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def large(packages, tmp_path_factory):
+    server = _start(tmp_path_factory.mktemp("large"), [packages["shape"], packages["text"]],
+                    "--interpreters", "1", "--grpc-port", "0")
     try:
         yield server
     finally:
@@ -753,25 +771,40 @@ def test_bad_requests_get_the_protocols_errors_and_the_server_keeps_serving(serv
     assert metrics[("multipy_inference_requests_total", (("model", "fails"),))] == 2
 
 
-def _rss(server: Server) -> int:
-    """The server process's resident memory, in bytes."""
+def _rss(server: Server, field: str = "VmRSS") -> int:
+    """The server process's resident memory (VmHWM: its peak), in bytes."""
     with open(f"/proc/{server.process.pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
+        line = next(line for line in status if line.startswith(f"{field}:"))
     return int(line.split()[1]) * 1024
 
 
-def _answer_while_sending(server: Server, pieces: list[bytes]) -> tuple[int, str]:
-    """Sends pieces of a request on a new connection, as far as the server reads them,
-    then reads its answer: (status, its error message)."""
+def _peak(server: Server, call):
+    """call()'s value, and how far the server's resident memory rose, at its peak,
+    while call() ran (bytes)."""
+    with open(f"/proc/{server.process.pid}/clear_refs", "w") as refs:
+        refs.write("5")  # the peak is reset to what the process holds now
+    before = _rss(server)
+    value = call()
+    return value, _rss(server, "VmHWM") - before
+
+
+def _answer_while_sending(server: Server, pieces: list[bytes],
+                          sent: threading.Event | None = None) -> tuple[int, Any]:
+    """Sends pieces of a request on a new connection, as far as the server reads them
+    (then sets sent), then reads its answer: (status, its error message, or the answer
+    if it is not an error)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
         try:
             for piece in pieces:
                 sock.sendall(piece)
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server answered and closed before reading it all
+        if sent is not None:
+            sent.set()
         response = http.client.HTTPResponse(sock)
         response.begin()
-        return response.status, json.loads(response.read())["error"]
+        answer = json.loads(response.read())
+        return response.status, answer["error"] if "error" in answer else answer
 
 
 def test_small_hostile_requests_are_refused_without_stalling_or_exhausting(served):
@@ -989,15 +1022,97 @@ def _requests_to_fuzz():
     return st.one_of(request, changed(), data)
 
 
+def _as_grpc(body):
+    """The ModelInferRequest of model cast that says what it can of body (a generated
+    HTTP request's JSON), and whether it says all of it: then it must be answered as
+    body is.  Typed contents say a flat list of values that fit its datatype's field
+    (JSON's numbers, true and false, and strings, as UTF-8); the messages' strings,
+    integers and parameters say the rest."""
+    from multipy.serve import inference_pb2 as messages
+    from multipy.serve.rpc import _CONTENTS
+
+    request = messages.ModelInferRequest(model_name="cast")
+    said = [isinstance(body, dict)]  # False for each part of body that is not said
+    body = body if isinstance(body, dict) else {}
+
+    def put(set_to, value, fits: bool) -> None:
+        """set_to(value), if value fits and the message can hold it."""
+        try:
+            if fits:
+                set_to(value)
+                return
+        except (TypeError, ValueError, OverflowError):  # out of range, or not UTF-8
+            pass
+        said.append(False)
+
+    def parameters(into, given) -> None:
+        said.append(isinstance(given, (dict, type(None))))
+        for key, value in (given if isinstance(given, dict) else {}).items():
+            choice = {bool: "bool_param", int: "int64_param", str: "string_param",
+                      float: "double_param"}.get(type(value))
+            put(lambda v, key=key, choice=choice: setattr(into[key], choice, v), value,
+                choice is not None)
+
+    def values(value, kinds: tuple) -> bool:
+        return type(value) in kinds or (
+            "int64" in kinds and type(value) is int and -2 ** 63 <= value < 2 ** 63)
+
+    parameters(request.parameters, body.get("parameters"))
+    if body.get("id") is not None:
+        put(lambda v: setattr(request, "id", v), body["id"], isinstance(body["id"], str))
+    outputs = body.get("outputs") or []
+    said.append(isinstance(outputs, list))
+    for output in outputs if isinstance(outputs, list) else []:
+        named = isinstance(output, dict) and isinstance(output.get("name"), str)
+        said.append(named)
+        if named:
+            parameters(request.outputs.add(name=output["name"]).parameters,
+                       output.get("parameters"))
+    inputs = body.get("inputs")
+    said.append(isinstance(inputs, list))
+    for spec in inputs if isinstance(inputs, list) else []:
+        said.append(isinstance(spec, dict) and "data" in spec)
+        spec = spec if isinstance(spec, dict) else {}
+        tensor = request.inputs.add()
+        for key in ("name", "datatype"):
+            put(lambda v, key=key: setattr(tensor, key, v), spec.get(key),
+                isinstance(spec.get(key), str))
+        shape = spec.get("shape")
+        put(tensor.shape.extend, shape,
+            isinstance(shape, list) and all(type(size) is int for size in shape))
+        parameters(tensor.parameters, spec.get("parameters"))
+        data = spec.get("data") if isinstance(spec.get("data"), list) else [spec.get("data")]
+        field = _CONTENTS.get(tensor.datatype)
+        kinds = {"bool_contents": (bool,), "fp32_contents": (float, "int64"),
+                 "fp64_contents": (float, "int64"), "bytes_contents": (str,)}.get(field, (int,))
+        if field is not None and data:
+            put(lambda data: getattr(tensor.contents, field).extend(
+                [v.encode() if isinstance(v, str) else v for v in data]), data,
+                all(values(v, kinds) for v in data))
+    return request, all(said)
+
+
+#: The gRPC code of each HTTP status that a fuzzed request may be answered with.
+_FUZZ_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 500: "INTERNAL"}
+
+
 def test_fuzzed_requests_get_an_answer_that_says_what_is_wrong(served):
     """Generated requests (hypothesis: 300, the same each run; with FUZZ_EXAMPLES, that
-    many, new each run): each is answered 200, or 400 with a message, or 500 only where
-    the model itself raised; never a server error, never no answer; and a normal
+    many, new each run), over HTTP and, as far as its messages can say them, gRPC: each
+    is answered 200 (OK), or 400 (INVALID_ARGUMENT) with a message, or 500 (INTERNAL)
+    only where the model itself raised; never a server error, never no answer; over
+    gRPC, as over HTTP where the message says all the request does; and a normal
     request is served after."""
+    import grpc
     from hypothesis import HealthCheck, given, settings
+
+    from multipy.serve import inference_pb2 as messages
 
     examples = int(os.environ.get("FUZZ_EXAMPLES", "300"))
     seen: dict[int, int] = {}
+    codes: dict[str, int] = {}
+    channel = grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}")
+    infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
 
     @settings(max_examples=examples, deadline=None, database=None,
               derandomize="FUZZ_EXAMPLES" not in os.environ,
@@ -1015,13 +1130,32 @@ def test_fuzzed_requests_get_an_answer_that_says_what_is_wrong(served):
             assert isinstance(reply["error"], str) and reply["error"], (body, reply)
             if status == 500:
                 assert reply["error"].startswith("model 'cast' raised"), (body, reply)
+        request, exact = _as_grpc(body)
+        try:
+            code, message = "OK", infer(request, timeout=60).model_name
+        except grpc.RpcError as error:
+            code, message = error.code().name, error.details()
+        codes[code] = codes.get(code, 0) + 1
+        assert code in _FUZZ_CODES.values() and message, (code, message, request)
+        if code == "INTERNAL":
+            assert message.startswith("model 'cast' raised"), (message, request)
+        if exact:
+            codes["as HTTP"] = codes.get("as HTTP", 0) + 1
+            assert code == _FUZZ_CODES[status], (status, reply, code, message, body, request)
 
-    answered()
-    print(f"fuzzed requests by status: {dict(sorted(seen.items()))}")  # (pytest -s)
+    try:
+        answered()
+    finally:
+        channel.close()
+    print(f"fuzzed requests by status: {dict(sorted(seen.items()))}; over gRPC, by code: "
+          f"{codes}")  # (pytest -s)
     assert sum(seen.values()) >= examples and seen.get(400), seen
+    assert codes.get("OK") and codes.get("as HTTP", 0) >= examples // 10, codes
     status, answer = _infer_json(served, "cast", {"inputs": [
         {"name": "x", "shape": [1], "datatype": "FP32", "data": [2]}]})
     assert status == 200 and answer["outputs"][0]["data"] == [2.0]
+    assert _grpc(served).infer("cast", [_grpc_input("x", np.ones(1, np.float32), "FP32")]) \
+        .as_numpy("same").tolist() == [1.0]
 
 
 def test_a_crash_report_names_the_model_and_the_request(packages, tmp_path):
@@ -1398,6 +1532,9 @@ def test_metrics_sum_every_writers_row():
     assert samples[("multipy_interpreters", ())] == 2
     assert [host.closed_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
     assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 1]
+    with fronts[1].decoding():  # a large request, decoded on a thread: busy too
+        assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 2]
+    assert host.busy(2) == 1
 
 
 def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
@@ -1594,10 +1731,10 @@ def test_state_that_forward_writes_is_each_interpreters_own_and_never_lent(packa
 # -- gRPC (the served server also serves it, with --grpc-port 0) --
 
 def _grpc_port(server: Server) -> int:
-    """The gRPC port that server's ready line names."""
-    found = re.search(r"gRPC on [^ ]*:(\d+)", server.output())
-    assert found, server.output()
-    return int(found.group(1))
+    """The gRPC port that server's ready line names (which it may write just after it
+    answers that it is ready)."""
+    until(lambda: "gRPC on" in server.output())
+    return int(re.search(r"gRPC on [^ ]*:(\d+)", server.output()).group(1))
 
 
 def _grpc(server: Server):
@@ -1612,6 +1749,14 @@ def _grpc_input(name: str, array: np.ndarray, datatype: str):
     tensor = grpcclient.InferInput(name, list(array.shape), datatype)
     tensor.set_data_from_numpy(array)
     return tensor
+
+
+def _unary(channel, name: str, response):
+    """The protocol's RPC name on channel (grpc's), called with multipy's request
+    message: its answer, a response message."""
+    return channel.unary_unary(f"/inference.GRPCInferenceService/{name}",
+                               request_serializer=lambda message: message.SerializeToString(),
+                               response_deserializer=response.FromString)
 
 
 def _client_error(call) -> tuple[str, str]:
@@ -1662,10 +1807,7 @@ def test_grpc_typed_contents_and_requested_outputs(served):
     from multipy.serve import inference_pb2 as messages
 
     with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}") as channel:
-        infer = channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer",
-            request_serializer=messages.ModelInferRequest.SerializeToString,
-            response_deserializer=messages.ModelInferResponse.FromString)
+        infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
         tensor = messages.ModelInferRequest.InferInputTensor
         request = messages.ModelInferRequest(model_name="pair", inputs=[
             tensor(name="a", datatype="FP32", shape=[1, 3],
@@ -1759,10 +1901,7 @@ def test_grpc_bytes_raw_and_typed(served):
     np.testing.assert_array_equal(result.as_numpy("lengths"), [[5, 6], [0, 3]])
     assert _as_bytes(result.as_numpy("same")) == list(TEXT.reshape(-1))
     with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}") as channel:
-        infer = channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer",
-            request_serializer=messages.ModelInferRequest.SerializeToString,
-            response_deserializer=messages.ModelInferResponse.FromString)
+        infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
         request = messages.ModelInferRequest(model_name="text", inputs=[
             messages.ModelInferRequest.InferInputTensor(
                 name="text", datatype="BYTES", shape=[3],
@@ -1771,6 +1910,62 @@ def test_grpc_bytes_raw_and_typed(served):
     raw = dict(zip((o.name for o in answer.outputs), answer.raw_output_contents))
     assert raw["same"] == b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xff\x00\x00\x00\x00\x00"
     np.testing.assert_array_equal(np.frombuffer(raw["lengths"], "<i8"), [2, 2, 0])
+
+
+def _typed_bytes(model: str, elements: list[bytes]):
+    """A ModelInferRequest of model with one BYTES input, x, of elements in bytes_contents."""
+    from multipy.serve import inference_pb2 as messages
+
+    return messages.ModelInferRequest(model_name=model, inputs=[
+        messages.ModelInferRequest.InferInputTensor(
+            name="x", datatype="BYTES", shape=[len(elements)],
+            contents=messages.InferTensorContents(bytes_contents=elements))])
+
+
+def test_grpc_bytes_contents_cost_what_binary_data_costs_and_are_bounded(large):
+    """3,000,000 one-byte elements in bytes_contents (a 9 MB message) raise the server's
+    peak memory by about what the same elements as HTTP binary data do (before, by 850
+    MB: 300 bytes an element); bytes_contents with more elements than a body of
+    --max-request-size (64 MiB) holds as binary data (a 4-byte length each) are refused
+    with RESOURCE_EXHAUSTED before any is read, and the memory that its message took is
+    given back at once (before, only by the garbage collector's next pass); and the
+    server answers on."""
+    import grpc
+
+    from multipy.serve import inference_pb2 as messages
+
+    count = 3_000_000
+    header = json.dumps({"inputs": [{"name": "x", "shape": [count], "datatype": "BYTES",
+                                     "parameters": {"binary_data_size": 5 * count}}]}).encode()
+    (status, _, body), over_http = _peak(large, lambda: _request(
+        large, "POST", "/v2/models/shape/infer", header + b"\x01\x00\x00\x00a" * count,
+        {"Inference-Header-Content-Length": str(len(header))}))
+    assert status == 200 and json.loads(body)["outputs"][0]["data"] == [count]
+    with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(large)}") as channel:
+        infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
+        answer, over_grpc = _peak(large, lambda: infer(_typed_bytes("shape", [b"a"] * count),
+                                                       timeout=120))
+        assert np.frombuffer(answer.raw_output_contents[0], "<i8").tolist() == [count]
+        print(f"peak memory over HTTP: {over_http >> 20} MiB; over gRPC: {over_grpc >> 20} MiB")
+        # (grpcio's own parse of the message takes about 40 bytes an element)
+        assert over_grpc < over_http + (200 << 20), (over_http, over_grpc)
+        past = (64 << 20) // 4 + 1
+        before = _rss(large)
+        with pytest.raises(grpc.RpcError) as refused:
+            infer(_typed_bytes("shape", [b""] * past), timeout=120)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert refused.value.details() == (
+            f"the request's bytes_contents hold {past} BYTES elements, which as binary data "
+            f"(a 4-byte length each) take more than the {64 << 20} bytes this server takes "
+            f"(--max-request-size)")
+        # what grpcio's parse of it took (500 MB) is given back once it is answered
+        until(lambda: _rss(large) < before + (200 << 20), 30)
+        answer = infer(_typed_bytes("text", [b"ab", b"\xff\x00", b""]), timeout=60)
+    raw = dict(zip((o.name for o in answer.outputs), answer.raw_output_contents))
+    assert raw["same"] == b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xff\x00\x00\x00\x00\x00"
+    np.testing.assert_array_equal(np.frombuffer(raw["lengths"], "<i8"), [2, 2, 0])
+    result = _grpc(large).infer("text", [_grpc_input("text", TEXT, "BYTES")])
+    assert _as_bytes(result.as_numpy("upper")) == [b"HELLO", "W\u00d6RLD".encode(), b"", b"A B"]
 
 
 # -- the model repository (--model-control explicit) --
@@ -2399,6 +2594,118 @@ def test_a_new_connection_goes_to_a_loop_that_is_not_in_a_call(per_loop, tmp_pat
         idle.close()
 
 
+def _meanwhile(send, decoding, asks: dict) -> tuple[Any, list[str]]:
+    """send()'s value, sent on a thread of its own; once decoding() (the server decodes
+    it), each of asks (name -> a function that asks the server something and checks its
+    answer) is asked in turn: and the names of those answered, in order, with "large"
+    where send() returned."""
+    answered: list[str] = []
+    value = []
+
+    def sending() -> None:
+        value.append(send())
+        answered.append("large")
+
+    thread = threading.Thread(target=sending)
+    thread.start()
+    try:
+        until(decoding, 120)
+        time.sleep(0.2)  # (it has the whole request: it decodes within milliseconds)
+        for name, ask in asks.items():
+            ask()
+            answered.append(name)
+    finally:
+        thread.join(timeout=120)
+    assert value, "the large request was not answered"
+    return value[0], answered
+
+
+def test_a_large_request_is_decoded_while_the_server_answers_others(large):
+    """Requests of 16,000,000 BYTES elements (64 MB, which take seconds to decode), over
+    HTTP and gRPC: while each decodes, readiness is answered on a connection that the
+    one front end serves already, on a new connection and over gRPC, before the large
+    request (refused: its data holds one element more than its shape, which is found
+    once all are read); a JSON body whose parse holds the interpreter in C (json.loads)
+    for a second: a new connection's readiness is answered meanwhile; then the server
+    serves as before."""
+    import grpc
+
+    from multipy.serve import inference_pb2 as messages
+
+    count = 16_000_000
+    data = b"\x00" * 4 * (count + 1)
+    message = (f"input 'x': shape [{count}] has {count} elements, but 4 bytes of its binary "
+               f"data are left after them (binary_data_size {len(data)})")
+    kept = http.client.HTTPConnection("127.0.0.1", large.port, timeout=60)
+    channel = grpc.insecure_channel(f"127.0.0.1:{_grpc_port(large)}")
+    ready = _unary(channel, "ServerReady", messages.ServerReadyResponse)
+
+    def kept_ready() -> None:
+        kept.request("GET", "/v2/health/ready")
+        response = kept.getresponse()
+        assert response.status == 200 and response.read() == b""
+
+    def new_ready() -> None:
+        assert _request(large, "GET", "/v2/health/ready")[0] == 200
+
+    def grpc_ready() -> None:
+        assert ready(messages.ServerReadyRequest(), timeout=60).ready
+
+    asks = {"kept": kept_ready, "new": new_ready, "grpc": grpc_ready}
+    try:
+        kept_ready()  # its connection is the front end's, as is the channel's
+        grpc_ready()
+        header = json.dumps({"inputs": [{"name": "x", "shape": [count], "datatype": "BYTES",
+                                         "parameters": {"binary_data_size": len(data)}}]}).encode()
+        head = (b"POST /v2/models/shape/infer HTTP/1.1\r\nHost: test\r\nContent-Length: %d\r\n"
+                b"Inference-Header-Content-Length: %d\r\n\r\n" % (len(header) + len(data),
+                                                                   len(header)))
+        sent = threading.Event()
+        answer, answered = _meanwhile(
+            lambda: _answer_while_sending(large, [head + header, data], sent),
+            lambda: sent.is_set() and _all_read(large.port), asks)
+        assert answer == (400, message) and answered == ["kept", "new", "grpc", "large"], \
+            answered
+
+        with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(large)}") as other:
+            infer = _unary(other, "ModelInfer", messages.ModelInferResponse)
+            request = messages.ModelInferRequest(
+                model_name="shape", raw_input_contents=[data],
+                inputs=[messages.ModelInferRequest.InferInputTensor(name="x", datatype="BYTES",
+                                                                    shape=[count])])
+            received = lambda: _metrics(large)[  # noqa: E731
+                ("multipy_inference_requests_total", (("model", "shape"),))]
+            before = received()
+
+            def refused() -> tuple:
+                with pytest.raises(grpc.RpcError) as error:
+                    infer(request, timeout=120)
+                return error.value.code(), error.value.details()
+
+            answer, answered = _meanwhile(refused, lambda: received() > before, asks)
+        assert answer == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert answered == ["kept", "new", "grpc", "large"], answered
+
+        count = 33_000_000
+        body = json.dumps({"inputs": [{"name": "x", "shape": [count], "datatype": "INT8",
+                                       "data": [0] * count}]}, separators=(",", ":")).encode()
+        sent = threading.Event()
+        answer, answered = _meanwhile(
+            lambda: _answer_while_sending(large, [b"POST /v2/models/shape/infer HTTP/1.1\r\n"
+                                                  b"Host: test\r\nContent-Length: %d\r\n\r\n"
+                                                  % len(body), body], sent),
+            lambda: sent.is_set() and _all_read(large.port), {"new": new_ready})
+        assert answer[0] == 200 and answer[1]["outputs"][0]["data"] == [count]
+        assert answered == ["new", "large"], answered
+    finally:
+        kept.close()
+        channel.close()
+    result = large.client().infer("text", [_input("text", TEXT, "BYTES", True)])
+    assert _as_bytes(result.as_numpy("upper")) == [b"HELLO", "W\u00d6RLD".encode(), b"", b"A B"]
+    result = _grpc(large).infer("shape", [_grpc_input("x", TEXT, "BYTES")])
+    assert result.as_numpy("output0").tolist() == [2, 2]
+
+
 def test_a_model_that_raises_system_exit_on_the_loop_is_answered(per_loop):
     _system_exit_is_the_models_error(per_loop)
 
@@ -2481,15 +2788,28 @@ def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop
     assert per_loop.output().count("Started server process") == 1  # one server's lines
 
 
+def _tcp(port: int, state: str) -> list[list[str]]:
+    """The rows of /proc/net/tcp in state (hex: 01 established, 0A listening) whose local
+    or remote port is port, split: sl, local address, remote address, state,
+    tx_queue:rx_queue, ..."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return [row for row in rows if row[3] == state
+            and port in (int(row[1].split(":")[1], 16), int(row[2].split(":")[1], 16))]
+
+
+def _all_read(port: int) -> bool:
+    """Whether the server on port has read every byte sent to it on this machine: no
+    connection to it has any queued, on either side."""
+    return all(row[4] == "00000000:00000000" for row in _tcp(port, "01"))
+
+
 def _until_accepted(port: int, seconds: float = 30) -> None:
     """Waits until the server has accepted every connection made to port: its listening
     socket's accept queue (rx_queue of its LISTEN row in /proc/net/tcp) is empty."""
     deadline = time.monotonic() + seconds
     while True:
-        with open("/proc/net/tcp") as table:
-            rows = [line.split() for line in table.readlines()[1:]]
-        waiting = [int(row[4].split(":")[1], 16) for row in rows
-                   if int(row[1].split(":")[1], 16) == port and row[3] == "0A"]
+        waiting = [int(row[4].split(":")[1], 16) for row in _tcp(port, "0A")]
         if waiting and not any(waiting):
             return
         assert time.monotonic() < deadline, waiting

@@ -19,7 +19,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import repository
-from .inference import infer as infer_through, ready_model, server_metadata, statistics
+from .inference import (decode_apart, infer as infer_through, ready_model, server_metadata,
+                        statistics)
 from .metrics import CONTENT_TYPE
 from .protocol import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compress,
                        decode_request, encode_response, error_body, json_object)
@@ -79,8 +80,11 @@ def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Sta
                 body = await _body(request, limit)
             except ClientDisconnect:  # nobody to answer
                 raise ProtocolError("the client went away", 499) from None
-            return decode_request(body, request.headers.get(HEADER_LENGTH),
-                                  request.headers.get("content-encoding"), limit)
+            encoding = request.headers.get("content-encoding")
+            # (a compressed body may expand to the limit)
+            return await decode_apart(service, limit if encoding else len(body),
+                                      decode_request, body, request.headers.get(HEADER_LENGTH),
+                                      encoding, limit)
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> Response:
             binary = dict(decoded.outputs or ())

@@ -31,6 +31,8 @@ Answer = TypeVar("Answer")
 
 #: The protocol's extensions this server speaks.
 EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository"]
+#: A request with more bytes than this to decode is decoded on a thread (``decode_apart``).
+LARGE_REQUEST = 1 << 20
 
 
 def server_metadata() -> dict[str, Any]:
@@ -135,6 +137,20 @@ async def _unless_gone(work: Awaitable[Answer],
         raise
     finally:
         watching.cancel()
+
+
+async def decode_apart(service: Any, size: int, decode: Callable[..., InferRequest],
+                       *args: Any) -> InferRequest:
+    """decode(*args): the decoding of a request with size bytes to decode, in service.
+    One of more than LARGE_REQUEST bytes is decoded on a thread, so that the event loop
+    goes on answering other requests (the thread gives up the interpreter's GIL every
+    few milliseconds while it runs Python, though not within one call of C, such as
+    json.loads), and counts in service's metrics as busy meanwhile, so that the host
+    hands new connections to other front ends (multipy.serve.main.FrontEnds.hand)."""
+    if size <= LARGE_REQUEST:
+        return decode(*args)
+    with service.metrics.decoding():
+        return await asyncio.to_thread(decode, *args)
 
 
 def _model_traceback(error: BaseException) -> str:

@@ -248,8 +248,9 @@ class _Server(uvicorn.Server):
 
     def _hand(self, connection: socket.socket) -> None:
         """To a front end that can take it; served here while none runs or every one is
-        stuck; and, while every one is in a call, served here if it asks for a GET
-        (health, readiness, metadata, metrics: answered at once), else handed."""
+        stuck; and, while every one is busy (in a call, or decoding a large request),
+        served here if it asks for a GET (health, readiness, metadata, metrics: answered
+        at once), else handed."""
         loop = asyncio.get_running_loop()
         if self._fronts.hand(connection, busy_ones=False):
             return
@@ -259,7 +260,7 @@ class _Server(uvicorn.Server):
             loop.create_task(self._serve_here(connection))
 
     async def _get_here(self, connection: socket.socket) -> None:
-        """Every front end can take a connection but is in a call: connection's first
+        """Every front end can take a connection but is busy: connection's first
         request is served here if it is a GET, else handed to a front end; its request
         line is waited for first (see multipy.serve.connection.request_line)."""
         line = await request_line(connection, self._limits)
@@ -394,8 +395,9 @@ class FrontEnds:
 
     def hand(self, connection: socket.socket, busy_ones: bool) -> bool:
         """Gives connection to the front end with the fewest open connections (then the
-        fewest calls running) among those that run and are not stuck, and, unless
-        busy_ones, are not in a call; False if there is none (the caller serves it)."""
+        least busy) among those that run and are not stuck, and, unless busy_ones, are
+        not busy (in a call, or decoding a large request: Metrics.busy); False if there
+        is none (the caller serves it)."""
         with self._lock:
             metrics = self._metrics
             running = [k for k in self._open() if busy_ones or not metrics.busy(k + 1)]

@@ -17,12 +17,14 @@ failures with their nanoseconds, and the nanoseconds that successful requests sp
 queued, being decoded, in the model's call and being encoded.  A row also counts the
 connections its writer has closed, says since when it runs a call and whether that
 call's request gave up on it (the call passed --timeout, or its client went away, and
-still runs): by these the host hands new connections to the least busy front end, and
-the server says when its interpreters are stuck.
+still runs), and counts the large requests it decodes on a thread: by these the host
+hands new connections to the least busy front end, and the server says when its
+interpreters are stuck.
 """
 from __future__ import annotations
 
 import bisect
+import contextlib
 import ctypes
 import mmap
 import os
@@ -51,14 +53,16 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # A row: [connections closed, since when it runs a call (time.monotonic(), 0 if it
 # runs none), 1 + the index of the model whose call its request gave up on (0 if
-# none), then per model: requests, failures by status, latency (a count per bucket and
-# one past the last, then the sum), queued, busy, calls, batched (the same), successes,
-# then nanoseconds: of successes, of failures, and of successes queued, decoding, in
-# calls and encoding; then when the last call began (milliseconds since the epoch)].
+# none), large requests it decodes on a thread, then per model: requests, failures by
+# status, latency (a count per bucket and one past the last, then the sum), queued,
+# busy, calls, batched (the same), successes, then nanoseconds: of successes, of
+# failures, and of successes queued, decoding, in calls and encoding; then when the
+# last call began (milliseconds since the epoch)].
 _CLOSED = 0
 _SINCE = 1
 _ABANDONED = 2
-_ROW = 3
+_DECODING = 3
+_ROW = 4
 _REQUESTS = 0
 _FAILURES = 1
 _LATENCY_AT = _FAILURES + len(STATUSES)
@@ -120,11 +124,12 @@ class Board:
 
     def reset(self, first: int, count: int) -> None:
         """Rows first to first + count - 1 belonged to a process that has ended: what
-        they say of the present (connections closed, a call running, requests queued,
-        calls running) goes back to 0; the counts of what happened stay."""
+        they say of the present (connections closed, a call running, requests decoding,
+        requests queued, calls running) goes back to 0; the counts of what happened
+        stay."""
         for k in range(first, first + count):
             row = self.row(k)
-            row[_CLOSED] = row[_SINCE] = row[_ABANDONED] = 0.0
+            row[_CLOSED] = row[_SINCE] = row[_ABANDONED] = row[_DECODING] = 0.0
             for at in range(_ROW, self.width, _PER_MODEL):
                 row[at + _QUEUED] = row[at + _BUSY] = 0.0
 
@@ -229,6 +234,7 @@ class Metrics:
         self.board = Board(rows, board_width(self.slots), address, fd)
         self._values = values = self.board.row(first + row)
         self._closed = _Count(values, _CLOSED)
+        self._decoding = _Count(values, _DECODING)
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
         for name in models:
@@ -257,9 +263,21 @@ class Metrics:
         """How many connections the writer of row (of this process's rows) has closed."""
         return int(self.board.row(self.first + row)[_CLOSED])
 
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """While it runs, this writer decodes a large request on a thread (``busy``
+        counts it)."""
+        self._decoding.inc()
+        try:
+            yield
+        finally:
+            self._decoding.dec()
+
     def busy(self, row: int) -> int:
-        """How many calls the writer of row (of this process's rows) runs now."""
-        return self.board.busy(self.first + row, 1)
+        """How many calls the writer of row (of this process's rows) runs now, and large
+        requests it decodes."""
+        at = self.first + row
+        return self.board.busy(at, 1) + int(self.board.row(at)[_DECODING])
 
     def calling_for(self, row: int) -> float:
         """How long the writer of row (of this process's rows) has been in its current

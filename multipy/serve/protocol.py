@@ -138,8 +138,9 @@ def json_object(text: bytes) -> dict:
 def parse_request(request: Any, binary: memoryview) -> InferRequest:
     """The request record of a request in the protocol's JSON form (as parsed), whose
     inputs with binary_data_size take their data from binary, in order: what every
-    transport's request becomes (an HTTP body, or a gRPC message translated).
-    ProtocolError if it is not a well-formed inference request."""
+    transport's request becomes (an HTTP body, or a gRPC message translated, whose
+    BYTES data may be bytes, taken as they are).  ProtocolError if it is not a
+    well-formed inference request."""
     if not isinstance(request, dict):
         raise ProtocolError("the request must be a JSON object")
     inputs = request.get("inputs")
@@ -370,9 +371,10 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
     """The array of JSON tensor data (flat or nested, row-major) of a datatype and shape;
     ProtocolError if the values do not fit the datatype or their count the shape.  The
     values' types and count are checked before any array is built.  BYTES data are
-    strings, UTF-8 encoded into the array's bytes."""
+    strings, UTF-8 encoded into the array's bytes, or bytes (gRPC's bytes_contents),
+    the array's as they are."""
     if datatype == BYTES:
-        return _strings_from_json(name, shape, data)
+        return _bytes_from_json(name, shape, data)
     count = math.prod(shape)
     dtype = DTYPES[datatype]
     if datatype == "BOOL":
@@ -415,8 +417,8 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
     return values.astype(dtype).reshape(shape)
 
 
-def _strings_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
-    """from_json for BYTES: strings, in nested lists of one shape (or one string)."""
+def _bytes_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
+    """from_json for BYTES: strings, or bytes, in nested lists of one shape (or one)."""
     count = math.prod(shape)
     types = _leaf_types(data, count)
     if types is None:
@@ -426,7 +428,7 @@ def _strings_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
                            f"one shape")
     if list in types:  # lists beside strings
         raise ragged
-    if not types <= {str}:
+    if not (types <= {str} or types <= {bytes}):
         wrong = sorted(t.__name__ for t in types - {str})[0]
         raise ProtocolError(f"input {name!r}: BYTES data must be strings; got a {wrong}")
     level = data if isinstance(data, list) else [data]
@@ -437,6 +439,8 @@ def _strings_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
     if len(level) != count:
         raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
                             f"the data has {len(level)}")
+    if types <= {bytes}:
+        return bytes_array(level, shape)
     elements = []
     for position, text in enumerate(level):
         try:

@@ -10,6 +10,8 @@ It only translates: a ModelInferRequest becomes the same request record as an HT
 through the same path (multipy.serve.inference).  Typed ``contents`` and
 ``raw_input_contents`` are read; outputs go back as ``raw_output_contents``, as Triton
 answers.  Errors are gRPC status codes with the messages of the HTTP answers.
+BYTES in ``bytes_contents`` are bounded as HTTP's binary data are: no more elements
+than a body of --max-request-size holds, at a 4-byte length each.
 
 Every interpreter's front end runs one such server on the same port (``grpc.so_reuseport``):
 the kernel spreads the connections over them, and each connection's calls stay with its
@@ -24,9 +26,9 @@ from google.protobuf import json_format
 
 from . import inference_pb2 as messages
 from . import repository
-from .inference import infer, ready_model, server_metadata, statistics
-from .protocol import (BYTES, InferRequest, ProtocolError, Tensor, bytes_array, parse_request,
-                       tensor_bytes, to_length_prefixed)
+from .inference import decode_apart, infer, ready_model, server_metadata, statistics
+from .protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor, parse_request,
+                       tensor_bytes)
 
 #: The gRPC code of each HTTP status that a ProtocolError can have here.
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
@@ -112,7 +114,7 @@ class _Servicer:
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def decode() -> InferRequest:
-            return _decoded(request)
+            return await _decoded(self._service, request)
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> Any:
             return _encoded(request.model_name, decoded.id, outputs)
@@ -141,23 +143,38 @@ class _Servicer:
 
 def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
     """method, a ProtocolError it raises ending the RPC with the gRPC code of the
-    error's status and its message."""
+    error's status and its message.  The status is set, not raised (context.abort):
+    grpcio keeps an abort's exception, whose frames hold the request, in a reference
+    cycle that only the garbage collector frees (a gigabyte, for a large request)."""
     async def answer(request: Any, context: Any) -> Any:
         try:
             return await method(request, context)
         except ProtocolError as error:
-            await context.abort(_CODES.get(error.status, grpc.StatusCode.INTERNAL), str(error))
+            context.set_code(_CODES.get(error.status, grpc.StatusCode.INTERNAL))
+            context.set_details(str(error))
+            return None  # (grpcio sends no message with a status that is not OK)
     return answer
 
 
-def _decoded(request: Any) -> InferRequest:
-    """The request record of a ModelInferRequest, checked as an HTTP body's is:
-    translated to the protocol's JSON form, raw contents as its binary data."""
+async def _decoded(service: Any, request: Any) -> InferRequest:
+    """The request record of a ModelInferRequest to service, checked as an HTTP body's
+    is: translated to the protocol's JSON form (typed contents as its data), raw
+    contents as its binary data, and decoded by multipy.serve.inference.decode_apart
+    (its size: the raw contents' bytes, and LENGTH_PREFIX for each typed value).
+    ProtocolError (413) if its bytes_contents hold more elements than a body of
+    service.max_request_size bytes holds as binary data, before any is read."""
+    limit = service.max_request_size
+    elements = sum(len(tensor.contents.bytes_contents) for tensor in request.inputs)
+    if elements > limit // LENGTH_PREFIX:
+        raise ProtocolError(f"the request's bytes_contents hold {elements} BYTES elements, "
+                            f"which as binary data (a {LENGTH_PREFIX}-byte length each) take "
+                            f"more than the {limit} bytes this server takes "
+                            f"(--max-request-size)", 413)
     raw = list(request.raw_input_contents)
     if raw and len(raw) != len(request.inputs):
         raise ProtocolError(f"the request has {len(raw)} raw_input_contents for "
                             f"{len(request.inputs)} inputs: give each input's, or none")
-    inputs, binary = [], []
+    inputs, values = [], 0
     for position, tensor in enumerate(request.inputs):
         spec: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype,
                                 "shape": list(tensor.shape),
@@ -167,22 +184,19 @@ def _decoded(request: Any) -> InferRequest:
             if tensor.HasField("contents"):
                 raise ProtocolError(f"input {tensor.name!r} has both contents and "
                                     f"raw_input_contents")
-            data = raw[position]
-        elif tensor.datatype == BYTES:  # bytes, which JSON's strings are not: as binary
-            values = _contents(tensor)
-            data = to_length_prefixed(bytes_array(values, [len(values)]))
+            spec["parameters"]["binary_data_size"] = len(raw[position])
         else:
             spec["data"] = _contents(tensor)
-            continue
-        spec["parameters"]["binary_data_size"] = len(data)
-        binary.append(data)
+            values += len(spec["data"])
     outputs = [{"name": output.name, "parameters": _parameters(output.parameters)}
                for output in request.outputs]
     translated = {"inputs": inputs, "outputs": outputs,
                   "parameters": _parameters(request.parameters)}
     if request.id:
         translated["id"] = request.id
-    return parse_request(translated, memoryview(b"".join(binary)))
+    binary = memoryview(b"".join(raw))
+    return await decode_apart(service, len(binary) + LENGTH_PREFIX * values, parse_request,
+                              translated, binary)
 
 
 def _contents(tensor: Any) -> list:

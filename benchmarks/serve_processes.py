@@ -31,8 +31,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from serve_load import (_medians, _stop, _tree, _wait_ready, example, free_port,  # noqa: E402
-                        pss_tree, run_server)
+from serve_load import _medians, _stop, _tree, example, free_port, run_server  # noqa: E402
 
 WEIGHTS = '''
 import torch

@@ -83,3 +83,25 @@ def write_one(fifo) -> bool:
     finally:
         os.close(descriptor)
     return True
+
+
+def export(folder, module: str, source: str, make, path: str, example: tuple | None = None,
+           extern: tuple[str, ...] = ("torch.**",)) -> str:
+    """A torch.package archive at folder/path of make(the module called module, whose
+    source is written beside it), its example inputs if given; its path."""
+    import torch.package
+
+    (folder / f"{module}.py").write_text(source)
+    sys.path.insert(0, str(folder))
+    try:
+        __import__(module)
+        with torch.package.PackageExporter(str(folder / path)) as exporter:
+            exporter.extern(list(extern))
+            exporter.intern(module)
+            exporter.save_pickle("model", "model.pkl", make(sys.modules[module]))
+            if example is not None:
+                exporter.save_pickle("model", "example.pkl", example)
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop(module, None)
+    return str(folder / path)

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from conftest import until
+from conftest import export, until
 
 pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -217,25 +217,9 @@ def test_replacements_that_keep_dying_stop_the_server(tmp_path):
     """A process dies; its replacements die as they load, each retried after a longer
     pause (1, 2, 4, 8 s), never in a loop; after 5 in a row the server stops with exit
     status 1 and says why, the other process answering until then."""
-    import sys
-
-    import torch
-    import torch.package
-
     marker = tmp_path / "armed"
-    (tmp_path / "armed_model.py").write_text(ARMED)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import armed_model
-
-        path = str(tmp_path / "armed.pt")
-        with torch.package.PackageExporter(path) as exporter:
-            exporter.extern(["torch.**"])
-            exporter.intern("armed_model")
-            exporter.save_pickle("model", "model.pkl", armed_model.Armed(str(marker)))
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("armed_model", None)
+    path = export(tmp_path, "armed_model", ARMED, lambda module: module.Armed(str(marker)),
+                  "armed.pt")
     server = _start(tmp_path, [path], "--processes", "2", "--interpreters", "1")
     try:
         _all_ready(server)

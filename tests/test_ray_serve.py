@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+from conftest import export
+
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 for _module in ("ray", "uvicorn", "starlette", "prometheus_client"):
@@ -264,20 +266,8 @@ class Broken(torch.nn.Module):
 def test_cli_exits_1_when_the_replicas_cannot_load(ray_dir, tmp_path):
     """The model fails its warm-up in every replica: Ray gives up on the deployment, the
     model's error is in the log, and everything is taken down."""
-    (tmp_path / "broken_model.py").write_text(BROKEN)
-    sys.path.insert(0, str(tmp_path))
-    try:
-        import broken_model
-
-        path = str(tmp_path / "broken.pt")
-        with torch.package.PackageExporter(path) as exporter:
-            exporter.extern(["torch.**"])
-            exporter.intern("broken_model")
-            exporter.save_pickle("model", "model.pkl", broken_model.Broken())
-            exporter.save_pickle("model", "example.pkl", (torch.ones(2, 3),))
-    finally:
-        sys.path.remove(str(tmp_path))
-        sys.modules.pop("broken_model", None)
+    path = export(tmp_path, "broken_model", BROKEN, lambda module: module.Broken(),
+                  "broken.pt", example=(torch.ones(2, 3),))
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         process = subprocess.Popen(

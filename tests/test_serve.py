@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import until, write_one
+from conftest import export, until, write_one
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -2164,19 +2164,7 @@ class Evil:
 
 def _evil(folder, marker: str) -> str:
     """An archive in folder whose model, unpickled, writes the file marker."""
-    (folder / "evil_model.py").write_text(EVIL)
-    sys.path.insert(0, str(folder))
-    try:
-        import evil_model
-
-        path = str(folder / "evil.pt")
-        with torch.package.PackageExporter(path) as exporter:
-            exporter.intern("evil_model")
-            exporter.save_pickle("model", "model.pkl", evil_model.Evil(marker))
-    finally:
-        sys.path.remove(str(folder))
-        sys.modules.pop("evil_model", None)
-    return path
+    return export(folder, "evil_model", EVIL, lambda module: module.Evil(marker), "evil.pt")
 
 
 def test_loads_read_only_the_model_repository(repository_served, packages, tmp_path):

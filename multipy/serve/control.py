@@ -25,6 +25,24 @@ logger = logging.getLogger("multipy.serve")
 _READY_WAIT = 60.0
 
 
+def do(repository: Any, what: str, name: str, archive: dict[str, str] | None = None
+       ) -> tuple[int, str]:
+    """(status, message) of having repository load model name (what "load", from
+    archive) or unload it: (200, "") done; a ProtocolError's status and message; 500 for
+    multipy's own failure, which is logged whole."""
+    try:
+        if what == "load":
+            repository.load_now(name, archive or {})
+        else:
+            repository.unload_now(name)
+        return 200, ""
+    except ProtocolError as error:
+        return error.status, str(error)
+    except Exception as error:
+        logger.exception("the model repository's request failed")
+        return 500, f"internal error: {type(error).__name__}: {error}"
+
+
 class Control:
     """The control pipes (pipes: (read end, write end) of each) of fronts (the FrontEnd
     objects, each in its interpreter of interpreters) for service.  ``start`` reads them
@@ -105,16 +123,11 @@ class Control:
             if request is None:  # its client went away
                 return
             op, name, *archive = request
-            if op == "load":
-                self._repository.load_now(name, *archive)
-            else:
-                self._repository.unload_now(name)
-            status, message = 200, ""
-        except ProtocolError as error:
-            status, message = error.status, str(error)
-        except Exception as error:  # multipy's own failure: logged whole
-            logger.exception("the model repository's request failed")
-            status, message = 500, f"internal error: {type(error).__name__}: {error}"
+            status, message = do(self._repository, op, name, *archive)
+        except Exception as error:  # that front end has ended: no one waits
+            logger.error("interpreter %d's front end's request could not be read: %s", k,
+                         error)
+            return
         try:
             front.call_value("control_answer", (number, status, message))
         except Exception as error:  # that front end has ended: no one waits

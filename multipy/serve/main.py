@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, Iterator, NoReturn
 
 import uvicorn
 

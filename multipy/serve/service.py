@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import gc
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable

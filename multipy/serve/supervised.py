@@ -17,6 +17,7 @@ import os
 import socket
 from typing import Any, Callable
 
+from .control import do
 from .link import Link
 from .protocol import ProtocolError
 
@@ -82,18 +83,8 @@ class Supervised:
 
     async def _do(self, message: dict[str, Any]) -> None:
         """Does a repository request for the supervisor, and says how it went."""
-        try:
-            if message["what"] == "load":
-                await asyncio.to_thread(self._service.load_now, message["name"],
-                                        message["archive"])
-            else:
-                await asyncio.to_thread(self._service.unload_now, message["name"])
-            status, text = 200, ""
-        except ProtocolError as error:
-            status, text = error.status, str(error)
-        except Exception as error:  # multipy's own failure: logged whole
-            logger.exception("the model repository's request failed")
-            status, text = 500, f"internal error: {type(error).__name__}: {error}"
+        status, text = await asyncio.to_thread(do, self._service, message["what"],
+                                               message["name"], message["archive"])
         try:
             self._link.send({"op": "done", "number": message["number"], "status": status,
                              "message": text})

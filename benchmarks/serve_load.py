@@ -203,7 +203,7 @@ def _client(port: int, transport: str, model: str, seconds: float, warm_up: floa
             expected, start, results) -> None:
     """One client process of load(): warms up, waits for the others, then sends
     requests for seconds; puts (latencies, wrong answers) on results.  inputs are
-    (datatype, array) pairs, expected the arrays of output0, output1, ..."""
+    (name, datatype, array) triples, expected the arrays of output0, output1, ..."""
     if transport == "grpc":
         import tritonclient.grpc as client
 
@@ -216,8 +216,8 @@ def _client(port: int, transport: str, model: str, seconds: float, warm_up: floa
                                                   network_timeout=60)
         binary, timeout = {"binary_data": True}, {}
     tensors = []
-    for index, (datatype, array) in enumerate(inputs):
-        tensor = client.InferInput(f"input{index}", list(array.shape), datatype)
+    for name, datatype, array in inputs:
+        tensor = client.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array, **binary)
         tensors.append(tensor)
     names = [f"output{index}" for index in range(len(expected))]
@@ -293,8 +293,12 @@ def _medians(runs: list[dict]) -> dict:
 
 def example(directory: str, model: str) -> tuple[str, list, list]:
     """The example package `model` written into directory: its path, its example inputs
-    as (datatype, numpy array) pairs (FP32, or BYTES for arrays of bytes), and the model's
-    outputs for them, run eagerly here, as numpy arrays (output0, output1, ...)."""
+    as (name, datatype, numpy array) triples (named after forward's parameters, as a
+    model that declares its inputs names them; FP32, or BYTES for arrays of bytes), and
+    the model's outputs for them, run eagerly here, as numpy arrays (output0, output1,
+    ...)."""
+    import inspect
+
     import numpy as np
     import torch
     import torch.package
@@ -306,12 +310,15 @@ def example(directory: str, model: str) -> tuple[str, list, list]:
     path = generate(directory, [model])[model]
     importer = torch.package.PackageImporter(path)
     inputs = importer.load_pickle("model", "example.pkl")
+    packaged = importer.load_pickle("model", "model.pkl")
     with torch.no_grad():
-        result = importer.load_pickle("model", "model.pkl")(*inputs)
+        result = packaged(*inputs)
+    names = list(inspect.signature(packaged.forward).parameters)
     arrays = [x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x) for x in inputs]
     expected = [x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
                 for x in (result if isinstance(result, (tuple, list)) else (result,))]
-    return path, [(np_to_triton_dtype(x.dtype), x) for x in arrays], expected
+    return path, [(name, np_to_triton_dtype(x.dtype), x) for name, x in zip(names, arrays)], \
+        expected
 
 
 def main() -> None:

@@ -200,7 +200,7 @@ async def request_line(connection: socket.socket, limits: Limits) -> bytes | Non
 def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
     """A non-blocking socket listening on (host, port), a free port for 0.  If it cannot
     (the port is taken, say), logs why in one line that names the address and --port,
-    and raises SystemExit(3), uvicorn's start-up failure status."""
+    and raises SystemExit(2): an option to change, as any other."""
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -209,7 +209,7 @@ def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
     except OSError as error:
         listener.close()
         logger.error("cannot listen on %s:%d: %s (--port picks another port)", host, port, error)
-        raise SystemExit(3) from None
+        raise SystemExit(2) from None
     listener.setblocking(False)
     return listener
 

@@ -197,10 +197,12 @@ class _Server(uvicorn.Server):
     connections come from the supervisor."""
 
     def __init__(self, config: uvicorn.Config, fronts: FrontEnds, limits: Limits,
+                 listener: socket.socket | None = None,
                  supervised: Supervised | None = None) -> None:
         super().__init__(config)
         self._fronts = fronts
         self._limits = limits
+        self._listener = listener
         self._supervised = supervised
         self._protocol: Any = None
         self._accepting: asyncio.Task | None = None
@@ -235,11 +237,7 @@ class _Server(uvicorn.Server):
         if self._supervised is not None:
             self._supervised.listen(self._hand, self._supervisor_gone)
             return
-        try:
-            listener = listen(self.config.host, self.config.port, self.config.backlog)
-        except SystemExit:  # (the port is taken, say): the lifespan ends first, as uvicorn's
-            await self.lifespan.shutdown()
-            raise
+        listener = self._listener
         self.config.port = listener.getsockname()[1]  # the port --port 0 got, for the ready line
         logger.info("listening on http://%s; loading models (inference answers 503 until "
                     "the \"ready\" line; Ctrl-C stops)", _host_port(self.config.host,
@@ -521,7 +519,7 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the server until SIGTERM or SIGINT; returns the exit status (0 after a
-    graceful stop, 1 if the models failed to load).  SystemExit(3), with one error line
+    graceful stop, 1 if the models failed to load).  SystemExit(2), with one error line
     naming the address and --port, if it cannot listen (the port is taken, say)."""
     make_room()  # re-executes this process with room for 15 interpreters if it lacks it
     parse = parser()
@@ -545,8 +543,11 @@ def main(argv: list[str] | None = None) -> int:
         place = Place(start["process"], start["processes"], fds[0])
         grpc = None if args.grpc_port is None else _host_port(args.host, args.grpc_port)
         reserved = None
-    else:
+        listener = None
+    else:  # (listening first: a port that is taken is said before anything else)
         link, place = None, Place()
+        logging.config.dictConfig(logging_config())
+        listener = listen(args.host, args.port)
         reserved = None if args.grpc_port is None else \
             reserve_port(args.host, args.grpc_port, parse)
         grpc = None if reserved is None else _address(reserved)
@@ -559,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
                             access_log=False, log_config=logging_config(),
                             timeout_graceful_shutdown=served.graceful_timeout)
-    server = _Server(config, fronts, served.limits, supervised)
+    server = _Server(config, fronts, served.limits, listener, supervised)
     server.run()
     if reserved is not None:
         reserved.close()
@@ -584,7 +585,7 @@ def reserve_port(host: str, port: int, parse: argparse.ArgumentParser) -> socket
         reserved.bind((host, port))
     except OSError as error:
         reserved.close()
-        parse.exit(3, f"multipy serve: cannot listen for gRPC on {host}:{port}: {error} "
+        parse.exit(2, f"multipy serve: cannot listen for gRPC on {host}:{port}: {error} "
                       f"(--grpc-port picks another port)\n")
     return reserved
 

@@ -108,7 +108,7 @@ class Supervisor:
 
     def run(self) -> int:
         """Serves until SIGTERM or SIGINT (exit status 0), or until replacements keep
-        dying (1).  SystemExit(3) if it cannot listen."""
+        dying (1).  SystemExit(2) if it cannot listen."""
         return asyncio.run(self._main())
 
     async def _main(self) -> int:

@@ -3,6 +3,7 @@ imports none of the host's modules (docs/design.md, "Layers")."""
 from __future__ import annotations
 
 import ast
+import inspect
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "multipy"
@@ -14,7 +15,8 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
           "__main__", "__init__"]
 #: multipy.serve, bottom-up: each of its modules may import only those before it, and of
 #: the rest of multipy only the layers below "serve".
-SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "repository", "inference",
+SERVE_LAYERS = ["protocol", "batching", "metrics", "requests", "contract", "repository",
+                "inference",
                 "app", "inference_pb2", "rpc", "connection", "inbox",
                 "archive", "model_class", "models", "control", "link",
                 "progress", "service", "supervised", "supervisor", "on_ray", "main", "__main__",
@@ -126,3 +128,38 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
                           "multipy._inside.serving", "multipy._inside.served_class",
                           "multipy._protocol",
                           "multipy._sharing", *front_end}, names
+
+
+def _members(path: Path, name: str) -> tuple[dict[str, list[str]], set[str]]:
+    """Class name of the file at path, read from its source: its methods' parameters
+    (after self), and the attributes its methods set on self."""
+    tree = ast.parse(path.read_text())
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == name)
+    methods = {item.name: [a.arg for a in item.args.args[1:]] for item in cls.body
+               if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    targets = [target for node in ast.walk(cls) if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for target in (node.targets if isinstance(node, ast.Assign) else [node.target])]
+    attributes = {t.attr for t in targets if isinstance(t, ast.Attribute)
+                  and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return methods, attributes
+
+
+def test_the_seams_of_the_server_hold():
+    """Each of the host's calls of a front end (contract.FrontEndCalls) is a method of
+    FrontEnd with the same parameters, and both servers that the request path answers
+    for, the host's Service and an interpreter's FrontEnd, have every member of the
+    contract.Server protocol (read from their source: neither is imported here)."""
+    from multipy.serve import contract
+
+    front, front_attributes = _members(PACKAGE / "_inside" / "front_end.py", "FrontEnd")
+    calls = [name for name, value in vars(contract.FrontEndCalls).items()
+             if callable(value) and not name.startswith("_")]
+    assert calls
+    for name in calls:
+        parameters = list(inspect.signature(getattr(contract.FrontEndCalls, name)).parameters)
+        assert front.get(name) == parameters[1:], name
+    wanted = {name for name in vars(contract.Server) if not name.startswith("_")} \
+        | set(contract.Server.__annotations__)
+    service, service_attributes = _members(PACKAGE / "serve" / "service.py", "Service")
+    for methods, attributes in ((front, front_attributes), (service, service_attributes)):
+        assert not wanted - set(methods) - attributes, wanted - set(methods) - attributes

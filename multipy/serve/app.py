@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import repository
+from .contract import Server
 from .inference import (decode_apart, infer as infer_through, ready_model, server_metadata,
                         statistics)
 from .metrics import CONTENT_TYPE
@@ -26,7 +27,7 @@ from .protocol import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compr
                        decode_request, encode_response, error_body, json_object)
 
 
-def create_app(service: Any, on_startup: Callable[[], Any] | None = None) -> Starlette:
+def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Starlette:
     """The application serving service: the host's (multipy.serve.service.Service) or an
     interpreter's front end's (multipy._inside.front_end), each of which has ``ready``,
     ``model(name, version)`` (a multipy.serve.requests.ModelRequests, or None while it

@@ -13,8 +13,9 @@ import logging
 import os
 import selectors
 import threading
-from typing import Any
+from typing import Any, Callable
 
+from .contract import FrontEndCalls
 from .inbox import receive
 from .protocol import ProtocolError
 
@@ -50,7 +51,7 @@ class Control:
     repository's ``load_now`` and ``unload_now``: the service's own (the default), or,
     in a process of --processes, every process's (multipy.serve.supervised)."""
 
-    def __init__(self, service: Any, fronts: list[Any], interpreters: list[Any],
+    def __init__(self, service: Any, fronts: list[FrontEndCalls], interpreters: list[Any],
                  pipes: list[tuple[int, int]], repository: Any = None) -> None:
         self._service, self._fronts, self._interpreters = service, fronts, interpreters
         self._repository = service if repository is None else repository
@@ -75,25 +76,26 @@ class Control:
 
     def added(self, name: str, model: Any) -> None:
         described = model.described
-        for k, (front, interpreter) in enumerate(zip(self._fronts, self._interpreters)):
-            self._tell(k, "add_model", (name, model.instance(interpreter), described))
+        for k, interpreter in enumerate(self._interpreters):
+            self._tell(k, lambda front: front.add_model(name, model.instance(interpreter),
+                                                        described))
 
     def changed(self, name: str, state: str, reason: str) -> None:
         """Tells every front end at once, and waits for them: each answers the model's
         requests it has received first (FrontEnd.set_state)."""
-        telling = [threading.Thread(target=self._tell, args=(k, "set_state", (name, state, reason)),
-                                    name=f"multipy-serve-tell-{k}", daemon=True)
-                   for k in range(len(self._fronts))]
+        telling = [threading.Thread(
+            target=self._tell, args=(k, lambda front: front.set_state(name, state, reason)),
+            name=f"multipy-serve-tell-{k}", daemon=True) for k in range(len(self._fronts))]
         for thread in telling:
             thread.start()
         for thread in telling:
             thread.join()
 
-    def _tell(self, k: int, method: str, args: tuple) -> None:
-        """Calls front end k's method; logs its failure (a front end that has ended
-        serves nothing), which the others do not share."""
+    def _tell(self, k: int, call: Callable[[FrontEndCalls], None]) -> None:
+        """call(front end k); logs its failure (a front end that has ended serves
+        nothing), which the others do not share."""
         try:
-            self._fronts[k].call_value(method, args)
+            call(self._fronts[k])
         except Exception as error:
             logger.error("interpreter %d's front end could not be told of a model "
                          "repository change: %s: %s", k, type(error).__name__, error)
@@ -119,7 +121,7 @@ class Control:
         front = self._fronts[k]
         self._service.wait_ready(_READY_WAIT)
         try:
-            request = front.call_value("control_request", (number,))
+            request = front.control_request(number)
             if request is None:  # its client went away
                 return
             op, name, *archive = request
@@ -129,6 +131,6 @@ class Control:
                          error)
             return
         try:
-            front.call_value("control_answer", (number, status, message))
+            front.control_answer(number, status, message)
         except Exception as error:  # that front end has ended: no one waits
             logger.error("interpreter %d's front end could not be answered: %s", k, error)

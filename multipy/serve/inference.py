@@ -21,6 +21,7 @@ import traceback
 from typing import Any, Awaitable, Callable, TypeVar
 
 from .batching import BatchError
+from .contract import Server
 from .protocol import InferRequest, ProtocolError, Tensor
 from .repository import LOADING, UNAVAILABLE
 from .requests import ModelError, ModelRequests, ServiceTimeout, Timing
@@ -44,7 +45,7 @@ def server_metadata() -> dict[str, Any]:
     return {"name": "multipy", "version": version, "extensions": EXTENSIONS}
 
 
-def statistics(service: Any, name: str | None, version: str | None) -> dict[str, Any]:
+def statistics(service: Server, name: str | None, version: str | None) -> dict[str, Any]:
     """The statistics extension's answer for model name (and version) of service, or for
     every model when name is None: its counts and durations since the server started,
     from the same counters as /metrics (multipy.serve.metrics.Metrics.statistics).
@@ -55,7 +56,7 @@ def statistics(service: Any, name: str | None, version: str | None) -> dict[str,
     return service.metrics.statistics([name])
 
 
-def ready_model(service: Any, name: str, version: str | None) -> ModelRequests:
+def ready_model(service: Server, name: str, version: str | None) -> ModelRequests:
     """The model name (and version) that service serves, ready; ProtocolError: 404 if it
     serves no such model, 503 while the model loads or when it is unloaded."""
     model = service.model(name, version)
@@ -69,7 +70,7 @@ def ready_model(service: Any, name: str, version: str | None) -> ModelRequests:
     return model
 
 
-async def infer(service: Any, name: str, version: str | None,
+async def infer(service: Server, name: str, version: str | None,
                 decode: Callable[[], Awaitable[InferRequest]],
                 encode: Callable[[InferRequest, list[Tensor]], Answer],
                 gone: Callable[[], Awaitable[None]] | None = None) -> Answer:
@@ -139,7 +140,7 @@ async def _unless_gone(work: Awaitable[Answer],
         watching.cancel()
 
 
-async def decode_apart(service: Any, size: int, decode: Callable[..., InferRequest],
+async def decode_apart(service: Server, size: int, decode: Callable[..., InferRequest],
                        *args: Any) -> InferRequest:
     """decode(*args): the decoding of a request with size bytes to decode, in service.
     One of more than LARGE_REQUEST bytes is decoded on a thread, so that the event loop

@@ -48,6 +48,7 @@ from . import model_class
 from .archive import ArchiveError
 from .connection import (MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, accept,
                          guarded, listen, request_line)
+from .contract import FrontEndCalls
 from .control import Control
 from .inbox import FORCE, STOP, open_inbox, receive, send
 from .link import Link
@@ -302,7 +303,7 @@ class FrontEnds:
     host closes."""
 
     def __init__(self) -> None:
-        self._fronts: list[Any] = []  # the FrontEnd object in each interpreter
+        self._fronts: list[FrontEndCalls] = []  # the FrontEnd in each interpreter
         self._threads: list[threading.Thread] = []
         self._inboxes: list[tuple[int, int]] = []  # (read end, write end) of each
         self._handed: list[int] = []  # connections handed to each, ever
@@ -340,8 +341,9 @@ class FrontEnds:
                 loaded = {name: model.instance(interpreter)
                           for name, model in service.models.items()}
                 make = interpreter.global_("multipy._inside.front_end", "FrontEnd")
-                fronts.append(make(loaded, {**settings, "row": k + 1, "inbox": inboxes[k][0],
-                                            "control": controls[k][1]}))
+                fronts.append(FrontEndCalls(make(loaded, {
+                    **settings, "row": k + 1, "inbox": inboxes[k][0],
+                    "control": controls[k][1]})))
         except BaseException:
             for pipe in inboxes + controls:
                 os.close(pipe[0])
@@ -359,13 +361,13 @@ class FrontEnds:
             if self._stopping:  # stopped while they were made
                 self._tell(STOP)
         for k, front in enumerate(fronts):  # (gRPC connections find a server listening)
-            if not front.call_value("wait_serving", (_START_TIMEOUT,)) and not self._stopping:
+            if not front.wait_serving(_START_TIMEOUT) and not self._stopping:
                 raise RuntimeError(f"interpreter {k}'s front end did not start serving "
                                    f"within {_START_TIMEOUT} s (its error, if any, is above)")
 
     def _run(self, k: int) -> None:
         try:
-            self._fronts[k].call_value("run")
+            self._fronts[k].run()
         except BaseException as error:
             if not self._stopping:
                 logger.error("interpreter %d's front end failed; the others serve its "

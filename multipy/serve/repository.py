@@ -16,6 +16,7 @@ import json
 import re
 from typing import Any, Mapping
 
+from .contract import Server
 from .protocol import ProtocolError
 
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
@@ -48,7 +49,7 @@ def index(states: Mapping[str, tuple[str, str]], ready_only: bool = False) -> li
             if state == READY or not ready_only]
 
 
-async def load(service: Any, name: str, parameters: Mapping[str, Any]) -> None:
+async def load(service: Server, name: str, parameters: Mapping[str, Any]) -> None:
     """Loads model name on every interpreter of service, from the archive that
     parameters name, if any (see ``archive``), else from the one it was served from;
     ProtocolError if load is disabled (400), name cannot name a model (400), or it fails
@@ -58,7 +59,7 @@ async def load(service: Any, name: str, parameters: Mapping[str, Any]) -> None:
     await service.load(name, archive(parameters))
 
 
-async def unload(service: Any, name: str) -> None:
+async def unload(service: Server, name: str) -> None:
     """Unloads model name from every interpreter of service; ProtocolError if unload is
     disabled (400), or it serves no model name (404)."""
     _enabled(service, "unload")
@@ -96,7 +97,7 @@ def archive(parameters: Mapping[str, Any]) -> dict[str, str]:
     return given
 
 
-def _enabled(service: Any, what: str) -> None:
+def _enabled(service: Server, what: str) -> None:
     if service.model_control != "explicit":
         raise ProtocolError(f"this server does not {what} models: it serves those it was "
                             f"started with (start it with --model-control explicit to "

@@ -26,6 +26,7 @@ from google.protobuf import json_format
 
 from . import inference_pb2 as messages
 from . import repository
+from .contract import Server
 from .inference import decode_apart, infer, ready_model, server_metadata, statistics
 from .protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor, parse_request,
                        tensor_bytes)
@@ -46,7 +47,7 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
-def create_server(service: Any, address: str) -> grpc.aio.Server:
+def create_server(service: Server, address: str) -> grpc.aio.Server:
     """A gRPC server, not yet started, of service (as multipy.serve.app.create_app
     takes it) on address ("HOST:PORT"), which other processes' and interpreters' servers
     may share (SO_REUSEPORT).  RuntimeError if it cannot listen there."""
@@ -81,7 +82,7 @@ class _Servicer:
                                   messages.RepositoryModelUnloadResponse),
     }
 
-    def __init__(self, service: Any) -> None:
+    def __init__(self, service: Server) -> None:
         self._service = service
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -156,7 +157,7 @@ def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
     return answer
 
 
-async def _decoded(service: Any, request: Any) -> InferRequest:
+async def _decoded(service: Server, request: Any) -> InferRequest:
     """The request record of a ModelInferRequest to service, checked as an HTTP body's
     is: translated to the protocol's JSON form (typed contents as its data), raw
     contents as its binary data, and decoded by multipy.serve.inference.decode_apart

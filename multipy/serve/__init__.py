@@ -15,6 +15,18 @@ interpreters is ``multipy._inside.serving`` and ``multipy._inside.front_end``.  
 the ``serve`` extra: ``pip install 'multipy[serve]'`` (``--ray``: the ``ray`` extra).
 docs/serving.md is the guide.
 """
-from .protocol import InvalidInput
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["InvalidInput"]
+
+
+def __getattr__(name: str) -> Any:
+    """``InvalidInput`` (multipy.serve.protocol's), loaded on first use: importing a
+    module of this package needs no numpy unless that module does."""
+    if name == "InvalidInput":
+        from .protocol import InvalidInput
+
+        return InvalidInput
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

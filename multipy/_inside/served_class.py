@@ -61,8 +61,6 @@ class ServedClass:
     Served`` is: ``infer`` (on a thread with no event loop running), ``infer_async`` (on
     the front end's loop), ``metadata``, ``warm_up`` and ``forget``."""
 
-    parameters: list[str] = []
-
     def __init__(self, instance: Any, config: dict[str, list[dict]] | None) -> None:
         self.instance = instance
         self.config = config
@@ -91,9 +89,8 @@ class ServedClass:
         except Exception as error:
             _raise_plainly(error)
 
-    def _inputs(self, names: tuple[str, ...] | None, arrays: tuple) -> dict[str, Any]:
-        if names is None:  # (no declared names: position k is input k's)
-            names = tuple(f"input{k}" for k in range(len(arrays)))
+    def _inputs(self, names: tuple[str, ...], arrays: tuple) -> dict[str, Any]:
+        """(A class's requests always name their inputs: ModelRequests._names.)"""
         return dict(zip(names, arrays))
 
     def _answer(self, predict: Any) -> tuple:

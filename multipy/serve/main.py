@@ -599,8 +599,7 @@ def _supervise(args: argparse.Namespace, served: Options, parse: argparse.Argume
 
     logging.config.dictConfig(logging_config())
     reserved = None if args.grpc_port is None else reserve_port(args.host, args.grpc_port, parse)
-    slots = len(served.models) + (MORE_MODELS if served.model_control == "explicit" else 0)
-    supervisor = Supervisor(argv, args.processes, served.interpreters, slots, args.host,
+    supervisor = Supervisor(argv, args.processes, served.interpreters, served.slots, args.host,
                             args.port, reserved, served.graceful_timeout)
     try:
         return supervisor.run()

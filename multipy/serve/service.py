@@ -74,6 +74,12 @@ class Options:
     model_control: str = "none"
     model_repository: tuple[str, ...] = ()
 
+    @property
+    def slots(self) -> int:
+        """The models whose metrics the server has room for: those it starts with, and
+        MORE_MODELS more with --model-control explicit (every process's board agrees)."""
+        return len(self.models) + (MORE_MODELS if self.model_control == "explicit" else 0)
+
 
 @dataclass(frozen=True)
 class Place:
@@ -102,13 +108,12 @@ class Service:
         self.model_control = options.model_control
         #: each model's (state, reason), as the repository's index says them
         self.states = {name: (LOADING, "") for name in self.specs}
-        more = MORE_MODELS if self.model_control == "explicit" else 0
         # row 0 the host's, row k + 1 interpreter k's front end's (of each process)
         rows = options.interpreters + 1
         self.metrics = Metrics(list(self.specs), options.interpreters,
                                rows=rows * place.processes,
                                stuck_after=options.timeout or STUCK_AFTER,
-                               slots=len(self.specs) + more, fd=place.board,
+                               slots=options.slots, fd=place.board,
                                first=place.index * rows, processes=place.processes)
         if options.torch_threads is None and place.processes > 1:  # the cores, shared
             options = dataclasses.replace(options, torch_threads=max(

@@ -154,8 +154,8 @@ class Supervisor:
                 env=launch_environment())
         finally:
             there.close()
-        here.send({"op": "start", "process": k, "processes": self._count,
-                   "rows": self._rows}, (self.board.fd,))
+        here.send({"op": "start", "process": k, "processes": self._count},
+                  (self.board.fd,))
         record = _Process(k, here, process)
         self._processes[k] = record
         loop = asyncio.get_running_loop()

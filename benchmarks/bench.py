@@ -17,11 +17,23 @@ model in an interpreter run slower), then all call the model in a loop for the d
 timing each call.  torch.set_num_threads(1) and grad off everywhere (host, worker
 processes, interpreters), so the figures compare Python parallelism, not intra-op
 threads.  Each strategy's output is checked against the package's expected output first.
-Writes DIR/bench.csv (the original's columns and format, latencies in seconds) and
-DIR/bench.png, and prints a table and the ratios of multi_python to its peers.
+Writes DIR/bench.csv (the original's columns and format, latencies in seconds, then
+the device's memory in use) and DIR/bench.png, and prints a table and the ratios of
+multi_python to its peers.
+
+With ``--device cuda`` every strategy's model is on the GPU (its package loaded with that
+map_location: on the interpreters, one copy of the weights that every replica aliases;
+each worker process loads its own) and each work item ends with its output copied back
+to host memory, so that it includes the GPU's work.  The input crosses to the
+interpreters as a CUDA tensor, by device pointer; worker processes receive it by pickle
+in host memory and copy it to the GPU.  ``device_memory_mib`` is the device's memory in
+use (all processes, as cuMemGetInfo says) at the end of each timed run, while its
+strategy is still set up; 0 on the CPU.  ``--batch N`` repeats the input along its first
+dimension to N rows.
 
     multipy bench [--models python_heavy,simple,resnet] [--strategies ...] [--max-threads 4]
-                  [--duration 1.5] [--warm-up 0.3] [--out bench-results] [--no-plot]
+                  [--duration 1.5] [--warm-up 0.3] [--device cpu|cuda] [--batch N]
+                  [--threads 1,8] [--out bench-results] [--no-plot]
 """
 from __future__ import annotations
 
@@ -54,7 +66,7 @@ from generate_examples import example_names, generate  # noqa: E402
 THREAD_COUNTS = (1, 2, 4, 8, 16, 32, 40)
 STRATEGIES = ("one_python", "multi_python", "threads", "processes", "jit")
 COLUMNS = ("benchmark", "strategy", "n_threads", "work_items_completed", "work_items_per_second",
-           "p25_latency", "p50_latency", "p95_latency", "device")
+           "p25_latency", "p50_latency", "p95_latency", "device", "device_memory_mib")
 PERCENTILES = (25, 50, 95)
 MAX_INTERPRETERS = 15
 SETTINGS = ("torch.set_num_threads(1) and grad off in the host, every worker process and "
@@ -74,10 +86,12 @@ class Example:
     name: str
     package: str
     jit: str | None
-    inputs: tuple
-    expected: Any
+    inputs: tuple  # on the device
+    expected: Any  # in host memory
     host_model: Any
     replicated: multipy.ReplicatedObj | None
+    device: str = "cpu"
+    host_inputs: tuple = ()  # in host memory, for worker processes
 
 
 @dataclass
@@ -91,10 +105,12 @@ class Report:
     work_items_per_second: float
     latencies: list[float]  # at PERCENTILES
     device: str = "cpu"
+    device_memory_mib: float = 0.0
 
     def row(self) -> list[Any]:
         return [self.benchmark, self.strategy, self.n_threads, self.work_items_completed,
-                self.work_items_per_second, *self.latencies, self.device]
+                self.work_items_per_second, *self.latencies, self.device,
+                round(self.device_memory_mib)]
 
 
 def use_one_thread() -> None:
@@ -103,12 +119,31 @@ def use_one_thread() -> None:
     torch.set_grad_enabled(False)  # per thread: each benchmark thread calls it too
 
 
+def to_host(value: Any) -> Any:
+    """value with each tensor in it copied to host memory (tuples and lists kept)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_host(item) for item in value)
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+def to_device(values: tuple, device: str) -> tuple:
+    return tuple(v.to(device) if isinstance(v, torch.Tensor) else v for v in values)
+
+
+def device_memory_mib(device: str) -> float:
+    """The device's memory in use, by every process: 0 for the CPU."""
+    if device == "cpu":
+        return 0.0
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**20
+
+
 # -- strategies: (example, n, manager) -> a context manager yielding the call ---------------
 
 @contextmanager
 def threads(example: Example, n: int, manager: Manager | None) -> Iterator[Call]:
     """The model loaded in the host by PackageImporter."""
-    yield lambda: example.host_model(*example.inputs)
+    yield lambda: to_host(example.host_model(*example.inputs))
 
 
 def _replicated(example: Example, interpreters: int, manager: Manager) -> Call:
@@ -118,7 +153,7 @@ def _replicated(example: Example, interpreters: int, manager: Manager) -> Call:
     for interpreter in manager.all_instances()[:interpreters]:
         with example.replicated.acquire_session(interpreter):
             pass
-    return lambda: example.replicated(*example.inputs)
+    return lambda: to_host(example.replicated(*example.inputs))
 
 
 @contextmanager
@@ -134,19 +169,24 @@ def multi_python(example: Example, n: int, manager: Manager | None) -> Iterator[
 
 
 _worker_model: Any = None
+_worker_device = "cpu"
 
 
-def _worker_load(package: str, ready: multiprocessing.synchronize.Barrier) -> None:
-    """Process pool initializer: loads the model, then waits for the other workers."""
-    global _worker_model
+def _worker_load(package: str, device: str, ready: multiprocessing.synchronize.Barrier) -> None:
+    """Process pool initializer: loads the model onto device, then waits for the other
+    workers."""
+    global _worker_model, _worker_device
     use_one_thread()
-    _worker_model = torch.package.PackageImporter(package).load_pickle("model", "model.pkl")
+    _worker_device = device
+    _worker_model = torch.package.PackageImporter(package).load_pickle(
+        "model", "model.pkl", map_location=device)
     ready.wait(timeout=300)
 
 
 def _worker_call(inputs: tuple) -> Any:
-    """A work item in a pool worker: the inputs and the output cross by pickle."""
-    return _worker_model(*inputs)
+    """A work item in a pool worker: the inputs and the output cross by pickle, in host
+    memory."""
+    return to_host(_worker_model(*to_device(inputs, _worker_device)))
 
 
 def _worker_ready() -> None:
@@ -159,19 +199,20 @@ def processes(example: Example, n: int, manager: Manager | None) -> Iterator[Cal
     workers have all loaded the model before timing starts."""
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(n, mp_context=context, initializer=_worker_load,
-                             initargs=(example.package, context.Barrier(n))) as pool:
+                             initargs=(example.package, example.device,
+                                       context.Barrier(n))) as pool:
         # A pool starts a worker per submission while none is idle; none is until all n
         # have loaded the model (the barrier), so these n submissions start all n.
         for future in [pool.submit(_worker_ready) for _ in range(n)]:
             future.result()
-        yield lambda: pool.submit(_worker_call, example.inputs).result()
+        yield lambda: pool.submit(_worker_call, example.host_inputs).result()
 
 
 @contextmanager
 def jit(example: Example, n: int, manager: Manager | None) -> Iterator[Call]:
     """The TorchScript copy, loaded in the host."""
-    module = torch.jit.load(example.jit)
-    yield lambda: module(*example.inputs)
+    module = torch.jit.load(example.jit, map_location=example.device)
+    yield lambda: to_host(module(*example.inputs))
 
 
 SETUPS: dict[str, Callable[..., ContextManager[Call]]] = {
@@ -182,11 +223,13 @@ SETUPS: dict[str, Callable[..., ContextManager[Call]]] = {
 ON_INTERPRETERS = ("one_python", "multi_python")
 
 
-def thread_counts(strategy: str, example: Example, max_threads: int) -> list[int]:
-    """The n the strategy runs with on example (none for jit without a TorchScript copy)."""
+def thread_counts(strategy: str, example: Example, max_threads: int,
+                  chosen: list[int] | None = None) -> list[int]:
+    """The n the strategy runs with on example (none for jit without a TorchScript copy):
+    chosen, or THREAD_COUNTS up to max_threads."""
     if strategy == "jit" and example.jit is None:
         return []
-    return [n for n in THREAD_COUNTS if n <= max_threads]
+    return chosen or [n for n in THREAD_COUNTS if n <= max_threads]
 
 
 # -- measuring -----------------------------------------------------------------------------
@@ -252,8 +295,9 @@ def run(example: Example, strategy: str, n: int, duration: float, warm_up: float
     with SETUPS[strategy](example, n, manager) as call:
         check(call(), example.expected, f"{example.name}/{strategy}")
         latencies, elapsed = measure(call, n, duration, warm_up)
+        memory = device_memory_mib(example.device)
     return Report(example.name, strategy, n, len(latencies), len(latencies) / elapsed,
-                  percentiles(latencies))
+                  percentiles(latencies), example.device, memory)
 
 
 # -- set-up and output ---------------------------------------------------------------------
@@ -264,15 +308,25 @@ def start_manager(count: int) -> Manager:
     return multipy.InterpreterManager(count, torch_threads=1, grad_enabled=False)
 
 
-def load_example(name: str, package: str, manager: Manager | None) -> Example:
-    """The example's model in the host (and on manager), input and expected output."""
+def load_example(name: str, package: str, manager: Manager | None, device: str = "cpu",
+                 batch: int | None = None) -> Example:
+    """The example's model in the host (and on manager) on device, its input (repeated to
+    batch rows) and expected output (the package's, or the host model's for a batch)."""
     importer = torch.package.PackageImporter(package)
     jit_path = package.replace(".pt", "_jit.pt")
-    return Example(
-        name, package, jit_path if os.path.exists(jit_path) else None,
-        importer.load_pickle("model", "example.pkl"), importer.load_pickle("model", "expected.pkl"),
-        importer.load_pickle("model", "model.pkl"),
-        manager.load_package(package).load_pickle("model", "model.pkl") if manager else None)
+    host_inputs = importer.load_pickle("model", "example.pkl")
+    if batch is not None:
+        host_inputs = tuple(v[:1].expand(batch, *v.shape[1:]).contiguous()
+                            if isinstance(v, torch.Tensor) else v for v in host_inputs)
+    model = importer.load_pickle("model", "model.pkl", map_location=device)
+    inputs = to_device(host_inputs, device)
+    expected = (importer.load_pickle("model", "expected.pkl") if batch is None
+                else to_host(model(*inputs)))
+    replicated = (manager.load_package(package).load_pickle("model", "model.pkl",
+                                                            map_location=device)
+                  if manager else None)
+    return Example(name, package, jit_path if os.path.exists(jit_path) else None, inputs,
+                   expected, model, replicated, device, host_inputs)
 
 
 def write_csv(reports: list[Report], path: Path) -> None:
@@ -285,11 +339,12 @@ def table(reports: list[Report]) -> Table:
     """The reports as a terminal table, latencies in milliseconds."""
     result = Table(title="multipy bench", caption=SETTINGS)
     for heading in ("model", "strategy", "n", "items", "items/s",
-                    *(f"p{p} ms" for p in PERCENTILES)):
+                    *(f"p{p} ms" for p in PERCENTILES), "device MiB"):
         result.add_column(heading, justify="left" if heading in ("model", "strategy") else "right")
     for r in reports:
         result.add_row(r.benchmark, r.strategy, str(r.n_threads), str(r.work_items_completed),
-                       f"{r.work_items_per_second:,.1f}", *(f"{s * 1e3:.3f}" for s in r.latencies))
+                       f"{r.work_items_per_second:,.1f}", *(f"{s * 1e3:.3f}" for s in r.latencies),
+                       f"{r.device_memory_mib:,.0f}" if r.device != "cpu" else "-")
     return result
 
 
@@ -373,6 +428,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration", type=float, default=1.5, help="seconds per run")
     parser.add_argument("--warm-up", type=float, default=0.3,
                         help="seconds each thread calls before the timed run")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where every strategy runs the model")
+    parser.add_argument("--batch", type=int, default=None,
+                        help="rows of input: the example's first row repeated (default: "
+                             "the example's input as it is)")
+    parser.add_argument("--threads", default=None,
+                        help="comma-separated n to run (default: every n up to --max-threads)")
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
     parser.add_argument("--no-plot", action="store_true", help="skip DIR/bench.png")
     args = parser.parse_args(argv)
@@ -383,6 +445,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown strategies: {', '.join(sorted(unknown))}")
     if args.max_threads < 1 or args.duration <= 0 or args.warm_up < 0:
         parser.error("--max-threads and --duration must be positive, --warm-up not negative")
+    if args.batch is not None and args.batch < 1:
+        parser.error("--batch must be positive")
+    if args.threads is not None:
+        args.threads = sorted({int(n) for n in args.threads.split(",")})
+        args.max_threads = args.threads[-1]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     return args
 
 
@@ -390,7 +459,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     console = Console(width=max(100, shutil.get_terminal_size().columns))
     console.print(f"{SETTINGS}; {os.cpu_count()} cores, Python {platform.python_version()}, "
-                  f"torch {torch.__version__}")
+                  f"torch {torch.__version__}"
+                  + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
     use_one_thread()
     with ExitStack() as stack:
         unknown = set(args.models) - set(example_names())
@@ -400,9 +470,10 @@ def main(argv: list[str] | None = None) -> None:
         packages = generate(stack.enter_context(tempfile.TemporaryDirectory()), args.models)
         manager = (stack.enter_context(start_manager(min(args.max_threads, MAX_INTERPRETERS)))
                    if set(ON_INTERPRETERS) & set(args.strategies) else None)
-        examples = [load_example(name, packages[name], manager) for name in args.models]
+        examples = [load_example(name, packages[name], manager, args.device, args.batch)
+                    for name in args.models]
         plan = [(example, strategy, n) for example in examples for strategy in args.strategies
-                for n in thread_counts(strategy, example, args.max_threads)]
+                for n in thread_counts(strategy, example, args.max_threads, args.threads)]
         reports = []
         columns = (TextColumn("{task.description:32}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn())

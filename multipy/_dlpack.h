@@ -54,6 +54,7 @@ typedef struct DLManagedTensorVersioned {
 } DLManagedTensorVersioned;
 
 #define MULTIPY_DL_CPU 1
+#define MULTIPY_DL_CUDA 2
 
 /* Tokens whose aliases died, waiting for the next call to carry them to their owner. */
 struct release_queue {
@@ -135,14 +136,16 @@ static void alias_capsule_destructor(PyObject *capsule)
 }
 
 /* lent_address(capsule) -> int: the DLManagedTensor of a "dltensor" capsule that this
- * side's torch or numpy made, or 0 when its memory is not in host memory (CUDA). */
+ * side's torch or numpy made, or 0 when its memory is neither host memory nor a CUDA
+ * device's (which the process's one CUDA context shares with every interpreter). */
 static PyObject *lent_address(PyObject *module, PyObject *capsule)
 {
     (void)module;
     DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
     if (!managed)
         return NULL;
-    if (managed->dl_tensor.device.device_type != MULTIPY_DL_CPU)
+    int32_t device = managed->dl_tensor.device.device_type;
+    if (device != MULTIPY_DL_CPU && device != MULTIPY_DL_CUDA)
         return PyLong_FromLong(0);
     return PyLong_FromVoidPtr(managed);
 }
@@ -150,7 +153,7 @@ static PyObject *lent_address(PyObject *module, PyObject *capsule)
 #define LENT_ADDRESS_METHOD                                                              \
     {"lent_address", lent_address, METH_O,                                               \
      "lent_address(capsule) -> int: the DLManagedTensor in a dltensor capsule, 0 if its " \
-     "memory is not host memory."}
+     "memory is neither host nor CUDA device memory."}
 
 /* The capsule of alias_capsule(address, token, source, versioned=False) (_lend.h),
  * for this side's torch.from_dlpack (or numpy's, versioned): the owner's tensor or

@@ -1,23 +1,30 @@
 """Zero-copy sharing of tensor and array memory between the host and interpreters.
 
-Host and interpreters share one address space, so a CPU tensor or numpy array crosses
-a call as a record of its memory instead of its bytes: the address of a DLPack
-description (multipy/_dlpack.h).  The sending side *exports* the object: it keeps the
+Host and interpreters share one address space, and one CUDA context, so a tensor (on
+the CPU or a CUDA device) or a numpy array crosses a call as a record of its memory
+instead of its bytes: the address of a DLPack description (multipy/_dlpack.h).  The sending side *exports* the object: it keeps the
 DLPack capsule under a token.  The receiving side builds an *alias* over the same memory;
 when the last view of the alias dies, the token goes back to the owner, which drops the
 capsule (docs/design.md, "memory": memory is only ever freed by the side that allocated
 it).
 
+A CUDA tensor keeps the order of the GPU's work both ways: the receiver's current stream
+waits (on the GPU) for an event recorded on the sender's when it was lent, and when the
+alias dies the owner's caching allocator is told that the receiver's stream used the
+memory (``record_stream``), so that it reuses the memory only after that work is done.
+
 Used on both sides: each has its own ``Exports`` and makes its own aliases.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import io
 import itertools
 import marshal
 import pickle
 import sys
+import threading
 import types
 from typing import Any, Callable, Iterable, Iterator
 
@@ -25,10 +32,12 @@ from . import _protocol
 
 try:  # multipy's C: inside an interpreter its bootstrap module, in the host _host
     import _multipy_bootstrap as _c
+    _INSIDE = True
 except ImportError:
     from . import _host as _c
+    _INSIDE = False
 
-TORCH, NUMPY = "torch", "numpy"
+TORCH, NUMPY, CUDA = "torch", "numpy", "cuda"
 
 #: Types that are never lent: the common case, rejected before any other check
 #: (functions: a lent object's pickle names the function ``lent``).
@@ -100,7 +109,7 @@ class Exports:
 
 def describe(obj: Any, lent: Lent) -> tuple | None:
     """The record that lends obj's memory to the other side, or None if obj is pickled
-    as usual instead: anything but a CPU strided tensor or a numpy array, and the cases
+    as usual instead: anything but a strided tensor (CPU or CUDA) or a numpy array, and the cases
     an alias could not represent faithfully (lazy conjugate or negative views; arrays
     that DLPack cannot describe: read-only, byte-swapped, structured or of objects).
     Tensors that require grad cross detached.  The owner must not resize a tensor or
@@ -112,7 +121,9 @@ def describe(obj: Any, lent: Lent) -> tuple | None:
     if torch is not None and kind is torch.Tensor:  # subclasses (Parameter) are copied
         if _dlpack is None:
             _use_torch()
-        return _c.lend_tensor(obj, lent)  # None: lazy views, sparse, CUDA (_lend.h)
+        if obj.is_cuda:
+            return _cuda_record(obj, lent)
+        return _c.lend_tensor(obj, lent)  # None: lazy views, sparse (_lend.h)
     numpy = sys.modules.get("numpy")
     if numpy is not None and kind is numpy.ndarray:
         return _array_record(obj, lent)
@@ -134,6 +145,143 @@ def _use_torch() -> tuple[Callable, Callable]:
     _c.use_torch(torch.Tensor, *dlpack)
     _dlpack = dlpack
     return dlpack
+
+
+class _CudaLoan:
+    """A CUDA tensor lent: its capsule and detached view, the event recorded on the
+    sender's stream when it was lent, and where the receiver notes its own stream
+    (-1 until it aliases).  Dropped when the token comes back: then the owner's caching
+    allocator is told that the receiver's stream used the memory."""
+
+    __slots__ = ("capsule", "tensor", "event", "stream")
+
+    def __init__(self, capsule: Any, tensor: Any, event: Any) -> None:
+        self.capsule = capsule
+        self.tensor = tensor
+        self.event = event
+        self.stream = (ctypes.c_int64 * 1)(-1)
+
+    def __del__(self) -> None:
+        stream = self.stream[0]
+        if stream < 0:  # never aliased
+            return
+        import torch
+
+        device = self.tensor.device
+        self.tensor.record_stream(torch.cuda.ExternalStream(stream, device=device) if stream
+                                  else torch.cuda.default_stream(device))
+
+
+def _cuda_record(tensor: Any, lent: Lent) -> tuple | None:
+    """describe for a CUDA tensor: (CUDA, token, (address, event, stream slot, device))."""
+    if tensor.is_conj() or tensor.is_neg():  # lazy views, which DLPack would not describe
+        return None
+    import torch
+
+    view = tensor.detach()
+    try:
+        capsule = _dlpack[0](view)
+    except (RuntimeError, BufferError, TypeError):  # sparse, quantized, nested...
+        return None
+    device = view.device.index
+    stream = torch.cuda.current_stream(device)
+    event = torch.cuda.Event()
+    event.record(stream)
+    loan = _CudaLoan(capsule, view, event)
+    details = (_c.lent_address(capsule), event.cuda_event, ctypes.addressof(loan.stream), device,
+               stream.cuda_stream)
+    return (CUDA, lent.export(loan), details)
+
+
+class _CallerStreams(threading.local):
+    """Per thread, inside an interpreter: the (stream, device) of the host threads whose
+    CUDA tensors the running call aliased (a class default: reading never raises)."""
+
+    pending: tuple = ()
+
+
+_caller_streams = _CallerStreams()
+#: CUDA tensors aliased on this side so far: while 0, a call has nothing to order
+cuda_aliases = 0
+#: Inside an interpreter: gives the calling thread the interpreter's torch settings (its
+#: CUDA stream among them), before a CUDA alias is made on that stream
+settle_thread: Callable[[], None] | None = None
+
+
+def _alias_cuda(record: tuple, source: int, aliased: list[int] | None) -> Any:
+    """alias for a CUDA record: this thread's current stream waits for the sender's
+    event first, and the sender learns which stream that is."""
+    global cuda_aliases
+    import torch
+
+    _, token, (address, event, slot, device, sender) = record
+    torch.cuda.init()  # once: CUDA may start here, with the first CUDA tensor to come in
+    if settle_thread is not None:
+        settle_thread()
+    stream = torch.cuda.current_stream(device).cuda_stream
+    _stream_wait_event(stream, event, device)
+    ctypes.c_int64.from_address(slot).value = stream
+    capsule = _c.alias_capsule(address, token, source)
+    if aliased is not None:
+        aliased.append(token)
+    tensor = _dlpack[1](capsule)
+    cuda_aliases += 1
+    if _INSIDE:
+        _caller_streams.pending += ((sender, device),)
+    return tensor
+
+
+def order_after_call() -> None:
+    """Inside an interpreter, when a call ends: the stream of each host thread whose CUDA
+    tensors the call aliased waits (on the GPU) for the work this thread queued on its
+    own, so that what the call wrote into them is seen in order, as a reply's tensors are.
+    Cheap to call after every call: nothing to do unless CUDA tensors came in."""
+    pending = _caller_streams.pending
+    if not pending:
+        return
+    _caller_streams.pending = ()
+    import torch
+
+    for stream, device in set(pending):
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        _stream_wait_event(stream, event.cuda_event, device)
+
+
+#: device ordinal -> its primary context (CUcontext), retained for the process's life:
+#: the context torch's CUDA runtime uses, in the host and in every interpreter.
+_primary_contexts: dict[int, ctypes.c_void_p] = {}
+
+
+def _driver_call(cuda: ctypes.CDLL, name: str, *args: Any) -> None:
+    code = getattr(cuda, name)(*args)
+    if code:
+        raise RuntimeError(f"the CUDA driver's {name} failed with error {code}")
+
+
+@functools.cache
+def _driver() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")  # loaded already by this side's torch
+
+
+def _stream_wait_event(stream: int, event: int, device: int) -> None:
+    """Makes ``stream`` (a CUstream; 0 is the legacy default stream) wait, on the GPU, for
+    the work recorded before ``event`` (a CUevent) on ``device``: no thread waits.  The
+    device's primary context is current for the call, whichever thread this is.  The
+    driver is the process's one (in an interpreter, its forwarder: docs/design.md, "CUDA");
+    RuntimeError if it refuses."""
+    cuda = _driver()
+    context = _primary_contexts.get(device)
+    if context is None:
+        handle, context = ctypes.c_int(), ctypes.c_void_p()
+        _driver_call(cuda, "cuDeviceGet", ctypes.byref(handle), device)
+        _driver_call(cuda, "cuDevicePrimaryCtxRetain", ctypes.byref(context), handle)
+        _primary_contexts[device] = context
+    _driver_call(cuda, "cuCtxPushCurrent_v2", context)
+    try:
+        _driver_call(cuda, "cuStreamWaitEvent", ctypes.c_void_p(stream), ctypes.c_void_p(event), 0)
+    finally:
+        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
 def _array_record(array: Any, lent: Lent) -> tuple | None:
@@ -361,6 +509,10 @@ def alias(record: tuple, source: int = 0, aliased: list[int] | None = None) -> A
         if _dlpack is None:
             _use_torch()
         return _c.alias_tensor(record, source, aliased)  # in C (_lend.h), the same order
+    if kind == CUDA:
+        if _dlpack is None:
+            _use_torch()
+        return _alias_cuda(record, source, aliased)
     import numpy
 
     global _numpy_reads_versioned

@@ -43,7 +43,11 @@ class InterpreterManager:
     torch, in each interpreter, runs with ``torch_threads`` intra-op threads (default:
     ``default_torch_threads(n)``) and grad mode ``grad_enabled`` (default: on, as in
     torch), on every thread that calls in, from its first call after torch is imported
-    (torch keeps both per thread, and the host's settings do not carry over).
+    (torch keeps both per thread, and the host's settings do not carry over).  With
+    ``cuda_streams`` (the default), each interpreter queues its CUDA work on a stream of
+    its own, which every thread that calls in gets as its current stream once CUDA has
+    started there (a thread that chose a stream itself keeps it); without, on the
+    device's default stream, which serialises the work of every interpreter.
 
     A context manager; ``close()`` returns the interpreters to the process, which keeps
     them for the next manager (a process can start at most 15 and never frees one); a
@@ -53,13 +57,15 @@ class InterpreterManager:
     """
 
     def __init__(self, n_interpreters: int = 2, environment: Environment | None = None, *,
-                 torch_threads: int | None = None, grad_enabled: bool = True) -> None:
+                 torch_threads: int | None = None, grad_enabled: bool = True,
+                 cuda_streams: bool = True) -> None:
         if n_interpreters < 1:
             raise ValueError(f"n_interpreters must be at least 1, not {n_interpreters}")
         if torch_threads is not None and torch_threads < 1:
             raise ValueError(f"torch_threads must be at least 1, not {torch_threads}")
         self.torch_threads = torch_threads or default_torch_threads(n_interpreters)
         self.grad_enabled = bool(grad_enabled)
+        self.cuda_streams = bool(cuda_streams)
         self.environment = environment if environment is not None else NoopEnvironment()
         self._sources: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -75,8 +81,8 @@ class InterpreterManager:
         try:
             for interpreter in self._interpreters:
                 with interpreter.acquire_session() as session:
-                    session.global_(_INSIDE, "set_torch_settings")(self.torch_threads,
-                                                                   self.grad_enabled)
+                    session.global_(_INSIDE, "set_torch_settings")(
+                        self.torch_threads, self.grad_enabled, self.cuda_streams)
                     self.environment.configure(session)
                 self._configured.append(interpreter)
         except BaseException:

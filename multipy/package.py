@@ -20,7 +20,9 @@ class Package:
 
     Each interpreter gets its own ``PackageImporter``, made on first use; extern modules
     come from the manager's environment.  The archive's tensor storages are read once,
-    into the host, and every interpreter's objects alias them.
+    into the host, and every interpreter's objects alias them; loaded with a CUDA
+    ``map_location``, they are copied to that device once, by the host, and every
+    interpreter's objects alias that copy.
     """
 
     def __init__(self, manager: Any, path_or_file: str | os.PathLike | IO[bytes]) -> None:
@@ -56,8 +58,8 @@ class Package:
         except (RuntimeError, OSError) as error:
             raise ValueError(f"{self.name} is not a readable torch.package archive: {error}") from error
         self._lock = threading.Lock()
-        self._storages: dict[str, object] | None = None
-        self._importers = PerInterpreter(self._make_importer)
+        self._storages: dict[str | None, dict[str, object]] = {}  # by device (None: host)
+        self._importers: dict[str | None, PerInterpreter] = {}
 
     def _record(self, package: str, resource: str) -> str:
         name = f"{package.replace('.', '/')}/{resource}"
@@ -66,36 +68,58 @@ class Package:
                                     f"{package!r}: {_resources_like(self._sizes, package, resource)}")
         return name
 
-    def _shared_storages(self) -> dict[str, object]:
-        """Every storage record, read once into host memory (uint8 tensors)."""
+    def _shared_storages(self, device: str | None = None) -> dict[str, object]:
+        """Every storage record (uint8 tensors), read once into host memory, and copied
+        once to the CUDA device ``device`` if one is named."""
         import torch
 
         with self._lock:
-            if self._storages is None:
-                self._storages = {}
+            storages = self._storages.get(device)
+            if storages is not None:
+                return storages
+            storages = self._storages.get(None)
+            if storages is None:
+                storages = self._storages[None] = {}
                 for name, size in self._sizes.items():
                     if name.startswith(".data/") and name.endswith(".storage"):
                         record = self._reader.get_storage_from_record(name, size, torch.uint8)
                         # the record comes as an empty tensor over its storage: span it all
-                        self._storages[name] = torch.empty(0, dtype=torch.uint8).set_(
+                        storages[name] = torch.empty(0, dtype=torch.uint8).set_(
                             record.untyped_storage())
-            return self._storages
+            if device is not None:
+                storages = self._storages[device] = {
+                    name: storage.to(device) for name, storage in storages.items()}
+            return storages
 
-    def importer(self, interpreter: Interpreter) -> Obj:
-        """This package's PackageImporter in interpreter, made on first use."""
-        return self._importers.get(interpreter)
+    def importer(self, interpreter: Interpreter, device: str | None = None) -> Obj:
+        """This package's PackageImporter in interpreter, made on first use, whose
+        storages are in host memory, or on the CUDA device ``device``."""
+        with self._lock:
+            importers = self._importers.get(device)
+            if importers is None:
+                importers = self._importers[device] = PerInterpreter(
+                    lambda interpreter: self._make_importer(interpreter, device))
+        return importers.get(interpreter)
 
-    def _make_importer(self, interpreter: Interpreter) -> Obj:
+    def _make_importer(self, interpreter: Interpreter, device: str | None) -> Obj:
         make = interpreter.global_(_HELPERS, "importer")
-        return make(self.path, self._shared_storages())
+        return make(self.path, self._shared_storages(device))
 
-    def load_pickle(self, package: str, resource: str) -> ReplicatedObj:
-        """The pickled object at (package, resource), replicated over the interpreters."""
+    def load_pickle(self, package: str, resource: str,
+                    map_location: Any = None) -> ReplicatedObj:
+        """The pickled object at (package, resource), replicated over the interpreters.
+        map_location: None (the tensors where they were saved, which is the CPU for
+        packages saved there) or a device (``"cpu"``, ``"cuda"``, ``"cuda:1"``, a
+        torch.device): on a CUDA device, every tensor storage is copied there once and
+        every replica aliases it.  ValueError for anything else (torch.package's own
+        dicts and functions are not taken)."""
         self._record(package, resource)
+        device = _cuda_device(map_location)
 
         def load(interpreter: Interpreter) -> Obj:
             load_pickle = interpreter.global_(_HELPERS, "load_pickle")
-            return load_pickle(self.importer(interpreter), package, resource)
+            return load_pickle(self.importer(interpreter, device), package, resource,
+                               device or (None if map_location is None else "cpu"))
 
         return ReplicatedObj(self._manager, load, package=self)
 
@@ -112,6 +136,25 @@ class Package:
 
     def __repr__(self) -> str:
         return f"<multipy.Package {self.name}>"
+
+
+def _cuda_device(map_location: Any) -> str | None:
+    """The CUDA device that map_location names, as "cuda:N"; None for None and the CPU."""
+    if map_location is None:
+        return None
+    import torch
+
+    try:
+        device = torch.device(map_location)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"map_location must be None or a device, not {map_location!r}: "
+                         f"{error}") from None
+    if device.type == "cpu":
+        return None
+    if device.type != "cuda":
+        raise ValueError(f"map_location {map_location!r}: only the CPU and CUDA devices "
+                         f"are supported")
+    return f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
 
 
 #: The first bytes of a file that torch.save wrote in its legacy (not zip) format: a

@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 pytest.importorskip("rich")
 
 HEADER = ["benchmark", "strategy", "n_threads", "work_items_completed", "work_items_per_second",
-          "p25_latency", "p50_latency", "p95_latency", "device"]
+          "p25_latency", "p50_latency", "p95_latency", "device", "device_memory_mib"]
 
 
 @pytest.mark.timeout(240)
@@ -30,7 +30,7 @@ def test_bench_writes_csv_and_plot(tmp_path):
     assert sorted(runs) == [("multi_python", 1), ("multi_python", 2), ("one_python", 1),
                             ("one_python", 2), ("threads", 1), ("threads", 2)]
     for row in rows:
-        assert row[0] == "simple" and row[-1] == "cpu"
+        assert row[0] == "simple" and row[-2:] == ["cpu", "0"]
         assert int(row[3]) > 0 and float(row[4]) > 0, row
     assert (tmp_path / "bench.png").stat().st_size > 0
     ratios = result.stdout[result.stdout.index("multi_python throughput / peer's"):]

@@ -9,6 +9,7 @@ everything here costs start-up time in every interpreter.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
@@ -22,6 +23,7 @@ import pickle
 import sys
 import threading
 import traceback
+from typing import Any
 
 import _multipy_bootstrap
 
@@ -185,10 +187,14 @@ class _Interpreter:
         self.exports = _sharing.Exports(self._ids)  # outlives managers: the host may hold aliases
         self.sources = _SourceFinder()
         sys.meta_path.insert(0, self.sources)
-        #: (intra-op threads, grad enabled) for torch, set by the manager; torch keeps
-        #: both per thread, so each thread gets them on its first call once torch is in
-        self.torch_settings: tuple[int, bool] | None = None
+        #: (intra-op threads, grad enabled, a CUDA stream of this interpreter's own) for
+        #: torch, set by the manager; torch keeps all three per thread, so each thread
+        #: gets them on its first call once torch is in (and again once CUDA starts)
+        self.torch_settings: tuple[int, bool, bool] | None = None
         self._thread = _ThreadTorch()
+        self._streams: dict[int, Any] = {}  # CUDA device -> this interpreter's stream
+        self._awaiting_cuda = False
+        _sharing.settle_thread = self.apply_torch_settings
         #: the operations but the calls, which handle() makes itself (the hot path)
         self._ops = {GLOBAL: self._global, GETATTR: self._getattr, HASATTR: self._hasattr,
                      DEREF: self._deref, RESET: self._reset}
@@ -228,11 +234,41 @@ class _Interpreter:
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "set_grad_enabled"):  # not (yet) imported
             return
-        threads, grad = settings
+        threads, grad, streams = settings
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         torch.set_grad_enabled(grad)
+        if streams:
+            self._use_stream(torch.cuda)
         self._thread.torch = settings
+
+    def _use_stream(self, cuda: Any) -> None:
+        """Makes this interpreter's CUDA stream on the current device the calling thread's
+        current stream, if CUDA has started here and the thread still has the default
+        stream (a stream the thread chose stays); before CUDA starts, arranges for every
+        thread to come back here once it has.  The stream first waits for the work the
+        thread queued on the default stream."""
+        if not cuda.is_initialized():
+            lazy_call = getattr(cuda, "_lazy_call", None)  # torch's hook for CUDA's start
+            if not self._awaiting_cuda and lazy_call is not None:
+                self._awaiting_cuda = True
+                lazy_call(self._cuda_started)
+            return
+        device = cuda.current_device()
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = cuda.Stream(device)
+        current = cuda.current_stream(device)
+        if current == cuda.default_stream(device):
+            stream.wait_stream(current)
+            cuda.set_stream(stream)
+
+    def _cuda_started(self) -> None:
+        """CUDA started in this interpreter: a settings object of a new identity makes
+        every thread apply them again on its next call (apply_torch_settings)."""
+        settings = self.torch_settings
+        if settings is not None:
+            self.torch_settings = settings[:2] + settings[2:]  # equal, not the same object
 
     # -- plumbing --
 
@@ -276,6 +312,8 @@ class _Interpreter:
                                                                                   **kwargs)
             else:
                 result = self._ops[op](target, *args)
+            if _sharing.cuda_aliases:  # CUDA tensors came in: the caller sees this call's writes
+                _sharing.order_after_call()
             if self._thread.torch is not self.torch_settings:  # the call may have imported torch
                 self.apply_torch_settings()
             if op in _NEW_OBJECT:
@@ -298,6 +336,9 @@ class _Interpreter:
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
             if lent is not None:
                 lent.take_back()
+            if _sharing.cuda_aliases:  # what the call wrote before it raised
+                with contextlib.suppress(Exception):
+                    _sharing.order_after_call()
             return ERROR, 0, _error_record(exc, None if aliased is None else tuple(aliased))
 
     def _crash_name(self, op: int, handle: int, args: tuple) -> bytes:
@@ -382,10 +423,11 @@ def stats() -> dict[str, int]:
     return {"objects": len(_current.objects), "lent": len(_current.exports)}
 
 
-def set_torch_settings(threads: int, grad_enabled: bool) -> None:
-    """The intra-op threads and grad mode every thread runs torch with here, from its
-    next call on (see _Interpreter.apply_torch_settings)."""
-    _current.torch_settings = (threads, grad_enabled)
+def set_torch_settings(threads: int, grad_enabled: bool, cuda_streams: bool = True) -> None:
+    """The intra-op threads, grad mode and CUDA stream (this interpreter's own, or the
+    default stream) every thread runs torch with here, from its next call on (see
+    _Interpreter.apply_torch_settings)."""
+    _current.torch_settings = (threads, grad_enabled, cuda_streams)
 
 
 def torch_settings() -> dict | None:
@@ -393,7 +435,10 @@ def torch_settings() -> dict | None:
     torch = sys.modules.get("torch")
     if torch is None:
         return None
-    return {"threads": torch.get_num_threads(), "grad_enabled": torch.is_grad_enabled()}
+    settings = {"threads": torch.get_num_threads(), "grad_enabled": torch.is_grad_enabled()}
+    if torch.cuda.is_initialized():
+        settings["cuda_stream"] = torch.cuda.current_stream().cuda_stream
+    return settings
 
 
 def register_source(name: str, source: str) -> None:

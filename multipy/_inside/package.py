@@ -2,7 +2,7 @@
 
 The host calls these functions through ordinary requests (``global_`` and a call).
 Weights are never copied: an importer reads each storage record from the host's one
-copy (lent as aliases, see _sharing), and a movable object's storages stay in the
+copy (lent as aliases, see _sharing; on a CUDA device, the host's one copy there), and a movable object's storages stay in the
 interpreter that made it and are aliased by the others.
 """
 from __future__ import annotations
@@ -45,13 +45,15 @@ def importer(path: str, storages: dict[str, torch.Tensor]) -> PackageImporter:
     return package_importer
 
 
-def load_pickle(package_importer: PackageImporter, package: str, resource: str) -> Any:
-    """The object pickled at (package, resource); FileNotFoundError, naming the resources
-    that the archive has, if it has none there."""
+def load_pickle(package_importer: PackageImporter, package: str, resource: str,
+                map_location: str | None = None) -> Any:
+    """The object pickled at (package, resource), its tensors on map_location (a device:
+    the importer's storages are there already, so nothing is copied); FileNotFoundError,
+    naming the resources that the archive has, if it has none there."""
     try:
         with warnings.catch_warnings():  # torch.package itself still uses TypedStorage
             warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-            return package_importer.load_pickle(package, resource)
+            return package_importer.load_pickle(package, resource, map_location=map_location)
     except Exception:
         missing = _missing_resource(package_importer, package, resource)
         if missing is None:
@@ -122,7 +124,8 @@ class _MovablePickler(PackagePickler):
         key = untyped.data_ptr() if untyped.nbytes() else -1 - len(self.storages)
         if key not in self._seen:
             self._seen[key] = len(self.storages)
-            self.storages.append(torch.empty(0, dtype=torch.uint8).set_(untyped))
+            self.storages.append(torch.empty(0, dtype=torch.uint8, device=untyped.device)
+                                 .set_(untyped))
         return ("storage", self._seen[key], str(dtype).split(".")[-1])
 
     def reducer_override(self, obj):

@@ -1,0 +1,49 @@
+#!/bin/bash
+# The GPU checks of docs/gpu.md, in one go, on a machine with a CUDA GPU and a CUDA
+# torch (python3, or $PYTHON): builds multipy's C in place, then runs each step, its
+# output in $OUT (default: gpu-results/).  STEPS picks steps (default: all of them):
+#   info      multipy info, the machine and the build          -> machine.txt
+#   probe     benchmarks/gpu/probe.py: contexts, streams, memory -> probe.json, probe.err
+#   gpu       tests/test_gpu.py                                 -> gpu-tests.txt
+#   tests     the whole test suite (pytest-xdist's -n 8)        -> tests.txt
+#   bench     multipy bench --device cuda: the Python-heavy model and ResNet-18 at batch
+#             1 (n = 1, 8), ResNet-18 at batch 8         -> bench.txt, bench1/, bench8/
+#     OUT=/tmp/gpu STEPS="info probe" benchmarks/gpu/run.sh
+set -u
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-gpu-results}
+STEPS=${STEPS:-info probe gpu tests bench}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+step() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+{
+    git log -1 --format='commit %h %s' 2>/dev/null
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    $PY -c 'import sys, torch; print(sys.version); print("torch", torch.__version__, "CUDA", torch.version.cuda)'
+    $PY setup.py build_ext --inplace -q 2>&1 | grep -iE "error|warning" || true
+} >"$OUT/machine.txt" 2>&1
+if step info; then
+    $PY -m multipy info >>"$OUT/machine.txt" 2>&1
+    tail -3 "$OUT/machine.txt"
+fi
+if step probe; then
+    timeout 150 $PY -m multipy run benchmarks/gpu/probe.py --interpreters 8 >"$OUT/probe.json" 2>"$OUT/probe.err"
+    echo "probe: exit $?"; grep -v '^   ' "$OUT/probe.json" | head -30; tail -5 "$OUT/probe.err"
+fi
+if step gpu; then
+    timeout 200 $PY -m multipy run -m pytest -q -p no:cacheprovider tests/test_gpu.py >"$OUT/gpu-tests.txt" 2>&1
+    echo "gpu tests: exit $?"; tail -15 "$OUT/gpu-tests.txt"
+fi
+if step tests; then
+    timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -q -n 8 -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1
+    echo "tests: exit $?"; tail -15 "$OUT/tests.txt"
+fi
+if step bench; then
+    common="--device cuda --strategies one_python,multi_python,threads,processes --threads 1,8 --duration 2 --warm-up 0.5 --no-plot"
+    { timeout 200 $PY -m multipy bench $common --models python_heavy,resnet --batch 1 --out "$OUT/bench1"
+      echo "bench batch 1: exit $?"
+      timeout 120 $PY -m multipy bench $common --models resnet --batch 8 --out "$OUT/bench8"
+      echo "bench batch 8: exit $?"; } >"$OUT/bench.txt" 2>&1
+    grep -v "━\|─" "$OUT/bench.txt" | tail -60
+fi

@@ -1,0 +1,158 @@
+"""CUDA across interpreters on a real GPU: one context, a stream per interpreter, CUDA
+tensors crossing calls by device pointer in stream order, and weights once on the
+device (docs/gpu.md).  Skipped where torch sees no CUDA device; benchmarks/gpu/run.sh
+runs them on a GPU machine.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import multipy  # noqa: E402
+
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.timeout(180)]
+
+TOOLS = r'''
+import ctypes
+import torch
+
+def context():
+    torch.ones(1, device="cuda")
+    current = ctypes.c_void_p()
+    ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(current))
+    return current.value
+
+def stream():
+    torch.ones(1, device="cuda")
+    return torch.cuda.current_stream().cuda_stream
+
+def pointer(x):
+    return x.data_ptr(), tuple(x.stride()), x.storage_offset()
+
+def same(x):
+    return x
+
+def add_one(x):
+    x.add_(1)
+
+def busy_then_fill(x, value):
+    """Keeps this interpreter's stream busy for a while, then writes x: a reader that
+    does not wait for this stream reads x before the write."""
+    y = torch.randn(4096, 4096, device=x.device)
+    for _ in range(30):
+        y = torch.tanh(y @ y)
+    x.fill_(value)
+    return None
+
+def busy_then_copy(x):
+    y = torch.randn(4096, 4096, device=x.device)
+    for _ in range(30):
+        y = torch.tanh(y @ y)
+    return x * 2
+
+kept = []
+
+def keep(x):
+    kept.append(x)
+
+def kept_sum():
+    return kept.pop().sum().item()
+
+def weight_pointers(model):
+    return [p.data_ptr() for p in model.parameters()]
+'''
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    """Three interpreters with TOOLS; the host's torch has CUDA started."""
+    torch.ones(1, device="cuda")
+    with multipy.InterpreterManager(3) as manager:
+        manager.register_module_source("gpu_tools", TOOLS)
+        yield manager
+
+
+def on(manager, index: int, name: str):
+    return manager.all_instances()[index].global_("gpu_tools", name)
+
+
+def test_the_host_and_every_interpreter_share_one_cuda_context(gpu):
+    host = ctypes.c_void_p()
+    ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(host))
+    contexts = {on(gpu, i, "context")().deref() for i in range(3)}
+    assert host.value and contexts == {host.value}
+
+
+def test_each_interpreter_queues_its_work_on_a_stream_of_its_own(gpu):
+    for i in range(3):  # CUDA starts in each: the stream is a thread's from its next call
+        on(gpu, i, "context")()
+    streams = [on(gpu, i, "stream")().deref() for i in range(3)]
+    assert len(set(streams)) == 3 and 0 not in streams
+    seen = []  # another host thread calling into interpreter 0 gets its stream too
+    thread = threading.Thread(target=lambda: seen.append(on(gpu, 0, "stream")().deref()))
+    thread.start()
+    thread.join(60)
+    assert seen == [streams[0]]
+
+
+def test_a_cuda_tensor_crosses_a_call_by_device_pointer_both_ways(gpu):
+    x = torch.arange(1000, dtype=torch.float32, device="cuda")
+    assert on(gpu, 0, "pointer")(x).deref() == (x.data_ptr(), (1,), 0)
+    back = on(gpu, 1, "same")(x).deref()
+    assert back.is_cuda and back.data_ptr() == x.data_ptr() and torch.equal(back, x)
+
+
+def test_a_view_crosses_as_the_same_view(gpu):
+    base = torch.zeros(10, 12, device="cuda")
+    view = base[2:, ::3]
+    assert on(gpu, 2, "pointer")(view).deref() == (view.data_ptr(), view.stride(),
+                                                    view.storage_offset())
+    on(gpu, 2, "add_one")(view)
+    expected = torch.zeros(10, 12)
+    expected[2:, ::3] = 1
+    assert torch.equal(base.cpu(), expected)
+
+
+def test_what_a_call_writes_into_a_tensor_is_seen_in_order_without_a_reply_tensor(gpu):
+    for value in (5.0, 6.0):
+        x = torch.zeros(1 << 20, device="cuda")
+        on(gpu, 0, "busy_then_fill")(x, value)
+        assert x.min().item() == value and x.max().item() == value  # the host's stream waited
+
+
+def test_a_reply_tensor_is_read_in_order(gpu):
+    x = torch.ones(1 << 20, device="cuda")
+    doubled = on(gpu, 1, "busy_then_copy")(x).deref()
+    assert doubled.min().item() == 2.0 and doubled.max().item() == 2.0
+
+
+def test_an_alias_keeps_the_memory_after_the_owner_drops_its_tensor(gpu):
+    x = torch.full((1 << 16,), 3.0, device="cuda")
+    on(gpu, 2, "keep")(x)
+    del x
+    torch.cuda.synchronize()
+    others = [torch.full((1 << 16,), 9.0, device="cuda") for _ in range(64)]  # reuse bait
+    torch.cuda.empty_cache()
+    assert on(gpu, 2, "kept_sum")().deref() == 3.0 * (1 << 16)
+    del others
+
+
+def test_replicas_loaded_onto_cuda_alias_one_copy_of_the_weights(gpu, tmp_path):
+    path = tmp_path / "linear.pt"
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(),
+                                torch.nn.Linear(256, 8)).eval()
+    with torch.package.PackageExporter(str(path)) as exporter:
+        exporter.extern("torch.**")
+        exporter.save_pickle("model", "model.pkl", model)
+    x = torch.randn(4, 256, device="cuda")
+    expected = model.cuda()(x)
+    replicated = gpu.load_package(path).load_pickle("model", "model.pkl", map_location="cuda")
+    pointers = [on(gpu, i, "weight_pointers")(replicated.instance(interpreter)).deref()
+                for i, interpreter in enumerate(gpu.all_instances())]
+    assert pointers[0] == pointers[1] == pointers[2]  # a copy each would differ
+    assert torch.allclose(replicated(x), expected, atol=1e-5)

@@ -12,7 +12,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
-STEPS=${STEPS:-info probe gpu tests bench}
+STEPS=${STEPS:-info gpu probe tests bench}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -27,13 +27,13 @@ if step info; then
     $PY -m multipy info >>"$OUT/machine.txt" 2>&1
     tail -3 "$OUT/machine.txt"
 fi
-if step probe; then
-    timeout 150 $PY -m multipy run benchmarks/gpu/probe.py --interpreters 8 >"$OUT/probe.json" 2>"$OUT/probe.err"
-    echo "probe: exit $?"; grep -v '^   ' "$OUT/probe.json" | head -30; tail -5 "$OUT/probe.err"
-fi
 if step gpu; then
     timeout 200 $PY -m multipy run -m pytest -q -p no:cacheprovider tests/test_gpu.py >"$OUT/gpu-tests.txt" 2>&1
     echo "gpu tests: exit $?"; tail -15 "$OUT/gpu-tests.txt"
+fi
+if step probe; then
+    timeout 150 $PY -m multipy run benchmarks/gpu/probe.py --interpreters 8 >"$OUT/probe.json" 2>"$OUT/probe.err"
+    echo "probe: exit $?"; grep -v '^   ' "$OUT/probe.json" | head -30; tail -5 "$OUT/probe.err"
 fi
 if step tests; then
     timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -q -n 8 -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1

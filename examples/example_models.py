@@ -152,7 +152,7 @@ class PythonHeavy(nn.Module):
         self.hidden = hidden
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state = torch.zeros(x.shape[0], self.hidden)
+        state = torch.zeros(x.shape[0], self.hidden, device=x.device, dtype=x.dtype)
         outputs = []
         for step in range(x.shape[1]):
             state = torch.tanh(self.input(x[:, step]) + self.recurrent(state))

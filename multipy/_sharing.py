@@ -163,10 +163,9 @@ class _CudaLoan:
 
     def __del__(self) -> None:
         stream = self.stream[0]
-        if stream < 0:  # never aliased
+        torch = sys.modules.get("torch")
+        if stream < 0 or torch is None or sys.is_finalizing():  # never aliased, or exiting
             return
-        import torch
-
         device = self.tensor.device
         self.tensor.record_stream(torch.cuda.ExternalStream(stream, device=device) if stream
                                   else torch.cuda.default_stream(device))

@@ -4,17 +4,24 @@ Each interpreter imports torch, runs a matrix product on the GPU from a thread o
 own, and reports its CUDA context (cuCtxGetCurrent through its forwarded driver), its
 current stream and its torch's device name; the host does the same.  Then the example
 ResNet-18 package is loaded with map_location="cuda" and replicated onto 1, then all N
-interpreters, without running it.  Prints one JSON object: every context seen, whether
-they are one, the weights' bytes, and the device's memory in use (cuMemGetInfo, every
-process) at each step.
+interpreters, without running it, and then run once at batch 8 in each.  Prints one
+JSON object: every context seen, whether they are one, the weights' bytes, and the
+device's memory in use (nvidia-smi's memory.used, every process) at each step.
+
+With --processes N instead (plain python, no interpreters): N worker processes each load
+the same ResNet-18 onto the GPU and run it once at batch 8, as N process servers' workers
+would; prints the device's memory in use before and while they all hold it.
 
     multipy run benchmarks/gpu/probe.py [--interpreters 8]
+    python benchmarks/gpu/probe.py --processes 8
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import json
+import multiprocessing
+import subprocess
 import sys
 import tempfile
 import threading
@@ -39,11 +46,48 @@ def report(size):
 
 
 def used_mib() -> float:
+    """The device's memory in use, by every process (nvidia-smi: no CUDA context here)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True).stdout
+    return float(out.split()[0])
+
+
+def resnet_package(folder: str) -> str:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from generate_examples import generate
+
+    return generate(folder, ["resnet"])["resnet"]
+
+
+def _worker(path: str, ready, done) -> None:
     import torch
 
+    model = torch.package.PackageImporter(path).load_pickle("model", "model.pkl",
+                                                            map_location="cuda")
+    with torch.no_grad():
+        model(torch.randn(8, 3, 64, 64, device="cuda"))
     torch.cuda.synchronize()
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**20
+    ready.release()
+    done.wait()
+
+
+def processes(count: int) -> dict:
+    """count worker processes holding ResNet-18 on the GPU, run once at batch 8."""
+    memory = {"before": used_mib()}
+    context = multiprocessing.get_context("spawn")
+    ready, done = context.Semaphore(0), context.Event()
+    with tempfile.TemporaryDirectory() as folder:
+        path = resnet_package(folder)
+        workers = [context.Process(target=_worker, args=(path, ready, done)) for _ in range(count)]
+        for worker in workers:
+            worker.start()
+        for _ in workers:
+            ready.acquire(timeout=120)
+        memory[f"{count} processes holding ResNet-18, run at batch 8"] = used_mib()
+        done.set()
+        for worker in workers:
+            worker.join(60)
+    return memory
 
 
 def replicas(manager: multipy.InterpreterManager, memory: dict) -> int:
@@ -51,11 +95,8 @@ def replicas(manager: multipy.InterpreterManager, memory: dict) -> int:
     memory in use after each; returns the weights' bytes."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-    from generate_examples import generate
-
     with tempfile.TemporaryDirectory() as folder:
-        path = generate(folder, ["resnet"])["resnet"]
+        path = resnet_package(folder)
         model = manager.load_package(path).load_pickle("model", "model.pkl", map_location="cuda")
         interpreters = manager.all_instances()
         memory["before the replicas"] = used_mib()
@@ -64,6 +105,11 @@ def replicas(manager: multipy.InterpreterManager, memory: dict) -> int:
         for interpreter in interpreters[1:]:
             model.instance(interpreter)
         memory[f"{len(interpreters)} ResNet-18 replicas"] = used_mib()
+        x = torch.randn(8, 3, 64, 64, device="cuda")
+        for interpreter in interpreters:
+            model.instance(interpreter)(x)
+        torch.cuda.synchronize()
+        memory[f"{len(interpreters)} replicas run at batch 8"] = used_mib()
         weights = torch.package.PackageImporter(path).load_pickle("model", "model.pkl")
         return sum(t.numel() * t.element_size() for t in weights.state_dict().values())
 
@@ -71,14 +117,18 @@ def replicas(manager: multipy.InterpreterManager, memory: dict) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--interpreters", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=0)
     args = parser.parse_args()
+    if args.processes:
+        print(json.dumps({"used_mib": processes(args.processes)}, indent=1))
+        return
     import torch
 
     torch.ones(1, device="cuda")
     memory = {"host torch": used_mib()}
     host = ctypes.c_void_p()
     ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(host))
-    with multipy.InterpreterManager(args.interpreters) as manager:
+    with multipy.InterpreterManager(args.interpreters, grad_enabled=False) as manager:
         manager.register_module_source("gpu_probe", INSIDE)
         reports: list = [None] * args.interpreters
 

@@ -3,16 +3,16 @@
 # torch (python3, or $PYTHON): builds multipy's C in place, then runs each step, its
 # output in $OUT (default: gpu-results/).  STEPS picks steps (default: all of them):
 #   info      multipy info, the machine and the build          -> machine.txt
-#   probe     benchmarks/gpu/probe.py: contexts, streams, memory -> probe.json, probe.err
+#   probe     benchmarks/gpu/probe.py, interpreters then processes -> probe.json, probe.err
 #   gpu       tests/test_gpu.py                                 -> gpu-tests.txt
-#   tests     the whole test suite (pytest-xdist's -n 8)        -> tests.txt
 #   bench     multipy bench --device cuda: the Python-heavy model and ResNet-18 at batch
-#             1 (n = 1, 8), ResNet-18 at batch 8         -> bench.txt, bench1/, bench8/
+#             1 (n = 1, 8), ResNet-18 at batch 8 ($BATCHES) -> bench.txt, bench1/, bench8/
+#   tests     the whole test suite (pytest-xdist's -n 8)        -> tests.txt
 #     OUT=/tmp/gpu STEPS="info probe" benchmarks/gpu/run.sh
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
-STEPS=${STEPS:-info gpu probe tests bench}
+STEPS=${STEPS:-info gpu probe bench tests}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -32,18 +32,22 @@ if step gpu; then
     echo "gpu tests: exit $?"; tail -15 "$OUT/gpu-tests.txt"
 fi
 if step probe; then
-    timeout 150 $PY -m multipy run benchmarks/gpu/probe.py --interpreters 8 >"$OUT/probe.json" 2>"$OUT/probe.err"
-    echo "probe: exit $?"; grep -v '^   ' "$OUT/probe.json" | head -30; tail -5 "$OUT/probe.err"
+    { timeout 150 $PY -m multipy run benchmarks/gpu/probe.py --interpreters 8
+      echo "probe, interpreters: exit $?"
+      timeout 150 $PY benchmarks/gpu/probe.py --processes 8
+      echo "probe, processes: exit $?"; } >"$OUT/probe.json" 2>"$OUT/probe.err"
+    grep -v '^   ' "$OUT/probe.json" | tail -25; tail -5 "$OUT/probe.err"
+fi
+if step bench; then
+    common="--device cuda --strategies one_python,multi_python,threads,processes --threads 1,8 --duration 2 --warm-up 0.5 --no-plot"
+    for batch in ${BATCHES:-1 8}; do
+        models=python_heavy,resnet; [ "$batch" = 1 ] || models=resnet
+        timeout 200 $PY -m multipy bench $common --models $models --batch $batch --out "$OUT/bench$batch"
+        echo "bench batch $batch: exit $?"
+    done >"$OUT/bench.txt" 2>&1
+    grep -v "━\|─" "$OUT/bench.txt" | tail -60
 fi
 if step tests; then
     timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -q -n 8 -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1
     echo "tests: exit $?"; tail -15 "$OUT/tests.txt"
-fi
-if step bench; then
-    common="--device cuda --strategies one_python,multi_python,threads,processes --threads 1,8 --duration 2 --warm-up 0.5 --no-plot"
-    { timeout 200 $PY -m multipy bench $common --models python_heavy,resnet --batch 1 --out "$OUT/bench1"
-      echo "bench batch 1: exit $?"
-      timeout 120 $PY -m multipy bench $common --models resnet --batch 8 --out "$OUT/bench8"
-      echo "bench batch 8: exit $?"; } >"$OUT/bench.txt" 2>&1
-    grep -v "━\|─" "$OUT/bench.txt" | tail -60
 fi

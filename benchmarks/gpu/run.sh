@@ -48,6 +48,6 @@ if step bench; then
     grep -v "━\|─" "$OUT/bench.txt" | tail -60
 fi
 if step tests; then
-    timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -q -n 8 -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1
-    echo "tests: exit $?"; tail -15 "$OUT/tests.txt"
+    timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -v -rf -n 8 -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1
+    echo "tests: exit $?"; grep -E "FAILED|ERROR" "$OUT/tests.txt" | head -20; tail -3 "$OUT/tests.txt"
 fi

@@ -4,8 +4,8 @@ Starts interpreters one at a time, each importing torch (and numpy), and reads
 /proc/self/smaps after each: the last interpreter's cost is the difference between the
 last two readings, which the ones before it (and the host, which imports nothing)
 leave out.  Private memory (clean and dirty: what this process alone holds) by mapping:
-each library file's own copy (its relocated data, .bss, and code pages nothing else
-maps) and anonymous memory (heaps, Python's arenas, thread stacks), of which the
+each library file's own copy (its relocated data, its .bss, and code pages nothing
+else maps) and the rest of anonymous memory (heaps, Python's arenas, thread stacks), of which the
 interpreter's own libc reports its malloc's share (mallinfo2).  RSS and PSS too.
 
     multipy run benchmarks/interpreter_memory.py [--interpreters 3] [--imports torch,numpy]
@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
+import mmap
 import os
 import re
+import struct
 
 import multipy
 
@@ -42,17 +45,49 @@ def malloc_in_use():
 '''
 
 
+@functools.cache
+def _bss_pages(path: str) -> int:
+    """Bytes of whole pages that a 64-bit ELF library's writable segment needs beyond
+    its file's pages (its .bss, mapped anonymous); 0 for anything else."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(64)
+            if header[:4] != b"\x7fELF" or header[4] != 2:
+                return 0
+            phoff, = struct.unpack_from("<Q", header, 32)
+            entry_size, count = struct.unpack_from("<HH", header, 54)
+            f.seek(phoff)
+            table = f.read(entry_size * count)
+    except OSError:
+        return 0
+    page, extent = mmap.PAGESIZE, 0
+    for i in range(count):
+        kind, flags, _, vaddr, _, filesz, memsz, _ = struct.unpack_from("<IIQQQQQQ", table,
+                                                                        i * entry_size)
+        if kind == 1 and flags & 2:  # PT_LOAD, writable
+            up = lambda n: -(-n // page) * page  # noqa: E731
+            extent += up(vaddr + memsz) - up(vaddr + filesz)
+    return extent
+
+
 def smaps() -> tuple[collections.Counter, dict[str, int]]:
-    """kB private per mapping name (a file's path, or [heap], [anonymous], [stack]...),
-    and the process's Rss and Pss in kB."""
+    """kB private per mapping name (a file's path, or [heap], [anonymous], [stack]...; a
+    nameless mapping that begins where a library's ends is that library's .bss), and the
+    process's Rss and Pss in kB."""
     private: collections.Counter = collections.Counter()
     totals = {"Rss": 0, "Pss": 0}
-    name = "[anonymous]"
+    name, library, library_end = "[anonymous]", None, None
     with open("/proc/self/smaps") as f:
         for line in f:
             if _MAPPING.match(line):
                 parts = line.split(maxsplit=5)
+                start, end = parts[0].split("-")
                 name = parts[5].strip() if len(parts) > 5 else "[anonymous]"
+                if name.startswith("/"):
+                    library, library_end = name, end
+                elif (name == "[anonymous]" and start == library_end
+                      and int(end, 16) - int(start, 16) <= _bss_pages(library)):
+                    name = f"{library} (.bss)"
             elif line.startswith(("Private_Clean:", "Private_Dirty:")):
                 private[name] += int(line.split()[1])
             elif line.startswith(("Rss:", "Pss:")):
@@ -64,7 +99,7 @@ def kind(name: str) -> str:
     """A mapping's group in the report: a library's file name, or anonymous memory."""
     if name.startswith("[") or not name.startswith("/"):
         return "anonymous (heaps, Python's arenas, thread stacks)"
-    return os.path.basename(name)
+    return os.path.basename(name.removesuffix(" (.bss)"))
 
 
 def main() -> None:

@@ -84,6 +84,27 @@ def _info() -> None:
           + "; multipy takes one for threads' exit and one per interpreter, over which each "
             "interpreter keeps its libraries' own keys (up to 1024 in each)")
     print(f"CUDA driver:  {_cuda.describe()}")
+    print(f"memory:       {_torch_memory()}")
+
+
+#: Private memory of one more interpreter importing torch and numpy, by torch build, as
+#: benchmarks/interpreter_memory.py measured it (docs/benchmarks.md, "Memory of one more
+#: interpreter"): CPython 3.11, torch 2.13.0 (CPU wheel) and 2.14.1 (PyPI's CUDA build).
+_TORCH_MIB = {"cpu": 136, "cuda": 273}
+
+
+def _torch_memory() -> str:
+    """One line for ``multipy info``: what one more interpreter importing the installed
+    torch costs, estimated from the build (CPU or CUDA) without importing it."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return "torch is not installed: a bare interpreter costs about 9 MiB private"
+    library = Path(next(iter(spec.submodule_search_locations))) / "lib"
+    build = "cuda" if any(library.glob("libtorch_cuda*.so")) else "cpu"
+    return (f"one more interpreter that imports torch costs about {_TORCH_MIB[build]} MiB "
+            f"of private memory with this {'CUDA' if build == 'cuda' else 'CPU'} build of "
+            f"torch (measured with torch 2.13/2.14; `multipy run "
+            f"benchmarks/interpreter_memory.py` measures it here)")
 
 
 def _cmake_prefix() -> None:

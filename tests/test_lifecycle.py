@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 
 import os
 import signal
@@ -343,6 +344,12 @@ def test_info_command():
     assert "glibc.rtld.optional_static_tls=16384" in result.stdout
     assert "15 fit" in result.stdout
     assert "libpython" in result.stdout
+    if importlib.util.find_spec("torch") is None:  # the memory line names torch's build
+        assert "torch is not installed" in result.stdout
+    else:
+        import torch
+        build = "CUDA" if torch.version.cuda else "CPU"
+        assert f"of private memory with this {build} build of torch" in result.stdout
 
 
 @pytest.mark.parametrize("users", [None, "glibc.malloc.tcache_count=5"])

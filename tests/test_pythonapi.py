@@ -16,6 +16,7 @@ needs_numba = pytest.mark.skipif(importlib.util.find_spec("numba") is None,
                                  reason="numba is not installed (the test extra has it)")
 
 
+@pytest.mark.timeout(HANG + 60)
 def test_ctypes_pythonapi_is_the_interpreters_own(python):
     """In two interpreters, on a host thread and on a thread started inside:
     ctypes.pythonapi and CDLL(None) find that interpreter's CPython, whose functions work
@@ -79,9 +80,9 @@ def arrays(a, b):
 
 @njit(parallel=True)
 def parallel_sum(n):
-    total = 0.0
+    total = 0  # integers: the same sum however the threads split the range
     for i in prange(n):
-        total += np.sqrt(i)
+        total += i * i
     return total
 
 
@@ -177,6 +178,7 @@ def test_numba_in_three_interpreters_at_once(python, tmp_path):
 
 
 @needs_numba
+@pytest.mark.timeout(HANG + 60)
 def test_llvm_finds_the_interpreters_own_cpython(python):
     """Where LLVM's symbol search (llvmlite's address_of_symbol, which numba's compiled
     code is linked through) finds PyFloat_FromDouble, in each of two interpreters: at that

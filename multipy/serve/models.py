@@ -89,7 +89,7 @@ class ServedModel(ModelRequests):
         spec = self.spec
         if spec.kind == "class":
             return interpreter.global_(_INSIDE_CLASS, "load")(spec.path, spec.module,
-                                                              spec.resource)
+                                                              spec.resource, spec.name)
         with self._mapping:  # interpreters load in parallel: the archive is mapped once
             if self._storages is None:
                 self._storages = archive.storages(self.spec.path)

@@ -73,7 +73,8 @@ class Linear(kserve.Model):
 
 
 class Words(kserve.Model):
-    """Async load, preprocess and predict, a sync postprocess; predict answers a dict."""
+    """Async load, preprocess and predict, a sync postprocess; predict answers a dict,
+    with the request's id and its parameter "mark"."""
 
     def __init__(self, name: str):
         super().__init__(name)
@@ -91,12 +92,14 @@ class Words(kserve.Model):
     async def predict(self, payload: InferRequest, headers=None, response_headers=None):
         text = payload.get_input_by_name("text").as_numpy()
         n = payload.get_input_by_name("n").as_numpy()
+        mark = (payload.parameters or {}).get("mark", self.mark)
         # (KServe gives BYTES as str from JSON, as bytes from binary data)
-        loud = [(each if isinstance(each, str) else each.decode()).upper() + self.mark
+        loud = [(each if isinstance(each, str) else each.decode()).upper() + mark
                 for each in text.reshape(-1)]
         return {"model_name": self.name, "outputs": [
             {"name": "loud", "datatype": "BYTES", "shape": list(text.shape), "data": loud},
-            {"name": "n", "datatype": "INT64", "shape": list(n.shape), "data": n.tolist()}]}
+            {"name": "n", "datatype": "INT64", "shape": list(n.shape), "data": n.tolist()},
+            {"name": "id", "datatype": "BYTES", "shape": [1], "data": [payload.id or ""]}]}
 
     def postprocess(self, result, headers=None, response_headers=None):
         count = len(result["outputs"][0]["data"])
@@ -187,7 +190,7 @@ def _words_request() -> InferRequest:
                              binary_data=False)
     n = InferInput("n", [2], "INT64")
     n.set_data_from_numpy(np.array([3, 4], dtype=np.int64), binary_data=False)
-    return InferRequest("words", [text, n])
+    return InferRequest("words", [text, n], request_id="w1", parameters={"mark": "?"})
 
 
 def _outputs(response) -> dict:
@@ -235,20 +238,21 @@ def test_a_kserve_model_over_grpc(served, direct):
                                _as_kserve(direct, "Linear", _x_request(x, False))["y"],
                                rtol=1e-6)
     words = _outputs(_grpc(served, _words_request()))
-    assert words["loud"].tolist() == [b"HI!", "W\u00d6RLD!".encode()]
+    assert words["loud"].tolist() == [b"HI?", "W\u00d6RLD?".encode()]
     assert words["n"].tolist() == [6, 8] and words["count"].tolist() == [2]
+    assert words["id"].tolist() == [b"w1"]
 
 
 def test_async_hooks_and_a_dict_answer(served, direct):
-    """Words: async load, preprocess (doubles n) and predict (a dict), sync postprocess
-    (adds count), BYTES in and out."""
+    """Words: async load, preprocess (doubles n) and predict (a dict, with the request's
+    id and parameter), sync postprocess (adds count), BYTES in and out."""
     expected = _as_kserve(direct, "Words", _words_request())
     got = _outputs(_rest(served, _words_request(), "words"))
-    assert set(got) == {"loud", "n", "count"}
-    assert got["loud"].tolist() == ["HI!", "W\u00d6RLD!"] == \
-        [each if isinstance(each, str) else each.decode() for each in expected["loud"]]
+    assert set(got) == {"loud", "n", "count", "id"}
+    assert got["loud"].tolist() == ["HI?", "W\u00d6RLD?"] == expected["loud"].tolist()
     assert got["n"].tolist() == expected["n"].tolist() == [6, 8]
     assert got["count"].dtype == np.int32 and got["count"].tolist() == [2]
+    assert got["id"].tolist() == expected["id"].tolist() == ["w1"]
 
 
 def test_metadata_is_the_model_s_input_and_output_types(served):

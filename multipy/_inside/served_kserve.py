@@ -6,9 +6,10 @@ The class is made with the model's served name, its ``load()`` (or an ``async`` 
 runs once, and it must leave ``ready`` true, as KServe refuses a model that is not ready;
 then its ``start()`` runs.  Each request becomes a ``kserve.InferRequest`` (the model's
 name, one ``InferInput`` per input over its numpy array, BYTES as an array of dtype
-object holding bytes) and goes through the model's own ``__call__``, as KServe's data
-plane calls it: ``preprocess`` -> ``validate`` -> ``predict`` -> ``postprocess``, each
-sync or async, with the request's headers (none here).  What it returns, an
+object holding bytes; the request's id and parameters, unless the call is a batch of
+requests under ``--max-batch-size``) and goes through the model's own ``__call__``, as
+KServe's data plane calls it: ``preprocess`` -> ``validate`` -> ``predict`` ->
+``postprocess``, each sync or async, with headers ``{}``.  What it returns, an
 ``InferResponse`` or a dict in the protocol's shape (``{"outputs": [{"name", "datatype",
 "shape", "data"}]}``), becomes the outputs, of the datatypes it names.  KServe's
 ``InvalidInput`` is a 400 with its message, as in KServe; anything else a 500.  The
@@ -71,22 +72,32 @@ class ServedKServeModel(ServedClass):
         self.declared = declared
         self.asynchronous = True
 
+    def infer(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any,
+              request: tuple[str | None, dict[str, Any]] | None = None) -> tuple:
+        """infer_async's, run to its end on an event loop of its own (on a thread where
+        none runs)."""
+        return asyncio.run(self.infer_async(names, datatypes, *arrays, request=request))
+
     async def infer_async(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
-                          *arrays: Any) -> tuple:
+                          *arrays: Any, request: tuple[str | None, dict[str, Any]] | None = None
+                          ) -> tuple:
         """The outputs (as ``Served.infer`` gives them) of the model's ``__call__`` on an
-        InferRequest of the arrays, named names, of the datatypes."""
-        outputs = await self._guarded(self._call(names, datatypes, arrays))
+        InferRequest of the arrays, named names, of the datatypes, with request's (id,
+        parameters) when the call holds one request (none for a batch's)."""
+        outputs = await self._guarded(self._call(names, datatypes, arrays, request))
         return self._answer(lambda: outputs)
 
-    async def _call(self, names: tuple[str, ...], datatypes: tuple[str, ...],
-                    arrays: tuple) -> dict[str, Any]:
+    async def _call(self, names: tuple[str, ...], datatypes: tuple[str, ...], arrays: tuple,
+                    request: tuple[str | None, dict[str, Any]] | None) -> dict[str, Any]:
         types = self.types
-        request = types.InferRequest(
+        request_id, parameters = request or (None, None)
+        payload = types.InferRequest(
             self.instance.name,
             [types.InferInput(name, list(array.shape), datatype, data=array)
-             for name, datatype, array in zip(names, datatypes, arrays)])
+             for name, datatype, array in zip(names, datatypes, arrays)],
+            request_id=request_id, parameters=parameters)
         try:
-            response, _ = await self.instance(request, headers={})
+            response, _ = await self.instance(payload, headers={})
             if isinstance(response, dict):
                 if not isinstance(response.get("outputs"), list):
                     raise TypeError(f"model {self.instance.name!r} answered a dict without a "
@@ -102,5 +113,6 @@ class ServedKServeModel(ServedClass):
 
     def metadata(self) -> dict[str, Any]:
         """The inputs and outputs the model's get_input_types() and get_output_types()
-        give (not checked against requests, as in KServe)."""
-        return {**self.declared, "platform": "python"}
+        give (not checked against requests, as in KServe); each call gets its request's
+        id and parameters."""
+        return {**self.declared, "platform": "python", "wants_request": True}

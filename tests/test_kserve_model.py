@@ -108,6 +108,22 @@ class Words(kserve.Model):
         return result
 
 
+class Rows(kserve.Model):
+    """Its input back, with the rows of the call and the request's id."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.ready = True
+
+    async def predict(self, payload, headers=None, response_headers=None):
+        v = payload.inputs[0].as_numpy()
+        return {"outputs": [
+            {"name": "v", "datatype": "INT64", "shape": list(v.shape), "data": v.tolist()},
+            {"name": "rows", "datatype": "INT64", "shape": [len(v)], "data": [len(v)] * len(v)},
+            {"name": "id", "datatype": "BYTES", "shape": [len(v)],
+             "data": [payload.id or ""] * len(v)}]}
+
+
 class Fails(kserve.Model):
     def __init__(self, name: str):
         super().__init__(name)
@@ -280,6 +296,34 @@ def test_kserve_s_invalid_input_is_a_400_and_other_errors_a_500(served):
     status, answer = _infer_json(served, "fails", {"inputs": [
         {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
     assert status == 500 and "KeyError" in answer["error"] and "no such thing" in answer["error"]
+
+
+def test_requests_to_a_kserve_model_are_batched(models, tmp_path):
+    """With --max-batch-size, requests that arrive together reach predict as one
+    InferRequest (without an id: it holds several requests), each answered its rows."""
+    import threading
+
+    server = _start(tmp_path, [f"{models}/kmodels.py:Rows"], "--interpreters", "1",
+                    "--max-batch-size", "8", "--batch-timeout-ms", "500")
+    try:
+        answers = []
+        threads = [threading.Thread(target=lambda k=k: answers.append((k, _infer_json(
+            server, "rows", {"id": f"r{k}", "inputs": [
+                {"name": "v", "shape": [2], "datatype": "INT64", "data": [k, k]}]}))))
+            for k in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert len(answers) == 3
+        for k, (status, answer) in answers:
+            assert status == 200, answer
+            outputs = {o["name"]: o["data"] for o in answer["outputs"]}
+            assert outputs["v"] == [k, k] and answer["id"] == f"r{k}"
+            assert outputs["rows"] == [6, 6]  # predict got the three requests' rows at once
+            assert outputs["id"] == ["", ""]
+    finally:
+        _stop(server)
 
 
 def test_a_kserve_model_that_load_leaves_not_ready_stops_the_start(models):

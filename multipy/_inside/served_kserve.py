@@ -6,8 +6,8 @@ The class is made with the model's served name, its ``load()`` (or an ``async`` 
 runs once, and it must leave ``ready`` true, as KServe refuses a model that is not ready;
 then its ``start()`` runs.  Each request becomes a ``kserve.InferRequest`` (the model's
 name, one ``InferInput`` per input over its numpy array, BYTES as an array of dtype
-object holding bytes; the request's id and parameters, unless the call is a batch of
-requests under ``--max-batch-size``) and goes through the model's own ``__call__``, as
+object holding bytes; the request's id and parameters, but under ``--max-batch-size``,
+where a call may hold several requests) and goes through the model's own ``__call__``, as
 KServe's data plane calls it: ``preprocess`` -> ``validate`` -> ``predict`` ->
 ``postprocess``, each sync or async, with headers ``{}``.  What it returns, an
 ``InferResponse`` or a dict in the protocol's shape (``{"outputs": [{"name", "datatype",

@@ -24,7 +24,8 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 from kserve import InferenceGRPCClient, InferenceRESTClient, RESTConfig  # noqa: E402
 from kserve.protocol.infer_type import InferInput, InferRequest  # noqa: E402
-from test_serve import _grpc_port, _infer_json, _request, _start, _stop  # noqa: E402
+from test_serve import (_grpc_port, _infer_json, _infer_together, _request,  # noqa: E402
+                        _start, _stop)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -301,22 +302,12 @@ def test_kserve_s_invalid_input_is_a_400_and_other_errors_a_500(served):
 def test_requests_to_a_kserve_model_are_batched(models, tmp_path):
     """With --max-batch-size, requests that arrive together reach predict as one
     InferRequest (without an id: it holds several requests), each answered its rows."""
-    import threading
-
     server = _start(tmp_path, [f"{models}/kmodels.py:Rows"], "--interpreters", "1",
                     "--max-batch-size", "8", "--batch-timeout-ms", "500")
     try:
-        answers = []
-        threads = [threading.Thread(target=lambda k=k: answers.append((k, _infer_json(
-            server, "rows", {"id": f"r{k}", "inputs": [
-                {"name": "v", "shape": [2], "datatype": "INT64", "data": [k, k]}]}))))
-            for k in range(3)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert len(answers) == 3
-        for k, (status, answer) in answers:
+        answers = _infer_together(server, "rows", [{"id": f"r{k}", "inputs": [
+            {"name": "v", "shape": [2], "datatype": "INT64", "data": [k, k]}]} for k in range(3)])
+        for k, (status, answer) in enumerate(answers):
             assert status == 200, answer
             outputs = {o["name"]: o["data"] for o in answer["outputs"]}
             assert outputs["v"] == [k, k] and answer["id"] == f"r{k}"

@@ -5,10 +5,16 @@
 # (--system-site-packages: a distribution's torch).
 PYTHON ?= python3
 TORCH ?= cpu
-VENV ?= .venv/$(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')$(if $(filter cpu,$(TORCH)),,-$(TORCH))
+PYTHON_VERSION := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+VENV ?= .venv/$(PYTHON_VERSION)$(if $(filter cpu,$(TORCH)),,-$(TORCH))
 EXTRAS = test,torch-$(TORCH)
+# KServe's environment (make test-kserve): KServe 0.21 pins protobuf < 7, which the test
+# environment's packages refuse, so a kserve.Model subclass is tested in an environment
+# of its own.
+KSERVE_VENV ?= .venv/$(PYTHON_VERSION)-kserve
+KSERVE = kserve==0.21.0
 
-.PHONY: serve demo test test-fast bench clean
+.PHONY: serve demo test test-fast test-kserve bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -50,6 +56,21 @@ test: $(VENV)/.installed
 # process (the interpreters of one test only, no server, no torch).
 test-fast: $(VENV)/.installed
 	$(VENV)/bin/multipy run -m pytest -q tests/test_request_path.py tests/test_protocol.py tests/test_layers.py
+
+# KServe first, with its own pins; then multipy with the serve extra, whose protobuf 7
+# (multipy's gRPC code needs it) replaces KServe's 6 (pip says that kserve wants < 7:
+# KServe's own generated code runs with protobuf 7, and the test passes).
+$(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
+	$(PYTHON) -m venv $(KSERVE_VENV)
+	$(KSERVE_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(KSERVE_VENV)/bin/python -m pip install --quiet $(KSERVE)
+	$(KSERVE_VENV)/bin/python -m pip install --quiet -e ".[serve,test-kserve]"
+	touch $@
+
+# A kserve.Model subclass served unchanged (tests/test_kserve_model.py), in KServe's
+# environment.
+test-kserve: $(KSERVE_VENV)/.installed
+	$(KSERVE_VENV)/bin/multipy run -m pytest -q tests/test_kserve_model.py
 
 clean:
 	rm -rf .venv build multipy/*.so multipy.egg-info

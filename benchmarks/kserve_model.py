@@ -11,12 +11,11 @@ protobuf and psutil versions that other packages of the project's environment cl
 """
 from __future__ import annotations
 
-import argparse
-
 import kserve
 import numpy as np
 import torch
 import torch.package
+from floor_app import peer_parser  # beside this file
 from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
 
 
@@ -75,11 +74,7 @@ def _argument(tensor):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("package", help="torch.package archive")
-    parser.add_argument("--name", required=True, help="the model's name in the protocol")
-    parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
-    parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    parser = peer_parser(__doc__)
     parser.add_argument("--grpc-port", type=int,
                         help="gRPC port (default: no gRPC); served by the parent process alone")
     args = parser.parse_args()

@@ -1,26 +1,37 @@
 """Load benchmark: 2N concurrent Open Inference Protocol clients (each a process of its
-own) against `multipy serve` with N interpreters, and against the same model behind
-KServe's own Python model server (kserve.ModelServer) with N worker processes, each
-holding its own copy of the model; for each example model named (by default a small one,
-the Python-heavy one and the text classifier, whose input is text: BYTES) and each
-transport: HTTP (tritonclient.http, binary tensors, its default) and gRPC
+own) against `multipy serve` with N interpreters and against its peers (--peers), the
+same model behind: KServe's own Python model server (kserve.ModelServer,
+benchmarks/kserve_model.py) with N worker processes, each holding its own copy of the
+model; and the floor of a process server (benchmarks/floor_app.py: a Starlette app under
+`uvicorn --workers N`, each worker calling its own copy of the model inline, answering
+the protocol's JSON form with no checks).  For each example model named (by default a
+small one, the Python-heavy one and the text classifier, whose input is text: BYTES)
+and each transport: HTTP (tritonclient.http, binary tensors, its default), gRPC
 (tritonclient.grpc; `multipy serve --grpc-port`, KServe's gRPC server, which KServe 0.21
-runs in its parent process alone, whatever the workers).  Prints requests/s, p50 and p99
-latency, the memory (PSS) of each server's whole process tree, and the cores each server
-(and the clients) kept busy while timed, measured in one run; every answer is checked
-against the model run eagerly here.  Each server started serves every transport asked
-for, measured one after the other.  With --rounds R each server runs R times, the two
-taking turns (who goes first, and which transport, alternates), and the figures are the
-medians: a busy spell on a shared machine then skews one round, not the ratio.
+runs in its parent process alone, whatever the workers) and JSON (one keep-alive
+http.client connection per client POSTing the protocol's JSON form, BYTES as strings,
+Content-Type application/json).  Each server is measured over the transports it speaks
+(the floor: JSON only).  Prints requests/s, p50 and p99 latency, the memory (PSS) of
+each server's whole process tree, and the cores each server (and the clients) kept busy
+while timed, measured in one run, and the ratios multipy / each peer (requests/s and
+memory); every answer is checked against the model run eagerly here.  Each server
+started serves every transport asked for, measured one after the other.  With --rounds R
+each server runs R times, the servers taking turns (who goes first rotates, and which
+transport goes first alternates), and the figures are the medians: a busy spell on a
+shared machine then skews one round, not the ratio.
 
-KServe 0.21 pins protobuf<7 and psutil<6, so the peer gets a virtual environment of its
+KServe 0.21 pins protobuf<7 and psutil<6, so that peer gets a virtual environment of its
 own, made here on first use (--peer-venv): kserve==0.21.0, torch==2.13.0, numpy==2.4.6
-and tokenizers==0.23.3 (the text classifier's).  The HTTP clients send binary tensors:
-KServe's server rejects tritonclient's JSON requests, which carry no Content-Type
-("received byte inputs, but the 'inference-header-content-length' header is missing").
+and tokenizers==0.23.3 (the text classifier's).  The tritonclient.http clients send
+binary tensors: KServe's server rejects tritonclient's JSON requests, which carry no
+Content-Type ("received byte inputs, but the 'inference-header-content-length' header
+is missing"); the JSON clients say application/json.  The floor runs in this Python,
+with torch's intra-op threads as multipy's default for N (--peers floor needs no
+KServe).
 
     multipy run benchmarks/serve_load.py [--counts 2,4] [--clients 2] [--seconds 10] [--rounds 3]
-        [--models simple,python_heavy,text_classifier] [--transports http,grpc] [--no-peer]
+        [--models simple,python_heavy,text_classifier] [--transports http,grpc,json]
+        [--peers kserve,floor | --peers none | --no-peer] [--peer-python PYTHON] [--json FILE]
 """
 from __future__ import annotations
 
@@ -41,7 +52,16 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEER_PACKAGES = ["kserve==0.21.0", "torch==2.13.0", "numpy==2.4.6", "tokenizers==0.23.3"]
-TRANSPORTS = ("http", "grpc")
+TRANSPORTS = ("http", "grpc", "json")
+#: each transport's clients, as the tables name them
+CLIENTS = {"http": "tritonclient.http, binary", "grpc": "tritonclient.grpc",
+           "json": "http.client, keep-alive, the protocol's JSON form"}
+PEERS = ("kserve", "floor")
+#: the transports each server speaks: it is measured over those of --transports only
+SPEAKS = {"multipy": TRANSPORTS, "kserve": TRANSPORTS, "floor": ("json",)}
+LABELS = {"multipy": "multipy serve, {n} interp.", "kserve": "kserve.ModelServer, {n} workers",
+          "floor": "floor (uvicorn), {n} workers"}
+NAMES = {"multipy": "multipy", "kserve": "KServe", "floor": "the floor"}
 
 
 def free_port() -> int:
@@ -148,8 +168,9 @@ def _stop(process: subprocess.Popen) -> None:
 
 def load(port: int, transport: str, model: str, clients: int, seconds: float, warm_up: float,
          inputs, expected, probe=None):
-    """clients client processes (each one tritonclient connection over transport, "http"
-    or "grpc", one request at a time) sending inferences for warm_up + seconds; the timed part's requests/s, latencies,
+    """clients client processes (each one connection over transport, one of TRANSPORTS,
+    one request at a time) sending inferences for warm_up + seconds; the timed part's
+    requests/s, latencies,
     and the count of wrong or failed answers, and (with probe) probe()'s values as the
     timed part begins and ends, as "probed".  Processes, not threads: the clients' own
     Python (one GIL) must not be what limits the servers."""
@@ -187,7 +208,7 @@ def load(port: int, transport: str, model: str, clients: int, seconds: float, wa
 
 
 def _matches(answer, expected) -> bool:
-    """Whether an output as tritonclient gives it equals the eager model's: numbers
+    """Whether an output as a client gives it equals the eager model's: numbers
     within 1e-4 (relative) or 1e-5, text (BYTES) exactly, str taken as its UTF-8 bytes."""
     import numpy as np
 
@@ -199,11 +220,12 @@ def _matches(answer, expected) -> bool:
     return bool(np.allclose(answer, expected, rtol=1e-4, atol=1e-5))
 
 
-def _client(port: int, transport: str, model: str, seconds: float, warm_up: float, inputs,
-            expected, start, results) -> None:
-    """One client process of load(): warms up, waits for the others, then sends
-    requests for seconds; puts (latencies, wrong answers) on results.  inputs are
-    (name, datatype, array) triples, expected the arrays of output0, output1, ..."""
+def _connect(port: int, transport: str, model: str, inputs, names: list[str]):
+    """One connection over transport to the server on port: a function that sends one
+    inference of inputs ((name, datatype, array) triples) to model and returns its
+    outputs named names as numpy arrays, and one that closes the connection."""
+    if transport == "json":
+        return _json_connection(port, model, inputs, names)
     if transport == "grpc":
         import tritonclient.grpc as client
 
@@ -220,17 +242,65 @@ def _client(port: int, transport: str, model: str, seconds: float, warm_up: floa
         tensor = client.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array, **binary)
         tensors.append(tensor)
-    names = [f"output{index}" for index in range(len(expected))]
     outputs = [client.InferRequestedOutput(name, **binary) for name in names]
+
+    def infer() -> list:
+        answer = connection.infer(model, tensors, outputs=outputs, **timeout)
+        return [answer.as_numpy(name) for name in names]
+
+    return infer, connection.close
+
+
+def _json_connection(port: int, model: str, inputs, names: list[str]):
+    """_connect() for "json": one keep-alive http.client connection POSTing the
+    protocol's JSON form (flat data, BYTES as strings, Content-Type application/json)."""
+    import http.client
+
+    import numpy as np
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    body = json.dumps({"inputs": [
+        {"name": name, "shape": list(array.shape), "datatype": datatype,
+         "data": ([each.decode() if isinstance(each, bytes) else str(each)
+                   for each in array.reshape(-1)] if datatype == "BYTES"
+                  else array.reshape(-1).tolist())}
+        for name, datatype, array in inputs]}).encode()
+    headers = {"Content-Type": "application/json"}
+    path = f"/v2/models/{model}/infer"
+
+    def infer() -> list:
+        try:
+            connection.request("POST", path, body, headers)
+            response = connection.getresponse()
+            answer = response.read()
+        except Exception:
+            connection.close()  # the next request opens a new one
+            raise
+        if response.status != 200:
+            raise RuntimeError(f"{response.status}: {answer[:200]!r}")
+        outputs = {each["name"]: each for each in json.loads(answer)["outputs"]}
+        return [np.array(outputs[name]["data"],
+                         dtype=object if outputs[name]["datatype"] == "BYTES" else None
+                         ).reshape(outputs[name]["shape"]) if name in outputs else None
+                for name in names]
+
+    return infer, connection.close
+
+
+def _client(port: int, transport: str, model: str, seconds: float, warm_up: float, inputs,
+            expected, start, results) -> None:
+    """One client process of load(): warms up, waits for the others, then sends
+    requests for seconds; puts (latencies, wrong answers) on results.  inputs are
+    (name, datatype, array) triples, expected the arrays of output0, output1, ..."""
+    infer, close = _connect(port, transport, model, inputs,
+                            [f"output{index}" for index in range(len(expected))])
     wrong = 0
 
     def one() -> float:
         nonlocal wrong
         begin = time.perf_counter()
         try:
-            answer = connection.infer(model, tensors, outputs=outputs, **timeout)
-            if not all(_matches(answer.as_numpy(name), array)
-                       for name, array in zip(names, expected)):
+            if not all(_matches(answer, array) for answer, array in zip(infer(), expected)):
                 wrong += 1
         except Exception:
             wrong += 1
@@ -245,17 +315,17 @@ def _client(port: int, transport: str, model: str, seconds: float, warm_up: floa
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         latencies.append(one())
-    connection.close()
+    close()
     results.put((latencies, wrong))
 
 
 def run_server(command: list[str], ports: dict[str, int], order: tuple, model: str,
                clients: int, seconds: float, warm_up: float, inputs, expected) -> dict[str, dict]:
-    """Starts the server (command), which serves HTTP on ports["http"] (and gRPC on
-    ports["grpc"] if "grpc" is in order) and measures load() over each transport of order,
-    in turn, with the server's cores and the PSS of its process tree as each ends;
-    transport -> figures.  The server is stopped at the end, or on an error (its log's
-    end printed)."""
+    """Starts the server (command), which serves HTTP on ports["http"] (binary and JSON
+    alike; and gRPC on ports["grpc"] if "grpc" is in order) and measures load() over
+    each transport of order, in turn, with the server's cores and the PSS of its process
+    tree as each ends; transport -> figures.  The server is stopped at the end, or on an
+    error (its log's end printed)."""
     with tempfile.TemporaryFile("w+") as log:  # a pipe nobody reads would stall the server
         process = subprocess.Popen(command, stdout=log, stderr=log, text=True,
                                    start_new_session=True)
@@ -263,7 +333,8 @@ def run_server(command: list[str], ports: dict[str, int], order: tuple, model: s
             _wait_ready(ports["http"], process, ports["grpc"] if "grpc" in order else None)
             measured = {}
             for transport in order:
-                figures = load(ports[transport], transport, model, clients, seconds, warm_up, inputs,
+                port = ports["grpc" if transport == "grpc" else "http"]
+                figures = load(port, transport, model, clients, seconds, warm_up, inputs,
                                expected,
                                probe=lambda: (cpu_seconds(process.pid), time.perf_counter()))
                 (before, began), (after, ended) = figures.pop("probed")
@@ -321,6 +392,24 @@ def example(directory: str, model: str) -> tuple[str, list, list]:
         expected
 
 
+def server_command(name: str, path: str, model: str, n: int, grpc: bool,
+                   kserve_python: str | None) -> list[str]:
+    """The command that starts server name (multipy, or a peer) for the archive at path
+    with n interpreters or workers, its HTTP port "{http}" and, with grpc, its gRPC port
+    "{grpc}" to be filled in."""
+    grpc_port = ["--grpc-port", "{grpc}"] if grpc else []
+    if name == "multipy":
+        return [sys.executable, "-m", "multipy", "serve", path, "--interpreters", str(n),
+                "--port", "{http}", *grpc_port]
+    peer = [path, "--name", model, "--workers", str(n), "--port", "{http}"]
+    if name == "kserve":
+        return [kserve_python, os.path.join(HERE, "kserve_model.py"), *peer, *grpc_port]
+    from multipy.manager import default_torch_threads
+
+    return [sys.executable, os.path.join(HERE, "floor_app.py"), *peer,
+            "--torch-threads", str(default_torch_threads(n))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--counts", default="2,4", help="N: interpreters and workers (2,4)")
@@ -333,93 +422,103 @@ def main() -> None:
     parser.add_argument("--models", default="simple,python_heavy,text_classifier",
                         help="example packages, each measured in turn "
                              "(simple,python_heavy,text_classifier)")
-    parser.add_argument("--transports", default="http,grpc",
-                        help="http (tritonclient.http, binary), grpc (tritonclient.grpc), "
-                             "each measured in every server run (http,grpc)")
+    parser.add_argument("--transports", default="http,grpc,json",
+                        help="http (tritonclient.http, binary), grpc (tritonclient.grpc), json "
+                             "(http.client, the protocol's JSON form), each measured in every "
+                             "run of a server that speaks it (http,grpc,json)")
+    parser.add_argument("--peers", default=",".join(PEERS),
+                        help="the servers multipy is measured beside: kserve "
+                             "(kserve.ModelServer), floor (benchmarks/floor_app.py, json "
+                             "only), or none (kserve,floor)")
+    parser.add_argument("--no-peer", action="store_true", help="--peers none")
     parser.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv", "kserve-peer"),
                         help="KServe's virtual environment, made if missing (.venv/kserve-peer)")
     parser.add_argument("--peer-python",
                         help="a python that already has KServe, instead of --peer-venv")
-    parser.add_argument("--no-peer", action="store_true",
-                        help="multipy only (where KServe cannot be installed)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
     transports = tuple(args.transports.split(","))
     if not transports or set(transports) - set(TRANSPORTS):
         parser.error(f"--transports: from {', '.join(TRANSPORTS)}")
-    servers = ("multipy",) if args.no_peer else ("multipy", "kserve")
-    peer = None if args.no_peer else args.peer_python or ensure_peer_venv(args.peer_venv)
+    peers = () if args.no_peer or args.peers == "none" else tuple(args.peers.split(","))
+    if set(peers) - set(PEERS):
+        parser.error(f"--peers: from {', '.join(PEERS)}, or none")
+    # the servers that speak a transport of --transports, multipy first
+    servers = tuple(name for name in ("multipy", *peers)
+                    if set(SPEAKS[name]) & set(transports))
+    kserve_python = (args.peer_python or ensure_peer_venv(args.peer_venv)
+                     if "kserve" in servers else None)
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for model in args.models.split(","):
             path, inputs, expected = example(directory, model)
             for n in counts:
-                clients = args.clients * n
-                grpc = ["--grpc-port", "{grpc}"] if "grpc" in transports else []
-                commands = {
-                    "multipy": [sys.executable, "-m", "multipy", "serve", path,
-                                "--interpreters", str(n), "--port", "{http}", *grpc],
-                    "kserve": [peer, os.path.join(HERE, "kserve_model.py"), path, "--name",
-                               model, "--workers", str(n), "--port", "{http}", *grpc]}
-                rounds = {(name, transport): [] for name in servers for transport in transports}
+                speaks = {name: tuple(t for t in transports if t in SPEAKS[name])
+                          for name in servers}
+                commands = {name: server_command(name, path, model, n, "grpc" in speaks[name],
+                                                 kserve_python) for name in servers}
+                rounds = {(name, transport): [] for name in servers for transport in speaks[name]}
                 for round_ in range(args.rounds):
-                    for name in (servers if round_ % 2 == 0 else servers[::-1]):
-                        order = transports if round_ % 2 == 0 else transports[::-1]
+                    # who goes first turns round by round, and which transport alternates
+                    turn = round_ % len(servers)
+                    for name in servers[turn:] + servers[:turn]:
+                        order = speaks[name] if round_ % 2 == 0 else speaks[name][::-1]
                         ports = {"http": free_port(), "grpc": free_port()}
                         command = [part.format(**ports) for part in commands[name]]
-                        measured = run_server(command, ports, order, model, clients,
+                        measured = run_server(command, ports, order, model, args.clients * n,
                                               args.seconds, args.warm_up, inputs, expected)
-                        for transport in transports:
+                        for transport in order:
                             rounds[name, transport].append(measured[transport])
                 for transport in transports:
+                    here = [name for name in servers if transport in speaks[name]]
                     rows.append({"model": model, "transport": transport, "n": n,
-                                 "clients": clients,
-                                 "rounds": {name: rounds[name, transport] for name in servers},
-                                 **{name: _medians(rounds[name, transport]) for name in servers}})
-    report(rows, servers, transports, args)
+                                 "clients": args.clients * n, "servers": here,
+                                 "rounds": {name: rounds[name, transport] for name in here},
+                                 **{name: _medians(rounds[name, transport]) for name in here}})
+    report(rows, transports, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"models": args.models, "transports": args.transports,
-                       "seconds": args.seconds, "rows": rows}, f, indent=1)
+                       "peers": list(peers), "seconds": args.seconds, "rows": rows}, f, indent=1)
 
 
-def report(rows: list[dict], servers: tuple, transports: tuple, args) -> None:
-    """Prints a table per transport, and the ratios multipy/KServe per (model, transport,
-    N), with each round's requests/s, and multipy's growth from the first N to the last."""
+def _ratios(ours: dict, theirs: dict) -> tuple[float, float]:
+    """multipy's requests/s and memory over a peer's."""
+    return (ours["requests_per_second"] / theirs["requests_per_second"],
+            ours["pss_mib"] / theirs["pss_mib"])
+
+
+def report(rows: list[dict], transports: tuple, args) -> None:
+    """Prints a table per transport, with on each peer's row the ratios multipy / that
+    peer, then each ratio with each round's requests/s, and multipy's growth from the
+    first N to the last."""
     print(f"\nN interpreters or workers, {args.clients}N client processes, {args.seconds:g} s "
           f"after {args.warm_up:g} s of warm-up; the median of {args.rounds} round(s), the "
           f"servers taking turns; {os.cpu_count()} cores")
-    clients = {"http": "tritonclient.http, binary", "grpc": "tritonclient.grpc"}
     for transport in transports:
-        print(f"\n{transport} ({clients[transport]})")
+        print(f"\n{transport} ({CLIENTS[transport]})")
         print(f"{'model':15s} {'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} "
               f"{'p99 ms':>8s} {'PSS MiB':>8s} {'cores':>6s} {'clients':>7s} {'wrong':>6s} "
               f"{'ratio':>12s}")
         for row in (row for row in rows if row["transport"] == transport):
-            for name in servers:
-                label = (f"multipy serve, {row['n']} interp." if name == "multipy"
-                         else f"kserve.ModelServer, {row['n']} workers")
+            for name in row["servers"]:
                 f = row[name]
-                ratio = ""
-                if name == "multipy" and "kserve" in row:
-                    ratio = (f"{f['requests_per_second'] / row['kserve']['requests_per_second']:.2f}x"
-                             f"/{f['pss_mib'] / row['kserve']['pss_mib']:.2f}x")
-                print(f"{row['model']:15s} {label:28s} {row['n']:2d} "
+                ratio = ("" if name == "multipy"
+                         else "{:.2f}x/{:.2f}x".format(*_ratios(row["multipy"], f)))
+                print(f"{row['model']:15s} {LABELS[name].format(n=row['n']):28s} {row['n']:2d} "
                       f"{f['requests_per_second']:8.1f} {f['p50_ms']:8.2f} {f['p99_ms']:8.2f} "
                       f"{f['pss_mib']:8.1f} {f['server_cores']:6.2f} {f['client_cores']:7.2f} "
                       f"{f['wrong']:6d} {ratio:>12s}")
-    print("\n(ratio: multipy / KServe, requests/s / memory)")
+    print("\n(ratio, on a peer's row: multipy / that peer, requests/s / memory)")
     for row in rows:
-        if "kserve" not in row:
-            continue
-        ours, theirs = row["multipy"], row["kserve"]
-        each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
-                         for a, b in zip(row["rounds"]["multipy"], row["rounds"]["kserve"]))
-        print(f"  {row['model']}, {row['transport']}, N={row['n']}: multipy / KServe: requests/s "
-              f"{ours['requests_per_second'] / theirs['requests_per_second']:.2f}x, "
-              f"memory {ours['pss_mib'] / theirs['pss_mib']:.2f}x   (req/s by round, "
-              f"multipy/KServe: {each})")
+        for peer in row["servers"][1:]:
+            requests, memory = _ratios(row["multipy"], row[peer])
+            each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
+                             for a, b in zip(row["rounds"]["multipy"], row["rounds"][peer]))
+            print(f"  {row['model']}, {row['transport']}, N={row['n']}: multipy / {NAMES[peer]}: "
+                  f"requests/s {requests:.2f}x, memory {memory:.2f}x   (req/s by round, "
+                  f"multipy/{NAMES[peer]}: {each})")
     for model in args.models.split(","):
         for transport in transports:
             mine = [row for row in rows if row["model"] == model and row["transport"] == transport]
@@ -428,6 +527,7 @@ def report(rows: list[dict], servers: tuple, transports: tuple, args) -> None:
                 print(f"  {model}, {transport}: multipy's requests/s from N={mine[0]['n']} to "
                       f"N={mine[-1]['n']}: "
                       f"{last['requests_per_second'] / first['requests_per_second']:.2f}x")
+
 
 if __name__ == "__main__":
     main()

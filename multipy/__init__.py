@@ -23,7 +23,7 @@ _WHERE = {
     "InterpreterManager": "manager",
     "Package": "package",
     "PythonMethodWrapper": "replicated", "ReplicatedObj": "replicated",
-    "make_room": "_launch",
+    "make_room": "_launch", "set_exit_timeout": "_pool",
 }
 __all__ = sorted(_WHERE)
 __version__ = "0.1.0"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import collections
 import gc
+import math
 import os
 import sys
 import threading
@@ -22,8 +23,12 @@ from .errors import InterpreterClosedError, InterpreterLimitError, InterpreterSt
 
 #: How long exiting waits for calls in progress to end ...
 EXIT_GRACE_SECONDS = 2.0
-#: ... and then for the interpreters to finalise (torch's finalisation takes a while).
-FINALIZE_SECONDS = 30.0
+#: ... and then, unless set_exit_timeout or the environment says otherwise, for the
+#: interpreters to finalise: torch's finalisation takes a while, and CPython's waits
+#: for the threads started inside that are not daemons (docs/design.md, "exit").
+EXIT_TIMEOUT = 30.0
+#: The environment variable that gives another exit timeout (`multipy run --exit-timeout`).
+EXIT_TIMEOUT_VARIABLE = "MULTIPY_EXIT_TIMEOUT"
 
 _lock = threading.Lock()
 _runtimes: list[Runtime] = []
@@ -33,6 +38,9 @@ _stale: set[Runtime] = set()   # given back but still holding a manager's object
 #: while _lock is held on the same thread, so it only appends here.
 _returned: collections.deque = collections.deque()
 _prepared = False
+#: The exit timeout: set_exit_timeout's, else (from the first interpreter's start on) the
+#: environment's or EXIT_TIMEOUT.
+_exit_timeout: float | None = None
 #: Whether this code runs inside one of multipy's interpreters (whose bootstrap adds the
 #: module), which cannot start interpreters: its namespace's pthread keys are multipy's.
 _INSIDE = "_multipy_bootstrap" in sys.builtin_module_names
@@ -100,8 +108,11 @@ def acquire(count: int) -> list[Runtime]:
         more = _glibc.namespaces_that_fit(len(_runtimes))
         if count > len(free) + more:
             raise _limit_error(count, len(free), more)
-        global _prepared
+        global _prepared, _exit_timeout
         if not _prepared:
+            if _exit_timeout is None:
+                _exit_timeout = exit_seconds(os.environ.get(EXIT_TIMEOUT_VARIABLE, EXIT_TIMEOUT),
+                                             EXIT_TIMEOUT_VARIABLE)
             prepare_process()
             atexit.register(_shutdown)
             _prepared = True
@@ -158,6 +169,31 @@ def reset_now(runtime: Runtime) -> None:
             _lent.discard(runtime)
 
 
+def exit_seconds(value: str | float, what: str) -> float:
+    """value as an exit timeout in seconds (inf: no limit, as CPython); ValueError,
+    naming what gave it, unless it is a number, 0 or more."""
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = math.nan
+    if not seconds >= 0:  # NaN too
+        raise ValueError(f"{what} must be a number of seconds, 0 or more (inf: no limit), "
+                         f"not {value!r}")
+    return seconds
+
+
+def set_exit_timeout(seconds: float) -> None:
+    """How long, at exit, the interpreters get to finalise before the process leaves
+    without finalising those that have not; it wins over MULTIPY_EXIT_TIMEOUT's seconds,
+    which ``multipy run --exit-timeout`` sets (default EXIT_TIMEOUT, 30 s).
+    Finalising waits, as CPython does, for the threads started inside that are not
+    daemons: a program whose libraries leave such threads working as it exits gives them
+    the time they need here (inf: as long as they take, as CPython waits).  For the whole
+    process, whichever manager; ValueError unless seconds is a number, 0 or more."""
+    global _exit_timeout
+    _exit_timeout = exit_seconds(seconds, "the exit timeout")
+
+
 #: Set once the process has begun to exit (_shutdown).
 _exiting = threading.Event()
 
@@ -177,9 +213,9 @@ def _shutdown() -> None:
     """At exit: stop every interpreter, let calls in progress end, finalise each on its
     own thread and join it.
 
-    An interpreter still running a call after EXIT_GRACE_SECONDS is left as it is, and
-    the process leaves without the library destructors that would wait for it
-    (docs/design.md, "exit").
+    An interpreter still running a call after EXIT_GRACE_SECONDS, or not finalised
+    within the exit timeout, is left as it is, and the process leaves without the
+    library destructors that would wait for it (docs/design.md, "exit").
     """
     _exiting.set()
     running = [r for r in _runtimes if not r.finished and not r.closed_because]
@@ -191,13 +227,20 @@ def _shutdown() -> None:
     idle = [r for r in running if r.idle()]
     for runtime in idle:  # all at once: they finalise in parallel, each on its own thread
         runtime.finalise_start()
-    deadline = time.monotonic() + FINALIZE_SECONDS
-    stuck = [r for r in running
-             if not (r in idle and r.join(deadline - time.monotonic()))]
-    if stuck:
-        names = ", ".join(f"#{r.ordinal}" for r in stuck)
-        print(f"multipy: interpreter(s) {names} still running at exit; leaving without "
-              f"finalising them", file=sys.stderr, flush=True)
+    seconds = _exit_timeout  # set when the first interpreter started, which registered this
+    deadline = time.monotonic() + seconds
+    unfinished = [r for r in idle if not r.join(deadline - time.monotonic())]
+    busy = [r for r in running if r not in idle]
+    for stuck, why in ((busy, "still running a call at exit"),
+                       (unfinished, f"not finalised within the exit timeout of {seconds:g} s "
+                                    f"(finalising waits for the threads started inside "
+                                    f"that are not daemons; multipy run --exit-timeout or "
+                                    f"multipy.set_exit_timeout gives more time)")):
+        if stuck:
+            names = ", ".join(f"#{r.ordinal}" for r in stuck)
+            print(f"multipy: interpreter(s) {names} {why}: leaving without finalising them",
+                  file=sys.stderr, flush=True)
+    if busy or unfinished:
         _host.skip_destructors_at_exit()
 
 

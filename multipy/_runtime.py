@@ -40,6 +40,9 @@ _STOP = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _ACTIVE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _JOIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_double)
 
+#: The longest that join waits: a century, which stands for inf.
+_LONGEST_JOIN = 100 * 365 * 86400.0
+
 #: The tensors and arrays the host lent to interpreters, until one gives their token back.
 exports = _sharing.Exports()
 
@@ -202,9 +205,11 @@ class Runtime:
         os.write(self._stop_write, b"x")
 
     def join(self, timeout: float) -> bool:
-        """Waits up to timeout seconds for the interpreter's thread to end; True if it did."""
+        """Waits up to timeout seconds (inf: until it ends) for the interpreter's thread to
+        end; True if it did."""
         if not self.finished:
-            self.finished = self._join(self._address, max(timeout, 0.0)) == 0
+            seconds = min(max(timeout, 0.0), _LONGEST_JOIN)  # the C deadline must be finite
+            self.finished = self._join(self._address, seconds) == 0
         return self.finished
 
     def __repr__(self) -> str:

@@ -14,13 +14,35 @@ from . import _cuda, _glibc
 from ._launch import launch_environment
 
 
-def _run(target: list[str], args: list[str]) -> None:
+def _run(target: list[str], args: list[str], environment: dict[str, str] | None = None) -> None:
     """Execs this Python on the launcher, which runs target (SCRIPT, -m MODULE or
-    -c CODE) with args as python would, with room for 15 interpreters."""
+    -c CODE) with args as python would, with room for 15 interpreters and environment's
+    variables added."""
     argv = [sys.executable, "-m", "multipy._launch", *target, *args]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, argv, launch_environment())
+    os.execve(sys.executable, argv, {**launch_environment(), **(environment or {})})
+
+
+def _run_options(run: argparse.ArgumentParser, argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The options of ``multipy run`` that come before its program (--exit-timeout
+    SECONDS), as the variables they set in the program's environment, and what follows
+    them; exits through run.error if one is wrong."""
+    from ._pool import EXIT_TIMEOUT_VARIABLE, exit_seconds
+
+    environment: dict[str, str] = {}
+    argv = list(argv)
+    while argv and argv[0].partition("=")[0] == "--exit-timeout":
+        _, equals, value = argv.pop(0).partition("=")
+        if not equals:
+            if not argv:
+                run.error("argument --exit-timeout: expected one argument")
+            value = argv.pop(0)
+        try:
+            environment[EXIT_TIMEOUT_VARIABLE] = str(exit_seconds(value, "--exit-timeout"))
+        except ValueError as error:
+            run.error(str(error))
+    return environment, argv
 
 
 #: What a command needs beyond multipy: (the extra that installs it, its modules).
@@ -127,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
         "run", help="run a Python program with room for 15 interpreters",
         description=f"Execs this Python on the program with GLIBC_TUNABLES set to "
                     f"{_glibc.LAUNCH_TUNABLES}, which glibc reads only when a process starts.")
+    run.add_argument("--exit-timeout", metavar="SECONDS",
+                     help="how long the interpreters get to finalise at exit, which waits for "
+                          "the threads started inside that are not daemons (default 30; inf: "
+                          "no limit); then the process leaves without finalising them.  Sets "
+                          "MULTIPY_EXIT_TIMEOUT for the program")
     run.add_argument("-m", dest="module", help="run a library module as a script, as python -m")
     run.add_argument("-c", dest="code", help="run the program CODE, as python -c")
     run.add_argument("script", nargs="?", help="the program's path")
@@ -143,14 +170,16 @@ def main(argv: list[str] | None = None) -> None:
                                              "and of torch, ';'-separated, for "
                                              "-DCMAKE_PREFIX_PATH (docs/cpp.md)")
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["run"] and len(argv) > 2 and argv[1] in ("-m", "-c"):
-        # Everything after the module, code or script belongs to the program, options too.
-        _run(argv[1:3], argv[3:])
-    if argv[:1] == ["run"] and len(argv) > 1 and argv[1] not in ("-h", "--help", "-m", "-c"):
-        if not os.path.exists(argv[1]):
-            run.exit(2, f"multipy run: can't open file {os.path.abspath(argv[1])!r}: no such "
-                        f"file (give the program's path, or -m MODULE, or -c CODE)\n")
-        _run(argv[1:2], argv[2:])
+    if argv[:1] == ["run"]:
+        environment, program = _run_options(run, argv[1:])
+        if len(program) > 1 and program[0] in ("-m", "-c"):
+            # Everything after the module, code or script belongs to the program, options too.
+            _run(program[:2], program[2:], environment)
+        if program and program[0] not in ("-h", "--help", "-m", "-c"):
+            if not os.path.exists(program[0]):
+                run.exit(2, f"multipy run: can't open file {os.path.abspath(program[0])!r}: no "
+                            f"such file (give the program's path, or -m MODULE, or -c CODE)\n")
+            _run(program[:1], program[1:], environment)
     if argv[:1] == ["bench"]:  # every argument, --help too, belongs to the benchmark
         _require("bench")
         _run([_bench_script()], argv[1:])

@@ -4,13 +4,18 @@ from __future__ import annotations
 import ast
 import importlib.util
 
+import math
 import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
+from conftest import until, write_one
+
+import multipy
 
 HANG = 60  # seconds after which a scenario counts as hung
 
@@ -243,7 +248,7 @@ def test_exit_while_an_interpreter_never_returns(python):
         sys.exit(7)
     """, timeout=HANG)
     assert result.returncode == 7, result.stderr
-    assert "still running at exit" in result.stderr
+    assert "interpreter(s) #0 still running a call at exit" in result.stderr
 
 
 def _interrupt(process) -> str:
@@ -440,3 +445,94 @@ def test_a_signal_handler_may_call_an_interpreter(python):
     """, timeout=HANG)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "outer [5]"
+
+
+#: Library code inside that starts a thread which is not a daemon, and an atexit handler
+#: that says when the interpreter's finalisation gets past waiting for it.
+_LINGERING = '''
+import atexit, os, threading
+
+def start(fifo):
+    atexit.register(lambda: print("finalised", flush=True))
+    inherited = threading.Thread(target=lambda: None)  # started in a call: a daemon
+    lingering = threading.Thread(target=lambda: open(fifo).read(1), daemon=False)
+    lingering.start()
+    return inherited.daemon, lingering.daemon
+'''
+
+
+def _lingering_program(fifo: str, before: str = "", exit_code: int = 0) -> str:
+    """A program whose interpreter has a thread that is not a daemon, waiting on fifo."""
+    return textwrap.dedent(f"""
+        import sys, multipy
+        {before}
+        m = multipy.InterpreterManager(1)
+        m.register_module_source("lingering", {_LINGERING!r})
+        print(m[0].global_("lingering", "start")({fifo!r}).deref(), flush=True)
+        print("exiting", flush=True)
+        sys.exit({exit_code})
+    """)
+
+
+def test_exit_timeout_of_multipy_run_leaves_a_lingering_thread(tmp_path):
+    """multipy run --exit-timeout: the interpreter whose thread (not a daemon) still runs
+    is not finalised, the message says why and how to give more time, and the exit code
+    is the program's."""
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    script = tmp_path / "lingering.py"
+    script.write_text(_lingering_program(fifo, exit_code=4))
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", "--exit-timeout", "0.5",
+                             str(script)], capture_output=True, text=True, timeout=HANG)
+    assert result.returncode == 4, result.stderr
+    assert result.stdout.split("\n")[:2] == ["(True, False)", "exiting"]
+    assert "finalised" not in result.stdout
+    assert ("interpreter(s) #0 not finalised within the exit timeout of 0.5 s (finalising "
+            "waits for the threads started inside that are not daemons; multipy run "
+            "--exit-timeout or multipy.set_exit_timeout gives more time): leaving without "
+            "finalising them") in result.stderr
+
+
+def test_exit_waits_for_a_lingering_thread_without_limit(python, tmp_path):
+    """multipy.set_exit_timeout(inf): exit waits, as CPython does, until the thread that
+    is not a daemon ends, then finalises the interpreter."""
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    process = python(_lingering_program(fifo, "multipy.set_exit_timeout(float('inf'))"),
+                     popen=True)
+    try:
+        assert process.stdout.readline().strip() == "(True, False)"
+        assert process.stdout.readline().strip() == "exiting"
+        until(lambda: write_one(fifo))  # the thread ends now: finalising goes on
+        out, err = process.communicate(timeout=HANG)
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    assert out.strip() == "finalised"
+    assert "leaving without finalising" not in err
+
+
+@pytest.mark.parametrize("given", ["-1", "nan", "soon"])
+def test_a_wrong_exit_timeout_is_refused(python, given):
+    """By multipy run (before the program runs) and by the environment variable (when the
+    first interpreter would start)."""
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", "--exit-timeout", given,
+                             "-c", "print('ran')"], capture_output=True, text=True, timeout=HANG)
+    assert result.returncode == 2 and result.stdout == ""
+    assert (f"--exit-timeout must be a number of seconds, 0 or more (inf: no limit), not "
+            f"{given!r}") in result.stderr
+    result = python("""
+        import multipy
+        try:
+            multipy.InterpreterManager(1)
+        except ValueError as error:
+            print(error)
+    """, env={"MULTIPY_EXIT_TIMEOUT": given}, timeout=HANG)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("MULTIPY_EXIT_TIMEOUT must be a number of seconds")
+
+
+@pytest.mark.parametrize("given", [-1.0, math.nan])
+def test_set_exit_timeout_refuses_what_is_not_a_duration(given):
+    with pytest.raises(ValueError, match="the exit timeout must be a number of seconds"):
+        multipy.set_exit_timeout(given)

@@ -15,8 +15,8 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import (_cli, _grpc_port, _infer_json, _request, _start, _stop,  # noqa: E402
-                        packages)  # noqa: F401
+from test_serve import (_cli, _grpc_port, _infer_json, _infer_together,  # noqa: E402
+                        _request, _start, _stop, packages)  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -143,21 +143,12 @@ def test_a_class_over_grpc(class_served):
 def test_requests_to_a_class_are_batched(classes, tmp_path):
     """With --max-batch-size, requests that arrive together reach predict as one batch
     (calls on the event loop: no --timeout), each answered with its own rows."""
-    import threading
-
     server = _start(tmp_path, [f"{classes}/models.py:Echo"], "--interpreters", "1",
                     "--max-batch-size", "8", "--batch-timeout-ms", "500")
     try:
-        answers = []
-        threads = [threading.Thread(target=lambda k=k: answers.append(
-            (k, _infer_json(server, "echo", _x([k] * 2, shape=(2,), name="v",
-                                               datatype="INT64"))))) for k in range(3)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
-        assert len(answers) == 3
-        for k, (status, answer) in answers:
+        answers = _infer_together(server, "echo", [
+            _x([k] * 2, shape=(2,), name="v", datatype="INT64") for k in range(3)])
+        for k, (status, answer) in enumerate(answers):
             assert status == 200, answer
             outputs = {o["name"]: o["data"] for o in answer["outputs"]}
             assert outputs["v"] == [k, k]

@@ -156,7 +156,7 @@ def test_declared_inputs_missing_and_optional():
     from multipy.serve.requests import ModelRequests, Timing
 
     class Echo(ModelRequests):
-        async def _run(self, names, datatypes, arrays, started):
+        async def _run(self, names, datatypes, arrays, started, given):
             with started:
                 return (tuple(names), tuple(datatypes), *arrays)
 
@@ -177,6 +177,33 @@ def test_declared_inputs_missing_and_optional():
     assert [t.name for t in infer(a)] == ["a"]  # b is optional
     assert [t.name for t in infer(a, Tensor("b", "FP32", np.ones(3, np.float32)))] == ["a", "b"]
     assert model.metadata()["inputs"][1] == {"name": "b", "datatype": "FP32", "shape": [3]}
+
+
+def test_a_model_that_wants_its_request_gets_its_id_and_parameters():
+    """A model whose metadata says "wants_request" (a kserve.Model's) is called with the
+    request's (id, parameters) as ``request``; any other model without it."""
+    import asyncio
+
+    pytest.importorskip("prometheus_client")
+    from multipy.serve.metrics import Metrics
+    from multipy.serve.protocol import InferRequest
+    from multipy.serve.requests import ModelRequests, Timing
+
+    class Given(ModelRequests):
+        async def _run(self, names, datatypes, arrays, started, given):
+            self.given = given
+            with started:
+                return (tuple(names), tuple(datatypes), *arrays)
+
+    metrics = Metrics(["m"], 1)
+    request = InferRequest([Tensor("a", "INT32", np.zeros(2, np.int32))], None, id="r7",
+                           parameters={"k": 1})
+    for wants, given in ((True, {"request": ("r7", {"k": 1})}), (False, {})):
+        model = Given("m", metrics.models["m"])
+        model.describe({"inputs": [], "outputs": [], "platform": "python",
+                        **({"wants_request": True} if wants else {})})
+        asyncio.run(model.infer(request, Timing()))
+        assert model.given == given
 
 
 @pytest.mark.parametrize("text, says", [

@@ -374,6 +374,23 @@ def _infer_json(server: Server, model: str, request: dict, headers: dict | None 
     return status, json.loads(body)
 
 
+def _infer_together(server: Server, model: str, requests: list[dict]) -> list[tuple]:
+    """_infer_json's (status, answer) of each of requests, sent at once (a thread each),
+    in their order."""
+    answers: list[tuple | None] = [None] * len(requests)
+
+    def send(k: int) -> None:
+        answers[k] = _infer_json(server, model, requests[k])
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert None not in answers, "a request was not answered within 60 s"
+    return answers
+
+
 def _metrics(server: Server) -> dict[tuple[str, tuple], float]:
     """(sample name, sorted labels) -> value of every sample at /metrics."""
     status, _, body = _request(server, "GET", "/metrics")

@@ -416,7 +416,7 @@ class _Model(ModelRequests):
         return self._worker is not None or self._batcher is not None
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
-                   arrays: list[Any], started: Started) -> tuple:
+                   arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
         if self._worker is None:  # here, blocking the loop
             # what a crash report names while it runs (kept alive until then)
             running = (b"inference", f"model {self.name!r}, {started.requests()}".encode())
@@ -424,8 +424,9 @@ class _Model(ModelRequests):
             try:
                 with started:
                     if getattr(self._served, "asynchronous", False):  # a class's async predict
-                        return await self._served.infer_async(names, datatypes, *arrays)
-                    return self._served.infer(names, datatypes, *arrays)
+                        return await self._served.infer_async(names, datatypes, *arrays,
+                                                              **given)
+                    return self._served.infer(names, datatypes, *arrays, **given)
             finally:
                 _multipy_bootstrap.note(*_SERVING)
         stuck = self._worker.stuck
@@ -434,8 +435,9 @@ class _Model(ModelRequests):
                                 f"its request gave up on (it passed --timeout, or its client "
                                 f"went away), and takes no other call until that one ends; "
                                 f"try again later", 503)
-        return await self._worker.run(lambda: self._served.infer(names, datatypes, *arrays),
-                                      started, self._series, self.name)
+        return await self._worker.run(
+            lambda: self._served.infer(names, datatypes, *arrays, **given), started,
+            self._series, self.name)
 
 
 class _Worker:

@@ -24,9 +24,10 @@ from ..serve.protocol import ProtocolError
 from .serving import _outputs, _raise_plainly, declaration
 
 
-def load(path: str, module: str, name: str) -> ServedClass:
+def load(path: str, module: str, name: str, served_as: str) -> ServedClass:
     """An instance of class name of module (imported by name, or from the file at path,
-    whose folder goes on sys.path), loaded (``load()``) and ready to serve."""
+    whose folder goes on sys.path), loaded (``load()``) and ready to serve as model
+    served_as; a ``kserve.Model`` subclass as KServe serves it (``served_kserve``)."""
     if path:
         folder = os.path.dirname(path)
         if folder not in sys.path:
@@ -46,6 +47,10 @@ def load(path: str, module: str, name: str) -> ServedClass:
         raise TypeError(f"{module} has no class {name}")
     if not callable(getattr(kind, "predict", None)):
         raise TypeError(f"{module}.{name} has no predict method")
+    from . import served_kserve  # (which imports this module)
+
+    if served_kserve.is_kserve_model(kind):
+        return served_kserve.load(kind, served_as)
     config = None
     if getattr(kind, "inputs", None) is not None:
         config = declaration({"inputs": kind.inputs, "outputs": getattr(kind, "outputs", [])},

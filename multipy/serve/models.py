@@ -89,7 +89,7 @@ class ServedModel(ModelRequests):
         spec = self.spec
         if spec.kind == "class":
             return interpreter.global_(_INSIDE_CLASS, "load")(spec.path, spec.module,
-                                                              spec.resource)
+                                                              spec.resource, spec.name)
         with self._mapping:  # interpreters load in parallel: the archive is mapped once
             if self._storages is None:
                 self._storages = archive.storages(self.spec.path)
@@ -124,7 +124,7 @@ class ServedModel(ModelRequests):
     # -- serving: on the event loop --
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
-                   arrays: list[Any], started: Started) -> tuple:
+                   arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
         stuck = self._metrics.all_stuck()  # (the front ends' interpreters)
         if stuck:
             raise ProtocolError(f"{stuck}; try again later", 503)
@@ -132,7 +132,7 @@ class ServedModel(ModelRequests):
             async with self._turns:
                 with started:
                     return await self.replicated.acall_method("infer", names, datatypes,
-                                                              *arrays)
+                                                              *arrays, **given)
         except InterpreterError as error:  # a type the host cannot re-create
             raise ModelError(f"model {self.name!r} raised {error.type_name}: "
                              f"{error.message}") from error

@@ -51,6 +51,8 @@ class ModelRequests(abc.ABC):
         self._declared: dict[str, dict] | None = None  # name -> input, if declared
         self._parameters: list[str] = []
         self._platform = "pytorch_torch_package"  # "python": a class, given inputs by name
+        #: whether a call of one request also gets its id and parameters (``request=``)
+        self._wants_request = False
         self._batcher = Batcher(self._call, max_batch_size, batch_delay) \
             if max_batch_size > 1 else None
 
@@ -62,6 +64,7 @@ class ModelRequests(abc.ABC):
         self._declared = {spec["name"]: spec for spec in described["inputs"]} \
             if described.get("declared") else None
         self._platform = described.get("platform", "pytorch_torch_package")
+        self._wants_request = bool(described.get("wants_request"))
 
     @property
     def ready(self) -> bool:
@@ -90,9 +93,10 @@ class ModelRequests(abc.ABC):
 
     @abc.abstractmethod
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
-                   arrays: list[Any], started: Started) -> tuple:
-        """Runs the model once, entering ``started`` as the call begins; returns what
-        ``Served.infer`` returns.  Cancelling it cancels the call."""
+                   arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
+        """Runs the model once, entering ``started`` as the call begins, given the keyword
+        arguments given (``request``: (id, parameters), to a model that wants them);
+        returns what ``Served.infer`` returns.  Cancelling it cancels the call."""
 
     async def infer(self, request: InferRequest, timing: Timing) -> list[Tensor]:
         """The outputs for request, as the request selects them, with the time it waited
@@ -118,18 +122,22 @@ class ModelRequests(abc.ABC):
         try:
             if self._batcher is not None:
                 return await self._batcher.submit(request.inputs, place)
-            return await self._call(request.inputs, [place])
+            return await self._call(request.inputs, [place], request)
         finally:
             place.leave()
 
-    async def _call(self, inputs: list[Tensor], places: list[_Place]) -> list[Tensor]:
-        """One call of the model, with inputs that hold the requests at places; what the
-        model raises, SystemExit or KeyboardInterrupt included, is a ModelError."""
+    async def _call(self, inputs: list[Tensor], places: list[_Place],
+                    request: InferRequest | None = None) -> list[Tensor]:
+        """One call of the model, with inputs that hold the requests at places (request:
+        the one request, when the call is not a batch's); what the model raises,
+        SystemExit or KeyboardInterrupt included, is a ModelError."""
         names = self._names(inputs)
         datatypes = tuple(t.datatype for t in inputs)
+        given = {"request": (request.id, request.parameters)} \
+            if self._wants_request and request is not None else {}
         try:
             outputs = await self._run(names, datatypes, [t.array for t in inputs],
-                                      Started(self._series, places))
+                                      Started(self._series, places), given)
         except (ModelError, ProtocolError):  # said already
             raise
         except (asyncio.CancelledError, GeneratorExit):  # the caller's end, not the model's

@@ -104,11 +104,14 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             self._tail = b""
             self._fields = 0
             self._refusal: tuple[int, str] | None = None
-            self._deadline = None
+            # when the request under way (or the connection) began, and the one timer that
+            # watches it: re-armed while requests come in time, not made for each
+            self._since: float | None = None
+            self._watch: asyncio.TimerHandle | None = None
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
+            self._disarm(stop_watching=True)
             try:
                 super().connection_lost(exc)
             finally:
@@ -118,7 +121,7 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
         def data_received(self, data: bytes) -> None:
             self.received += len(data)
             self._unset_keepalive_if_required()
-            if self._deadline is None:
+            if self._since is None:
                 self._arm()  # the first byte of a request
             if self._heading:
                 seen = self._tail + data if self._tail else data  # the end may straddle
@@ -164,15 +167,29 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             super().on_message_complete()
 
         def _arm(self) -> None:
-            self._deadline = self.loop.call_later(limits.read_timeout, self._too_slow)
+            self._since = self.loop.time()
+            if self._watch is None:
+                self._watch = self.loop.call_at(self._since + limits.read_timeout, self._check)
 
-        def _disarm(self) -> None:
-            if self._deadline is not None:
-                self._deadline.cancel()
-                self._deadline = None
+        def _disarm(self, stop_watching: bool = False) -> None:
+            self._since = None
+            if stop_watching and self._watch is not None:
+                self._watch.cancel()
+                self._watch = None
+
+        def _check(self) -> None:
+            """The watch's time: too slow if the request under way began read_timeout
+            ago; else watch again, until that one's time (none under way: stop)."""
+            self._watch = None
+            if self._since is None:
+                return
+            if self.loop.time() - self._since < limits.read_timeout:
+                self._watch = self.loop.call_at(self._since + limits.read_timeout, self._check)
+                return
+            self._too_slow()
 
         def _too_slow(self) -> None:
-            self._deadline = None
+            self._since = None
             if self.transport.is_closing():
                 return
             if self._head == 0 and self._heading:  # not a byte of a request: just close
@@ -184,7 +201,7 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
         def _refuse(self, status: int, message: str) -> None:
             """Answers status with message and closes the connection, unless a response
             has begun on it (then it is closed)."""
-            self._disarm()
+            self._disarm(stop_watching=True)
             if self.cycle is not None and not self.cycle.response_complete \
                     and self.cycle.response_started:
                 self.transport.close()

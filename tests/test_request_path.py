@@ -111,6 +111,39 @@ def test_a_request_that_does_not_arrive_in_time_is_408():
     assert answer.startswith(b"HTTP/1.1 408 ") and b"--read-timeout" in answer
 
 
+def test_an_answer_s_head_leaves_with_its_body_in_one_write():
+    from multipy.serve.connection import _Coalescing
+
+    class Transport:
+        def __init__(self):
+            self.writes, self.closed = [], False
+
+        def write(self, data):
+            self.writes.append(data)
+
+        def close(self):
+            self.closed = True
+
+    transport = Transport()
+    coalescing = _Coalescing(transport)
+    coalescing.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+    assert transport.writes == []  # held for its body
+    coalescing.write(b"ok")
+    coalescing.write(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+    coalescing.flush()  # an answer without a body to write (HEAD's)
+    coalescing.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+    coalescing.close()
+    assert transport.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+                                b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n",
+                                b"HTTP/1.1 204 No Content\r\n\r\n"]
+    assert transport.closed
+
+
+def test_a_head_request_is_answered_though_its_answer_has_no_body_to_write():
+    answer = asyncio.run(_answers(Limits(), b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n"))
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\n")
+
+
 # -- the host's choice of front end --
 
 def test_a_new_connection_goes_to_the_front_end_with_the_fewest_open_connections():

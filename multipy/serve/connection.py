@@ -10,9 +10,8 @@ limits a server on the open network needs, the same wherever a connection is ser
   connection that sent nothing, it is closed).  Between requests, uvicorn's keep-alive
   timeout closes an idle connection.
 
-What the application writes within one turn of the event loop leaves in one write
-(``_Coalescing``): an answer's head and body, which uvicorn writes apart, go out in one
-system call and, when small, one TCP segment.
+An answer's head and body, which uvicorn writes apart, leave in one write
+(``_Coalescing``): one system call and, when small, one TCP segment.
 
 ``request_line`` peeks at a new connection until its request line is whole, within the
 same read_timeout (the host chooses by it where the connection goes), and ``accept``
@@ -55,31 +54,32 @@ class _Refused(Exception):
 
 
 class _Coalescing:
-    """A connection's transport whose writes within one turn of the event loop leave
-    together, at the end of the turn (or at once when it closes); the rest is the
-    transport's own."""
+    """A connection's transport that holds an answer's head (uvicorn writes it alone)
+    until the first piece of its body, the answer's end or the connection's close, and
+    writes the two together: one system call, and for a small answer one TCP segment, instead of two.
+    The rest is the transport's own."""
 
-    __slots__ = ("_transport", "_loop", "_pending")
+    __slots__ = ("_transport", "_head")
 
-    def __init__(self, transport: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, transport: Any) -> None:
         self._transport = transport
-        self._loop = loop
-        self._pending: list[bytes] | None = None
+        self._head: bytes | None = None
 
     def write(self, data: bytes) -> None:
-        if self._pending is None:
-            self._pending = [data]
-            self._loop.call_soon(self._flush)
-        else:
-            self._pending.append(data)
+        if self._head is not None:
+            data, self._head = self._head + data, None
+        elif data.startswith(b"HTTP/") and data.endswith(b"\r\n\r\n"):
+            self._head = data  # a head alone: its body follows (b"" when it has none)
+            return
+        self._transport.write(data)
 
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending and not self._transport.is_closing():
-            self._transport.write(pending[0] if len(pending) == 1 else b"".join(pending))
+    def flush(self) -> None:
+        """Writes a head held, if any (an answer without a body to write: HEAD's)."""
+        if self._head is not None:
+            self.write(b"")
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.close()
 
     def __getattr__(self, name: str) -> Any:
@@ -96,7 +96,7 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
     class Guarded(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self.transport = _Coalescing(transport, self.loop)  # (flow control: the real one)
+            self.transport = _Coalescing(transport)  # (flow control: the real one)
             self.received = 0
             self._limits = limits
             self._heading = True  # bytes that come now belong to a request's head
@@ -160,6 +160,10 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             super().on_headers_complete()
             if one_request and self.cycle is not None:
                 self.cycle.keep_alive = False
+
+        def on_response_complete(self) -> None:
+            self.transport.flush()
+            super().on_response_complete()
 
         def on_message_complete(self) -> None:
             self._disarm()  # arrived whole

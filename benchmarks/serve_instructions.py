@@ -1,0 +1,135 @@
+"""What one small-model request costs a server in instructions and system calls: counts
+that a busy, shared machine does not skew, where requests/s and CPU time do.
+
+Starts `multipy serve` (one interpreter) or the floor (benchmarks/floor_app.py, one
+uvicorn worker) on the example model `simple`, under callgrind with instrumentation off
+(`--tool callgrind`) or plainly (`--tool strace`); warms it up with JSON requests over a
+keep-alive connection; then counts, over --requests more: the instructions the server
+ran (callgrind, switched on for them alone with callgrind_control; user space only), or
+its system calls by kind (strace -c, attached for them alone).  Needs valgrind or strace.
+
+    multipy run benchmarks/serve_instructions.py [--server multipy|floor] [--tool callgrind|strace]
+        [--requests 1000] [--warm-up 20]
+"""
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from serve_load import free_port  # noqa: E402
+
+BODY = json.dumps({"inputs": [{"name": "x", "shape": [3, 10], "datatype": "FP32",
+                               "data": [0.5] * 30}]})
+
+
+def requests(port: int, count: int | None = None, seconds: float = 0.0) -> None:
+    """count requests (or as many as seconds allow) over one keep-alive connection."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    end = time.monotonic() + seconds
+    done = 0
+    while (count is None and time.monotonic() < end) or (count is not None and done < count):
+        connection.request("POST", "/v2/models/simple/infer", BODY,
+                           {"Content-Type": "application/json"})
+        answer = connection.getresponse()
+        answer.read()
+        if answer.status != 200:
+            raise RuntimeError(f"the server answered {answer.status}")
+        done += 1
+    connection.close()
+
+
+def ready(port: int, server: subprocess.Popen, seconds: float = 1200) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode}")
+        try:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            connection.request("GET", "/v2/health/ready")
+            if connection.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("the server was not ready")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", choices=("multipy", "floor"), default="multipy")
+    parser.add_argument("--tool", choices=("callgrind", "strace"), default="callgrind")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--warm-up", type=float, default=20, help="seconds of requests first")
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    from generate_examples import generate
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = generate(folder, ["simple"])["simple"]
+        port = free_port()
+        out = os.path.join(folder, "callgrind.out")
+        command = ([sys.executable, "-m", "multipy.serve", path, "--interpreters", "1",
+                    "--port", str(port)] if args.server == "multipy" else
+                   [sys.executable, os.path.join(HERE, "floor_app.py"), path, "--name",
+                    "simple", "--workers", "1", "--port", str(port)])
+        if args.tool == "callgrind":
+            command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                       f"--callgrind-out-file={out}", *command]
+        log = open(os.path.join(folder, "server.log"), "w+")
+        server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        try:
+            ready(port, server)
+            requests(port, seconds=args.warm_up)
+            if args.tool == "callgrind":
+                subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True,
+                               capture_output=True)
+                requests(port, args.requests)
+                subprocess.run(["callgrind_control", "-i", "off", str(server.pid)], check=True,
+                               capture_output=True)
+            else:
+                summary = os.path.join(folder, "strace.txt")
+                tracer = subprocess.Popen(["strace", "-f", "-c", "-o", summary, "-p",
+                                           str(server.pid)], stderr=subprocess.DEVNULL)
+                time.sleep(1)  # attached to every thread
+                requests(port, args.requests)
+                tracer.send_signal(signal.SIGINT)
+                tracer.wait(60)
+        finally:
+            os.killpg(server.pid, signal.SIGINT)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+        log.seek(0)
+        if args.tool == "callgrind":
+            collected = re.findall(r"Collected : (\d+)", log.read())
+            if not collected:
+                sys.exit("callgrind reported no count; the server's log:\n" + log.read()[-2000:])
+            print(f"{args.server}: {int(collected[-1]) / args.requests:,.0f} instructions per "
+                  f"request ({args.requests} requests)")
+        else:
+            calls = {}
+            for line in open(summary):
+                fields = line.split()
+                if len(fields) >= 5 and fields[3].isdigit():
+                    calls[fields[-1]] = int(fields[3])
+            total = calls.pop("total", sum(calls.values()))
+            each = ", ".join(f"{name} {count / args.requests:.2f}"
+                             for name, count in sorted(calls.items(), key=lambda kv: -kv[1]))
+            print(f"{args.server}: {total / args.requests:.2f} system calls per request "
+                  f"({each}; {args.requests} requests)")
+
+
+if __name__ == "__main__":
+    main()

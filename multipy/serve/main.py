@@ -9,9 +9,9 @@ the connections and hands each to the front end with the fewest open connections
 also catches the signals and runs the lifespan.  The models load on a thread of their
 own once the server listens (a model written as a class loads on the first interpreter
 before, so that its code's errors are said before anything connects: Service.prepare):
-until they are ready, the host answers the connections
-itself (``/v2/health/live`` at once, ``/v2/health/ready`` says when loading is done),
-and it keeps serving those that stay open.  SIGTERM and SIGINT stop the server
+until they are ready, the host answers the connections itself (``/v2/health/live`` at
+once, ``/v2/health/ready`` says when loading is done), and it keeps serving those that
+stay open.  SIGTERM and SIGINT stop the server
 gracefully: it stops accepting connections, every front end answers every request it
 has received, and the process exits 0 (a second SIGINT forces it).  With
 ``--grpc-port``, the host reserves that port (a socket bound with SO_REUSEPORT that never
@@ -571,6 +571,8 @@ def main(argv: list[str] | None = None) -> int:
     except model_class.ClassError as error:
         service.close()
         _refuse(error, parse)
+    except KeyboardInterrupt:  # Ctrl-C meanwhile: stopped, as while the models load later
+        return 0
     supervised = None if link is None else Supervised(link, service)
     if supervised is not None:
         supervised.prepared()

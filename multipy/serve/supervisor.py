@@ -13,7 +13,11 @@ How:
   to a process through that process's link (multipy.serve.link: a Unix socket, the
   connection's descriptor passed with SCM_RIGHTS), round robin over the processes that
   are ready (over those that start, while none is: they answer health and readiness
-  themselves, as a single server does while it loads).  No accepted connection waits in
+  themselves, as a single server does while it loads).  It binds the port first, and
+  listens once a process has prepared (loaded each model written as a class on its
+  first interpreter, as a single server does before it listens: multipy.serve.service.
+  Service.prepare); a process that exits with status 2 before then (a class whose code
+  fails) stops the server with status 2 before it ever listens.  No accepted connection waits in
   the accept queue of a process that may die; a process hands its connections on to its
   interpreters' front ends as a single server does.  gRPC is served by every front end
   of every process on the port the supervisor reserves (SO_REUSEPORT: the kernel spreads
@@ -106,7 +110,7 @@ class Supervisor:
         self._stopping = False
         self._signals = 0
         self._finished: asyncio.Future | None = None
-        self._prepared: asyncio.Event | None = None  # set when the first process is
+        self._prepared: asyncio.Event | None = None  # set once a process has prepared
         self._status = 0
         self._ready_once = False
 
@@ -205,8 +209,8 @@ class Supervisor:
             return
         self._failures += 1
         if not self._prepared.is_set() and status == 2:
-            logger.error("server process %d (pid %d) %s before listening: a model cannot be "
-                         "served (see above); stopping the server", record.index,
+            logger.error("server process %d (pid %d) %s before the server listened: a model "
+                         "cannot be served (see above); stopping the server", record.index,
                          record.process.pid, _status(status))
             self._finish(2)
             return

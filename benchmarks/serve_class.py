@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from serve_load import _medians, _stop, _wait_ready, example, free_port, run_server  # noqa: E402
+from serve_load import _medians, example, free_port, run_server  # noqa: E402
+from serve_memory import started  # noqa: E402
 
 CLASS = '''
 import torch
@@ -31,7 +30,8 @@ PATH = {path!r}
 
 
 class Wrapped:
-    """The archive's model, as a class: inputs by position of the request's order."""
+    """The archive's model, as a class: inputs by position of the request's order, as
+    tensors (BYTES: the arrays of bytes as they come, as the archive's model gets them)."""
 
     def load(self):
         self.model = torch.package.PackageImporter(PATH).load_pickle("model", "model.pkl")
@@ -39,20 +39,9 @@ class Wrapped:
 
     def predict(self, inputs):
         with torch.no_grad():
-            return self.model(*(torch.from_numpy(array) for array in inputs.values()))
+            return self.model(*(array if array.dtype == object else torch.from_numpy(array)
+                                for array in inputs.values()))
 '''
-
-
-def start_time(command: list[str], port: int) -> float:
-    """Seconds from starting command (a server on port) to its readiness."""
-    began = time.monotonic()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-    try:
-        _wait_ready(port, process)
-        return time.monotonic() - began
-    finally:
-        _stop(process)
 
 
 def main() -> None:
@@ -81,7 +70,7 @@ def main() -> None:
                     port = free_port()
                     command = [sys.executable, "-m", "multipy", "serve", *targets[name],
                                "--interpreters", str(n), "--port", str(port)]
-                    starts[name, n].append(start_time(command, port))
+                    starts[name, n].append(started(command, port)[1])
                     measured = run_server(command, {"http": port}, ("http",), args.model,
                                           2 * n, args.seconds, args.warm_up, inputs, expected)
                     rounds[name, n].append(measured["http"])

@@ -55,3 +55,14 @@ class Classifier:
         labels = np.array([self.labels[k] for k in probabilities.argmax(-1).tolist()],
                           dtype=object)
         return {"probabilities": probabilities, "label": labels}
+
+
+if __name__ == "__main__":  # a module for `multipy serve`, not a program: this only says so
+    import argparse
+
+    argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Write its folder with examples/generate_hf_classifier.py, then serve it with "
+               "multipy serve examples/hf_classifier.py:Classifier.").parse_args()
+    print(f"multipy serve {os.path.relpath(os.path.abspath(__file__))}:Classifier "
+          f"(its model and tokenizer from {FOLDER})")

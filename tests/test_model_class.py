@@ -6,6 +6,7 @@ errors named at start, before the server listens.
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -190,6 +191,21 @@ def test_requests_to_a_class_are_batched(classes, tmp_path):
             outputs = {o["name"]: o["data"] for o in answer["outputs"]}
             assert outputs["v"] == [k, k]
             assert outputs["rows"] == [6, 6]  # predict got the three requests' rows at once
+    finally:
+        _stop(server)
+
+
+def test_a_class_served_by_several_processes(classes, tmp_path):
+    """With --processes, each process loads the class on its first interpreter before
+    the supervisor listens, then serves it as a single server does."""
+    server = _start(tmp_path, [f"{classes}/models.py:Scaler"], "--interpreters", "1",
+                    "--processes", "2")
+    try:
+        for _ in range(4):  # new connections: both processes
+            status, answer = _infer_json(server, "scaler", _x([1, 2, 3, 4]))
+            assert status == 200 and answer["outputs"][0]["data"] == [3.0, 6.0, 9.0, 12.0]
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=120) == 0, server.output()
     finally:
         _stop(server)
 

@@ -573,6 +573,10 @@ def main(argv: list[str] | None = None) -> int:
         _refuse(error, parse)
     except KeyboardInterrupt:  # Ctrl-C meanwhile: stopped, as while the models load later
         return 0
+    except Exception as error:  # the interpreters did not start: as if later, status 1
+        service.close()
+        _start_failed(error)
+        return 1
     supervised = None if link is None else Supervised(link, service)
     if supervised is not None:
         supervised.prepared()
@@ -592,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     service.close()
     return 1 if service.failure is not None else 0
+
+
+def _start_failed(error: BaseException) -> None:
+    """Logs why the start-up failed, with the traceback."""
+    logger.error("start-up failed: %s: %s", type(error).__name__, error, exc_info=error)
 
 
 def reserve_port(host: str, port: int, parse: argparse.ArgumentParser) -> socket.socket:
@@ -656,7 +665,7 @@ def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds, grpc: str
         if server.should_exit:  # stopped meanwhile: nothing failed
             return
         service.failure = error
-        logger.error("start-up failed: %s: %s", type(error).__name__, error, exc_info=error)
+        _start_failed(error)
         server.should_exit = True
         return
     if supervised is not None:

@@ -128,7 +128,7 @@ class Service:
         self._readied = threading.Event()  # set with ready
         self.failure: BaseException | None = None
         self._turns: Turns | None = None
-        self._loading: list[ServedModel] = []  # the models start makes ready
+        self._loading: list[ServedModel] = []  # the models that start makes ready, until then
         self._watchers: list[Any] = []
         self._changing = threading.Lock()  # one load or unload at a time
 
@@ -165,7 +165,7 @@ class Service:
                 progress.stage(f"starting {n} interpreter(s)")
                 self._start_interpreters()
             progress.advance(n, "interpreters started")
-            models = self._loading
+            models, self._loading = self._loading, []  # (self.models holds them from now on)
             progress.stage(f"materialising {m} model(s) on {n} interpreter(s): torch is "
                            f"imported and each archive loaded in every interpreter "
                            f"({self.manager.torch_threads} torch thread(s) each)")

@@ -14,7 +14,7 @@ EXTRAS = test,torch-$(TORCH)
 KSERVE_VENV ?= .venv/$(PYTHON_VERSION)-kserve
 KSERVE = kserve==0.21.0
 
-.PHONY: serve demo test test-fast test-kserve bench clean
+.PHONY: serve serve-classifier demo test test-fast test-kserve bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -35,6 +35,15 @@ examples/generated/python_heavy.pt: $(VENV)/.installed examples/generate_example
 PORT ?= 8000
 serve: $(VENV)/.installed-serve examples/generated/python_heavy.pt
 	$(VENV)/bin/multipy serve examples/generated/python_heavy.pt --port $(PORT) $(SERVE_OPTIONS)
+
+# The example written as a Python class: a Hugging Face transformers text classifier
+# (random weights) and its tokenizer, written to examples/generated/hf_classifier/ and
+# served as the model "classifier" (BYTES text in; probabilities and label out).
+examples/generated/hf_classifier/model.safetensors: $(VENV)/.installed examples/generate_hf_classifier.py examples/generate_examples.py
+	$(VENV)/bin/python examples/generate_hf_classifier.py examples/generated/hf_classifier
+
+serve-classifier: $(VENV)/.installed-serve examples/generated/hf_classifier/model.safetensors
+	$(VENV)/bin/multipy serve examples/hf_classifier.py:Classifier --port $(PORT) $(SERVE_OPTIONS)
 
 # The same CPU-bound function on N threads in one interpreter vs N interpreters.
 demo: $(VENV)/.installed

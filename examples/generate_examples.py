@@ -21,7 +21,7 @@ import os
 import sys
 import warnings
 import zipfile
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -63,9 +63,10 @@ CORPUS = [
 LABELS = ["negative", "neutral", "positive"]
 
 
-def _text_classifier() -> models.TextClassifier:
-    """A WordPiece tokenizer trained on CORPUS, and a TextClassifier using it, trained on
-    CORPUS for 60 steps (a second or two); in eval mode."""
+def train_tokenizer() -> Any:
+    """A WordPiece tokenizer (Hugging Face ``tokenizers``'), trained in memory on CORPUS's
+    texts: lower-cased, special tokens [PAD], [UNK] and [CLS], and [CLS] before every
+    text (an empty text still has a token to attend to)."""
     from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors, trainers
     from tokenizers.models import WordPiece
 
@@ -76,10 +77,15 @@ def _text_classifier() -> models.TextClassifier:
         [text for text, _ in CORPUS],
         trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[PAD]", "[UNK]", "[CLS]"],
                                   show_progress=False))
-    # every text starts with [CLS]: an empty text still has a token to attend to
     tokenizer.post_processor = processors.TemplateProcessing(
         single="[CLS] $A", special_tokens=[("[CLS]", tokenizer.token_to_id("[CLS]"))])
-    model = models.TextClassifier(tokenizer.to_str(), LABELS)
+    return tokenizer
+
+
+def _text_classifier() -> models.TextClassifier:
+    """train_tokenizer's tokenizer, and a TextClassifier using it, trained on CORPUS for
+    60 steps (a second or two); in eval mode."""
+    model = models.TextClassifier(train_tokenizer().to_str(), LABELS)
     texts = np.array([text.encode() for text, _ in CORPUS], dtype=object)
     targets = torch.tensor([LABELS.index(label) for _, label in CORPUS])
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)

@@ -1,12 +1,17 @@
 """`multipy serve FILE.py:CLASS`: models written as Python classes (load, predict, async
 predict, declared inputs, InvalidInput), beside an archive, over HTTP and gRPC, with
 --timeout (calls on a worker thread) and with batching (calls on the loop); and the
-errors named at start.
+errors named at start, before the server listens.
 """
 from __future__ import annotations
 
 import json
+import signal
+import socket
+import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -15,8 +20,8 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import (_cli, _grpc_port, _infer_json, _infer_together,  # noqa: E402
-                        _request, _start, _stop, packages)  # noqa: F401
+from test_serve import (_free_port, _grpc_port, _infer_json,  # noqa: E402
+                        _infer_together, _request, _start, _stop, packages)  # noqa: F401
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -67,6 +72,31 @@ class Broken:
 class NoPredict:
     def load(self):
         pass
+
+
+class BadInit:
+    def __init__(self):
+        raise ValueError("no config given")
+
+    def predict(self, inputs):
+        return inputs
+
+
+class Base:
+    pass
+
+
+class NoPredictOfItsBases(Base):
+    pass
+'''
+
+IMPORT_FAILS = '''
+import no_such_dependency_here
+
+
+class Model:
+    def predict(self, inputs):
+        return inputs
 '''
 
 
@@ -74,6 +104,7 @@ class NoPredict:
 def classes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("classes")
     (folder / "models.py").write_text(CLASSES)
+    (folder / "import_fails.py").write_text(IMPORT_FAILS)
     (folder / "factor.txt").write_text("3")
     return folder
 
@@ -157,28 +188,94 @@ def test_requests_to_a_class_are_batched(classes, tmp_path):
         _stop(server)
 
 
+def test_a_class_served_by_several_processes(classes, tmp_path):
+    """With --processes, each process loads the class on its first interpreter before
+    the supervisor listens, then serves it as a single server does."""
+    server = _start(tmp_path, [f"{classes}/models.py:Scaler"], "--interpreters", "1",
+                    "--processes", "2")
+    try:
+        for _ in range(4):  # new connections: both processes
+            status, answer = _infer_json(server, "scaler", _x([1, 2, 3, 4]))
+            assert status == 200 and answer["outputs"][0]["data"] == [3.0, 6.0, 9.0, 12.0]
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=120) == 0, server.output()
+    finally:
+        _stop(server)
+
+
+def _refused(target: str, *options: str) -> tuple[subprocess.CompletedProcess, bool]:
+    """Runs ``multipy serve target`` on a free port, as a server that should refuse to
+    start: (how it ended, whether a connection to its port ever succeeded while it ran,
+    tried every 20 ms)."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "multipy", "serve", target, "--interpreters", "1",
+         "--port", str(port), *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
+    ended, connected = threading.Event(), []
+
+    def probe() -> None:
+        while not ended.is_set():
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                connected.append(port)
+            except OSError:
+                pass
+            time.sleep(0.02)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    try:
+        out, err = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        ended.set()
+        prober.join(30)
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err), \
+        bool(connected)
+
+
 @pytest.mark.parametrize("target, says", [
     ("nowhere.py:Scaler", "nowhere.py: no such file"),
     ("{folder}/models.py:Missing", "has no class Missing at its top level (its classes: "
-                                   "Scaler, Echo, Broken, NoPredict)"),
+                                   "Scaler, Echo, Broken, NoPredict, BadInit, Base, "
+                                   "NoPredictOfItsBases)"),
     ("{folder}/models.py:NoPredict", "class NoPredict of"),
     ("no_such_module_here:Scaler", "no module 'no_such_module_here' on the server's Python path"),
 ])
-def test_a_class_that_cannot_be_served_is_named_at_start(classes, target, says):
-    done = _cli("serve", target.format(folder=classes), "--interpreters", "1")
+def test_a_class_that_cannot_be_found_is_named_in_one_line(classes, target, says):
+    """Checked without an interpreter, before the port is bound."""
+    done, connected = _refused(target.format(folder=classes))
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr, done.stderr
+    assert not connected
 
 
-def test_a_class_whose_load_raises_stops_the_start(classes, tmp_path):
-    """load() raising ends the start-up with exit status 1 and the interpreter's
-    traceback, which names the class's own line."""
-    import subprocess
-
-    done = subprocess.run(
-        [sys.executable, "-m", "multipy", "serve", f"{classes}/models.py:Broken",
-         "--interpreters", "1", "--port", "0"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 1, done.stderr
-    assert "RuntimeError: no weights here" in done.stderr
-    assert 'raise RuntimeError("no weights here")' in done.stderr
+@pytest.mark.parametrize("target, says, traceback, options", [
+    ("import_fails.py:Model", "ModuleNotFoundError: No module named 'no_such_dependency_here'",
+     'import_fails.py", line 2, in <module>', ()),
+    ("models.py:Broken", "RuntimeError: no weights here", 'raise RuntimeError("no weights here")',
+     ()),
+    ("models.py:BadInit", "ValueError: no config given", 'raise ValueError("no config given")',
+     ()),
+    ("models.py:NoPredictOfItsBases", "TypeError: models.NoPredictOfItsBases has no predict "
+                                      "method", None, ()),
+    ("models.py:Broken", "RuntimeError: no weights here", 'raise RuntimeError("no weights here")',
+     ("--processes", "2")),
+], ids=["import", "load", "init", "predict", "load-processes"])
+def test_a_class_whose_code_fails_stops_the_server_before_it_listens(
+        classes, target, says, traceback, options):
+    """An error of the class's own code, as the first interpreter loads it, is said in one
+    line that names the class, with the interpreter's traceback (which names the class's
+    own line), and the server exits with status 2 without ever listening; with
+    --processes too (the supervisor listens once a process has loaded its classes)."""
+    done, connected = _refused(f"{classes}/{target}", *options)
+    assert done.returncode == 2, done.stderr
+    assert f"multipy serve: {classes}/{target}: loading it in an interpreter raised {says}" \
+        in done.stderr.splitlines(), done.stderr
+    if traceback is not None:
+        assert traceback in done.stderr
+    assert not connected and "listening on" not in done.stderr, done.stderr

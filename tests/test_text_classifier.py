@@ -5,6 +5,7 @@ tritonclient.grpc, each answer equal to the model run eagerly here.  The server 
 subprocess on free ports of 127.0.0.1."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from typing import Any, Iterator
 
 import pytest
 
@@ -33,14 +35,19 @@ TEXTS = np.array([b"I love this wonderful movie", "the food was awful and cold".
                  dtype=object)
 
 
+def example(name: str) -> Any:
+    """The module examples/NAME.py, imported here."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="module")
 def package(tmp_path_factory) -> str:
-    spec = importlib.util.spec_from_file_location(
-        "generate_examples", os.path.join(EXAMPLES, "generate_examples.py"))
-    generator = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(generator)
     folder = tmp_path_factory.mktemp("text_classifier")
-    return generator.generate(str(folder), ["text_classifier"])["text_classifier"]
+    return example("generate_examples").generate(str(folder), ["text_classifier"])[
+        "text_classifier"]
 
 
 @pytest.fixture(scope="module")
@@ -56,15 +63,17 @@ def eager(package):
     return call
 
 
-@pytest.fixture(scope="module")
-def server(package, tmp_path_factory):
-    """(HTTP address, gRPC address) of `multipy serve PACKAGE --interpreters 2`."""
-    log = tmp_path_factory.mktemp("served") / "server.log"
+@contextlib.contextmanager
+def serving(folder, *arguments: str, env: dict[str, str] | None = None
+            ) -> Iterator[tuple[str, str]]:
+    """(HTTP address, gRPC address) of `multipy serve ARGUMENTS --interpreters 2` on free
+    ports, once it is ready, its log in folder, with env added to its environment."""
+    log = folder / "server.log"
     env = {**{k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **(env or {})}
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "multipy", "serve", package, "--interpreters", "2",
+            [sys.executable, "-m", "multipy", "serve", *arguments, "--interpreters", "2",
              "--port", "0", "--grpc-port", "0"], stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 240
@@ -77,6 +86,41 @@ def server(package, tmp_path_factory):
     finally:
         process.kill()
         process.wait(timeout=30)
+
+
+def classify(server: tuple[str, str], transport: str, model: str, outputs: tuple[str, str],
+             texts: np.ndarray = TEXTS) -> tuple[np.ndarray, list[bytes]]:
+    """(probabilities, labels) that model served by server answers for texts over
+    transport ("http-binary", "http-json" or "grpc"), its outputs named outputs; checks
+    that they come as FP32 and BYTES."""
+    http_address, grpc_address = server
+    client_module = grpcclient if transport == "grpc" else httpclient
+    if transport == "grpc":
+        client, timeout = grpcclient.InferenceServerClient(grpc_address), {"client_timeout": 60}
+    else:
+        client, timeout = httpclient.InferenceServerClient(http_address, network_timeout=60), {}
+    binary = {} if transport == "grpc" else {"binary_data": transport == "http-binary"}
+    text = client_module.InferInput("text", [len(texts)], "BYTES")
+    text.set_data_from_numpy(texts, **binary)
+    requested = [client_module.InferRequestedOutput(name, **binary) for name in outputs]
+    try:
+        result = client.infer(model, [text], outputs=requested, **timeout)
+    finally:
+        client.close()
+    # a protobuf message over gRPC (tritonclient's as_json=True gives None), a dict over HTTP
+    datatypes = [output.datatype if transport == "grpc" else output["datatype"]
+                 for output in map(result.get_output, outputs)]
+    assert datatypes == ["FP32", "BYTES"]
+    # tritonclient.http gives a JSON answer's BYTES as str
+    return result.as_numpy(outputs[0]), [each.encode() if isinstance(each, str) else each
+                                         for each in result.as_numpy(outputs[1])]
+
+
+@pytest.fixture(scope="module")
+def server(package, tmp_path_factory):
+    """(HTTP address, gRPC address) of `multipy serve PACKAGE --interpreters 2`."""
+    with serving(tmp_path_factory.mktemp("served"), package) as addresses:
+        yield addresses
 
 
 def test_the_package_carries_the_tokenizer(package, eager):
@@ -101,26 +145,9 @@ def test_the_package_carries_the_tokenizer(package, eager):
 
 @pytest.mark.parametrize("transport", ["http-binary", "http-json", "grpc"])
 def test_served_over_each_transport(server, eager, transport):
-    http_address, grpc_address = server
-    client_module = grpcclient if transport == "grpc" else httpclient
-    if transport == "grpc":
-        client, timeout = grpcclient.InferenceServerClient(grpc_address), {"client_timeout": 60}
-    else:
-        client, timeout = httpclient.InferenceServerClient(http_address, network_timeout=60), {}
-    binary = {} if transport == "grpc" else {"binary_data": transport == "http-binary"}
-    text = client_module.InferInput("text", [len(TEXTS)], "BYTES")
-    text.set_data_from_numpy(TEXTS, **binary)
-    outputs = [client_module.InferRequestedOutput(name, **binary)
-               for name in ("output0", "output1")]
-    result = client.infer("text_classifier", [text], outputs=outputs, **timeout)
+    got_probabilities, got_labels = classify(server, transport, "text_classifier",
+                                             ("output0", "output1"))
     probabilities, labels = eager(TEXTS)
-    # a protobuf message over gRPC (tritonclient's as_json=True gives None), a dict over HTTP
-    datatypes = [output.datatype if transport == "grpc" else output["datatype"]
-                 for output in map(result.get_output, ("output0", "output1"))]
-    assert datatypes == ["FP32", "BYTES"]
-    np.testing.assert_allclose(result.as_numpy("output0"), probabilities, rtol=1e-5, atol=1e-6)
-    # tritonclient.http gives a JSON answer's BYTES as str
-    assert [each.encode() if isinstance(each, str) else each
-            for each in result.as_numpy("output1")] == list(labels)
+    np.testing.assert_allclose(got_probabilities, probabilities, rtol=1e-5, atol=1e-6)
+    assert got_labels == list(labels)
     assert set(labels) <= {b"negative", b"neutral", b"positive"}
-    client.close()

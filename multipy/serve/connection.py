@@ -26,7 +26,7 @@ import json
 import logging
 import socket
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import httptools
 
@@ -255,21 +255,37 @@ async def request_line(connection: socket.socket, limits: Limits) -> bytes | Non
     return seen or None
 
 
-def listen(host: str, port: int, backlog: int = 2048) -> socket.socket:
-    """A non-blocking socket listening on (host, port), a free port for 0.  If it cannot
-    (the port is taken, say), logs why in one line that names the address and --port,
-    and raises SystemExit(2): an option to change, as any other."""
-    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), a free port for 0, that does not listen yet: a
+    connection to it is refused until ``listen``.  If it cannot bind (the port is taken,
+    say), logs why in one line that names the address and --port, and raises
+    SystemExit(2): an option to change, as any other."""
+    bound = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     try:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, port))
-        listener.listen(backlog)
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound.bind((host, port))
     except OSError as error:
-        listener.close()
-        logger.error("cannot listen on %s:%d: %s (--port picks another port)", host, port, error)
-        raise SystemExit(2) from None
-    listener.setblocking(False)
-    return listener
+        bound.close()
+        _cannot_listen(host, port, error)
+    return bound
+
+
+def listen(bound: socket.socket, backlog: int = 2048) -> socket.socket:
+    """bound (from ``bind``), listening and non-blocking; SystemExit(2), as bind's, if
+    it cannot listen (another socket took the port meanwhile)."""
+    try:
+        bound.listen(backlog)
+    except OSError as error:
+        host, port = bound.getsockname()[:2]
+        bound.close()
+        _cannot_listen(host, port, error)
+    bound.setblocking(False)
+    return bound
+
+
+def _cannot_listen(host: str, port: int, error: OSError) -> NoReturn:
+    logger.error("cannot listen on %s:%d: %s (--port picks another port)", host, port, error)
+    raise SystemExit(2) from None
 
 
 async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:

@@ -9,7 +9,9 @@ A message is a JSON object with an ``op``:
   from then on), ``do`` (a model repository request to do here: ``what`` "load" or
   "unload", ``name``, ``archive``; under a ``number``), ``answer`` (to an ``ask``:
   ``number``, ``status``, ``message``);
-- process to supervisor: ``ready`` (its models are loaded: it takes requests), ``ask``
+- process to supervisor: ``prepared`` (its models are checked as a single server
+  checks them before it listens: it takes connections), ``ready`` (its models are
+  loaded: it takes requests), ``ask``
   (a repository request that one of its front ends received, for every process:
   ``number``, ``what``, ``name``, ``archive``), ``done`` (a ``do`` done: ``number``,
   ``status``, ``message``).

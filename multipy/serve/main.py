@@ -7,9 +7,11 @@ and answers, with no Python of the host's per request.  The host's main thread a
 the connections and hands each to the front end with the fewest open connections
 (``FrontEnds``), so that N clients' keep-alive connections land on N interpreters; it
 also catches the signals and runs the lifespan.  The models load on a thread of their
-own once the server listens: until they are ready, the host answers the connections
-itself (``/v2/health/live`` at once, ``/v2/health/ready`` says when loading is done),
-and it keeps serving those that stay open.  SIGTERM and SIGINT stop the server
+own once the server listens (a model written as a class loads on the first interpreter
+before, so that its code's errors are said before anything connects: Service.prepare):
+until they are ready, the host answers the connections itself (``/v2/health/live`` at
+once, ``/v2/health/ready`` says when loading is done), and it keeps serving those that
+stay open.  SIGTERM and SIGINT stop the server
 gracefully: it stops accepting connections, every front end answers every request it
 has received, and the process exits 0 (a second SIGINT forces it).  With
 ``--grpc-port``, the host reserves that port (a socket bound with SO_REUSEPORT that never
@@ -47,7 +49,7 @@ from .app import create_app, logging_config
 from . import model_class
 from .archive import ArchiveError
 from .connection import (MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits, accept,
-                         guarded, listen, request_line)
+                         bind, guarded, listen, request_line)
 from .contract import FrontEndCalls
 from .control import Control
 from .inbox import FORCE, STOP, open_inbox, receive, send
@@ -511,7 +513,7 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
         for spec in models:
             spec.check()
     except (ArchiveError, model_class.ClassError) as error:
-        parse.exit(2, f"multipy serve: {error}\n")
+        _refuse(error, parse)
     return Options(tuple(models), interpreters, args.max_batch_size, args.batch_timeout_ms,
                    args.timeout, max_request_size=args.max_request_size,
                    limits=Limits(args.max_header_size, args.max_headers, args.read_timeout),
@@ -519,10 +521,20 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
                    model_control=args.model_control, model_repository=repositories)
 
 
+def _refuse(error: ArchiveError | model_class.ClassError,
+            parse: argparse.ArgumentParser) -> NoReturn:
+    """Exits with status 2 and what is wrong with a model: one line, then the
+    interpreter's traceback for a class whose code raised there."""
+    parse.exit(2, f"multipy serve: {error}\n{getattr(error, 'traceback', '')}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the server until SIGTERM or SIGINT; returns the exit status (0 after a
-    graceful stop, 1 if the models failed to load).  SystemExit(2), with one error line
-    naming the address and --port, if it cannot listen (the port is taken, say)."""
+    graceful stop, 1 if the models failed to load).  SystemExit(2), before it listens,
+    with one error line naming the address and --port if it cannot listen (the port is
+    taken, say), or what is wrong with a model: an archive that is not one, a class that
+    is not to be found, or whose code raised as the first interpreter loaded it
+    (Service.prepare; then with the interpreter's traceback)."""
     make_room()  # re-executes this process with room for 15 interpreters if it lacks it
     parse = parser()
     args = parse.parse_args(argv)
@@ -539,22 +551,36 @@ def main(argv: list[str] | None = None) -> int:
                             logging_config=logging_config())
     if args.processes > 1:
         return _supervise(args, served, parse, sys.argv[1:] if argv is None else argv)
+    logging.config.dictConfig(logging_config())
     if args.link is not None:  # a process of --processes: its supervisor reserved the port
         link = Link.inherited(args.link)
         start, fds = link.first()
         place = Place(start["process"], start["processes"], fds[0])
         grpc = None if args.grpc_port is None else _host_port(args.host, args.grpc_port)
         reserved = None
-        listener = None
-    else:  # (listening first: a port that is taken is said before anything else)
+        bound = None
+    else:  # (bound first: a port that is taken is said before anything else)
         link, place = None, Place()
-        logging.config.dictConfig(logging_config())
-        listener = listen(args.host, args.port)
+        bound = bind(args.host, args.port)
         reserved = None if args.grpc_port is None else \
             reserve_port(args.host, args.grpc_port, parse)
         grpc = None if reserved is None else _address(reserved)
     service = Service(served, place)
+    try:  # (a class's own errors stop the server before it listens)
+        service.prepare()
+    except model_class.ClassError as error:
+        service.close()
+        _refuse(error, parse)
+    except KeyboardInterrupt:  # Ctrl-C meanwhile: stopped, as while the models load later
+        return 0
+    except Exception as error:  # the interpreters did not start: as if later, status 1
+        service.close()
+        _start_failed(error)
+        return 1
     supervised = None if link is None else Supervised(link, service)
+    if supervised is not None:
+        supervised.prepared()
+    listener = None if bound is None else listen(bound)
     fronts = FrontEnds()
     loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc, supervised),
                               daemon=True, name="multipy-serve-start")
@@ -570,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     service.close()
     return 1 if service.failure is not None else 0
+
+
+def _start_failed(error: BaseException) -> None:
+    """Logs why the start-up failed, with the traceback."""
+    logger.error("start-up failed: %s: %s", type(error).__name__, error, exc_info=error)
 
 
 def reserve_port(host: str, port: int, parse: argparse.ArgumentParser) -> socket.socket:
@@ -634,7 +665,7 @@ def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds, grpc: str
         if server.should_exit:  # stopped meanwhile: nothing failed
             return
         service.failure = error
-        logger.error("start-up failed: %s: %s", type(error).__name__, error, exc_info=error)
+        _start_failed(error)
         server.should_exit = True
         return
     if supervised is not None:

@@ -10,10 +10,29 @@ import importlib.machinery
 import os
 import sys
 
+from ..errors import InterpreterError, RemoteTraceback
+
 
 class ClassError(ValueError):
     """The class cannot be served: its module or file, or the class, is missing, or it
-    has no ``predict``."""
+    has no ``predict``; or loading it in an interpreter raised (importing its module,
+    making the instance, its ``load()``): ``traceback`` is then the interpreter's, as
+    Python prints it ("" for the host's own checks)."""
+
+    def __init__(self, message: str, traceback: str = "") -> None:
+        super().__init__(message)
+        self.traceback = traceback
+
+
+def failed(served: str, error: Exception) -> ClassError:
+    """The ClassError for error, raised in an interpreter by loading the class served
+    ("FILE.py:CLASS" or "MODULE:CLASS"), with the interpreter's traceback."""
+    cause = error.__cause__
+    what = str(error) if isinstance(error, InterpreterError) else \
+        f"{type(error).__name__}: {error}"
+    text = cause.traceback_text if isinstance(cause, RemoteTraceback) else ""
+    return ClassError(f"{served}: loading it in an interpreter raised {what}",
+                      text if text.strip().count("\n") else "")  # (one line says what alone)
 
 
 def parse(target: str) -> tuple[str, str, str] | None:

@@ -97,8 +97,10 @@ class ServedModel(ModelRequests):
         return load(self.spec.path, self.spec.module, self.spec.resource, self._storages)
 
     def materialise(self, interpreter: Interpreter) -> None:
-        """Loads the model on interpreter and warms it up; the first one also reads the
-        metadata."""
+        """Loads the model on interpreter and warms it up (nothing if it has already);
+        the first one also reads the metadata."""
+        if interpreter in self._materialised:
+            return
         instance = self.instance(interpreter)
         instance.call_value("warm_up")
         if self._described is None:

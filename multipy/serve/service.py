@@ -4,7 +4,9 @@ whether they are ready, and inference bounded by the per-request timeout.
 Start-up (``start``, on a thread of its own while the HTTP server already answers):
 the interpreters start, then every interpreter materialises every model (importing torch
 and loading the archive there, then running its example once), the interpreters in
-parallel.  The server is ready when all of that is done.  Then, with
+parallel.  The server is ready when all of that is done.  A model written as a class is
+loaded on the first interpreter before the server listens (``prepare``), so that an
+error in its code stops the server before anything connects.  Then, with
 ``--model-control explicit``, the model repository's requests load and unload models
 (``load``, ``unload``: multipy.serve.repository), one at a time, and tell the front ends.
 """
@@ -21,7 +23,7 @@ from typing import Any, Callable
 from .. import _glibc, _runtime
 from .._pool import capacity
 from ..manager import InterpreterManager, cores
-from . import archive
+from . import archive, model_class
 from .connection import Limits
 from .metrics import STUCK_AFTER, Metrics
 from .models import ModelSpec, ServedModel, Turns
@@ -126,25 +128,44 @@ class Service:
         self._readied = threading.Event()  # set with ready
         self.failure: BaseException | None = None
         self._turns: Turns | None = None
+        self._loading: list[ServedModel] = []  # the models that start makes ready, until then
         self._watchers: list[Any] = []
         self._changing = threading.Lock()  # one load or unload at a time
 
     # -- start-up: on its own thread --
 
+    def prepare(self) -> None:
+        """Before the server listens, if it serves a model written as a class: starts
+        the interpreters and loads each such model on the first, so that what the
+        class's own code raises (importing its module, making the instance, its
+        ``load()``; no ``predict``) stops the server before it listens, as
+        model_class.ClassError with the interpreter's traceback.  Nothing for archives,
+        whose checks need no interpreter (``Service()``'s); ``start`` does the rest."""
+        classes = [spec for spec in self.specs.values() if spec.kind == "class"]
+        if not classes:
+            return
+        logger.info("starting %d interpreter(s), and loading %s on the first before "
+                    "listening", self.interpreters, ", ".join(map(str, classes)))
+        self._start_interpreters()
+        for model in self._loading:
+            if model.spec.kind == "class":
+                try:
+                    model.materialise(self.manager[0])
+                except Exception as error:
+                    raise model_class.failed(str(model.spec), error) from error
+
     def start(self, before_ready: Callable[[], None] | None = None) -> None:
-        """Starts the interpreters and materialises every model on each, with a
-        progress bar and a log line per stage, then calls before_ready() and is ready;
-        raises what failed."""
+        """Starts the interpreters (unless ``prepare`` has) and materialises every model
+        on each, with a progress bar and a log line per stage, then calls before_ready()
+        and is ready; raises what failed."""
         n, m = self.interpreters, len(self.specs)
         progress = Progress(n + n * m, logger)
         try:
-            progress.stage(f"starting {n} interpreter(s)")
-            # grad off: nothing served needs it, and it saves the autograd graph's memory
-            self.manager = InterpreterManager(n, torch_threads=self.options.torch_threads,
-                                              grad_enabled=False)
+            if self.manager is None:
+                progress.stage(f"starting {n} interpreter(s)")
+                self._start_interpreters()
             progress.advance(n, "interpreters started")
-            self._turns = Turns(n)  # one call per interpreter, of whichever model
-            models = [self._served(spec) for spec in self.specs.values()]
+            models, self._loading = self._loading, []  # (self.models holds them from now on)
             progress.stage(f"materialising {m} model(s) on {n} interpreter(s): torch is "
                            f"imported and each archive loaded in every interpreter "
                            f"({self.manager.torch_threads} torch thread(s) each)")
@@ -162,6 +183,15 @@ class Service:
             self._readied.set()
         finally:
             progress.close()
+
+    def _start_interpreters(self) -> None:
+        """The manager, the interpreters' turns, and the models to load on them."""
+        # grad off: nothing served needs it, and it saves the autograd graph's memory
+        self.manager = InterpreterManager(self.interpreters,
+                                          torch_threads=self.options.torch_threads,
+                                          grad_enabled=False)
+        self._turns = Turns(self.interpreters)  # one call per interpreter, of whichever model
+        self._loading = [self._served(spec) for spec in self.specs.values()]
 
     def _served(self, spec: ModelSpec) -> ServedModel:
         max_batch_size, delay = self._batching

@@ -49,10 +49,18 @@ class Supervised:
             self._reading = False
             self._read()
 
+    def prepared(self) -> None:
+        """Tells the supervisor that this process has checked its models as it does
+        before listening (Service.prepare): it takes connections from now on."""
+        self._tell("prepared")
+
     def ready(self) -> None:
         """Tells the supervisor that this process's models are loaded."""
+        self._tell("ready")
+
+    def _tell(self, op: str) -> None:
         try:
-            self._link.send({"op": "ready"})
+            self._link.send({"op": op})
         except OSError:  # it has gone: the link's end says so
             pass
 

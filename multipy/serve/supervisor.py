@@ -13,7 +13,11 @@ How:
   to a process through that process's link (multipy.serve.link: a Unix socket, the
   connection's descriptor passed with SCM_RIGHTS), round robin over the processes that
   are ready (over those that start, while none is: they answer health and readiness
-  themselves, as a single server does while it loads).  No accepted connection waits in
+  themselves, as a single server does while it loads).  It binds the port first, and
+  listens once a process has prepared (loaded each model written as a class on its
+  first interpreter, as a single server does before it listens: multipy.serve.service.
+  Service.prepare); a process that exits with status 2 before then (a class whose code
+  fails) stops the server with status 2 before it ever listens.  No accepted connection waits in
   the accept queue of a process that may die; a process hands its connections on to its
   interpreters' front ends as a single server does.  gRPC is served by every front end
   of every process on the port the supervisor reserves (SO_REUSEPORT: the kernel spreads
@@ -54,7 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._launch import launch_environment
-from .connection import accept, listen
+from .connection import accept, bind, listen
 from .link import Link, pair
 from .metrics import Board, board_width
 
@@ -74,6 +78,9 @@ class _Process:
     link: Link
     process: Any  # asyncio.subprocess.Process
     started: float = field(default_factory=time.monotonic)
+    #: it has checked its models (a class loaded on its first interpreter): it takes
+    #: connections
+    prepared: bool = False
     ready: bool = False
     #: numbers of the ``do`` requests sent to it -> the future of its ``done``
     doing: dict[int, asyncio.Future] = field(default_factory=dict)
@@ -103,6 +110,7 @@ class Supervisor:
         self._stopping = False
         self._signals = 0
         self._finished: asyncio.Future | None = None
+        self._prepared: asyncio.Event | None = None  # set once a process has prepared
         self._status = 0
         self._ready_once = False
 
@@ -115,12 +123,28 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         self._repository = asyncio.Lock()
         self._finished = loop.create_future()
-        listener = self._listen()
+        self._prepared = asyncio.Event()
+        bound = bind(self._host, self._port)  # (a port that is taken is said first)
+        self._port = bound.getsockname()[1]
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled, sig)
         for k in range(self._count):
             await self._start(k)
-        accepting = loop.create_task(accept(listener, self._hand))
+        # listening once a process has checked its models as a single server does
+        # before it listens: a class whose code fails stops the server before then
+        prepared = loop.create_task(self._prepared.wait())
+        await asyncio.wait([prepared, self._finished], return_when=asyncio.FIRST_COMPLETED)
+        prepared.cancel()
+        if self._finished.done():
+            bound.close()
+        else:
+            await self._serve(listen(bound))
+        await self._stop_all()
+        return self._status
+
+    async def _serve(self, listener: socket.socket) -> None:
+        """Accepts connections on listener until the server stops."""
+        accepting = asyncio.get_running_loop().create_task(accept(listener, self._hand))
         logger.info("listening on http://%s:%d with %d server processes of %d interpreter(s) "
                     "each; loading models", self._host, self._port, self._count,
                     self._interpreters)
@@ -131,13 +155,6 @@ class Supervisor:
             listener.close()
             for held in self._held:
                 held.close()
-        await self._stop_all()
-        return self._status
-
-    def _listen(self) -> socket.socket:
-        listener = listen(self._host, self._port)
-        self._port = listener.getsockname()[1]
-        return listener
 
     # -- the processes --
 
@@ -161,9 +178,6 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         loop.add_reader(here.fileno(), self._read, record)
         loop.create_task(self._watch(record))
-        for held in self._held:  # what came while no process ran
-            self._hand(held)
-        self._held.clear()
 
     async def _watch(self, record: _Process) -> None:
         status = await record.process.wait()
@@ -194,10 +208,16 @@ class Supervisor:
             await self._start(record.index)
             return
         self._failures += 1
-        if self._failures >= START_FAILURES or not self._ready_once and status == 1:
+        if not self._prepared.is_set() and status == 2:
+            logger.error("server process %d (pid %d) %s before the server listened: a model "
+                         "cannot be served (see above); stopping the server", record.index,
+                         record.process.pid, _status(status))
+            self._finish(2)
+            return
+        if self._failures >= START_FAILURES or not self._ready_once and status in (1, 2):
             logger.error("server process %d (pid %d) %s while starting%s; %s: stopping the "
                          "server", record.index, record.process.pid, _status(status), running,
-                         "its models failed to load (see above)" if status == 1 else
+                         "its models failed to load (see above)" if status in (1, 2) else
                          f"{self._failures} processes in a row died while starting")
             self._finish(1)
             return
@@ -218,7 +238,13 @@ class Supervisor:
             for fd in fds:
                 os.close(fd)
             op = message["op"]
-            if op == "ready":
+            if op == "prepared":
+                record.prepared = True
+                self._prepared.set()
+                held, self._held = self._held, []  # what came while none took connections
+                for connection in held:
+                    self._hand(connection)
+            elif op == "ready":
                 asyncio.get_running_loop().create_task(self._ready(record))
             elif op == "ask":
                 asyncio.get_running_loop().create_task(self._ask(record, message))
@@ -287,9 +313,9 @@ class Supervisor:
     # -- connections --
 
     def _hand(self, connection: socket.socket) -> None:
-        """Gives connection to the next ready process (the next running one while none
-        is ready), or holds it while none runs."""
-        running = [p for p in self._processes if p is not None]
+        """Gives connection to the next ready process (the next one that takes
+        connections while none is ready), or holds it while none takes them."""
+        running = [p for p in self._processes if p is not None and p.prepared]
         ready = [p for p in running if p.ready] or running
         turn = next(self._turn)
         for k in range(len(ready)):

@@ -8,7 +8,7 @@ keep-alive connection; then counts, over --requests more: the instructions the s
 ran (callgrind, switched on for them alone with callgrind_control; user space only), or
 its system calls by kind (strace -c, attached for them alone).  Needs valgrind or strace.
 
-    multipy run benchmarks/serve_instructions.py [--server multipy|floor] [--tool callgrind|strace]
+    python benchmarks/serve_instructions.py [--server multipy|floor] [--tool callgrind|strace]
         [--requests 1000] [--warm-up 20]
 """
 from __future__ import annotations
@@ -27,6 +27,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from serve_load import free_port  # noqa: E402
+
+from multipy._launch import launch_environment  # noqa: E402
 
 BODY = json.dumps({"inputs": [{"name": "x", "shape": [3, 10], "datatype": "FP32",
                                "data": [0.5] * 30}]})
@@ -86,16 +88,25 @@ def main() -> None:
             command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
                        f"--callgrind-out-file={out}", *command]
         log = open(os.path.join(folder, "server.log"), "w+")
-        server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+        # with the launcher's environment already: a server that had to re-exec itself
+        # to get it would leave valgrind behind
+        server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True,
+                                  env=launch_environment())
         try:
             ready(port, server)
             requests(port, seconds=args.warm_up)
             if args.tool == "callgrind":
-                subprocess.run(["callgrind_control", "-i", "on", str(server.pid)], check=True,
-                               capture_output=True)
+                subprocess.run(["callgrind_control", "-i", "on", str(server.pid)],
+                               check=True, capture_output=True)
                 requests(port, args.requests)
-                subprocess.run(["callgrind_control", "-i", "off", str(server.pid)], check=True,
-                               capture_output=True)
+                for command in (["-i", "off"], ["-d"]):  # the count, dumped to out.1
+                    subprocess.run(["callgrind_control", *command, str(server.pid)],
+                                   check=True, capture_output=True)
+                deadline = time.monotonic() + 120
+                while not os.path.exists(out + ".1") and time.monotonic() < deadline:
+                    requests(port, 1)  # (a busy server takes the dump command sooner)
+                    time.sleep(0.5)
+                time.sleep(1)  # written whole
             else:
                 summary = os.path.join(folder, "strace.txt")
                 tracer = subprocess.Popen(["strace", "-f", "-c", "-o", summary, "-p",
@@ -113,10 +124,12 @@ def main() -> None:
                 server.wait()
         log.seek(0)
         if args.tool == "callgrind":
-            collected = re.findall(r"Collected : (\d+)", log.read())
-            if not collected:
-                sys.exit("callgrind reported no count; the server's log:\n" + log.read()[-2000:])
-            print(f"{args.server}: {int(collected[-1]) / args.requests:,.0f} instructions per "
+            dumped = out + ".1"
+            totals = re.findall(r"^totals: (\d+)", open(dumped).read() if os.path.exists(dumped)
+                                else "", re.MULTILINE)
+            if not totals:
+                sys.exit("callgrind dumped no count; the server's log:\n" + log.read()[-2000:])
+            print(f"{args.server}: {int(totals[0]) / args.requests:,.0f} instructions per "
                   f"request ({args.requests} requests)")
         else:
             calls = {}

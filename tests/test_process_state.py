@@ -12,11 +12,18 @@ import pytest
 pytestmark = pytest.mark.timeout(120)
 
 SCENARIO = r'''
-import json, locale, os, resource, sys, time
+import json
 import multipy
 
 PROBE = """
 import locale, os, resource, signal, sys, time
+
+def state():
+    mask = os.umask(0)
+    os.umask(mask)
+    return {"cwd": os.getcwd(), "umask": mask, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+            "numeric": locale.setlocale(locale.LC_NUMERIC), "tz": time.tzname[0],
+            "recursion": sys.getrecursionlimit(), "pid": os.getpid()}
 
 def change():
     os.chdir("/")
@@ -32,28 +39,16 @@ def change():
     except ValueError as error:
         return str(error)
 
-def state():
-    mask = os.umask(0)
-    os.umask(mask)
-    return {"cwd": os.getcwd(), "umask": mask, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-            "numeric": locale.setlocale(locale.LC_NUMERIC), "tz": time.tzname[0],
-            "recursion": sys.getrecursionlimit(), "pid": os.getpid()}
 """
-
-def host():
-    mask = os.umask(0)
-    os.umask(mask)
-    return {"cwd": os.getcwd(), "umask": mask, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
-            "numeric": locale.setlocale(locale.LC_NUMERIC), "tz": time.tzname[0],
-            "recursion": sys.getrecursionlimit(), "pid": os.getpid()}
+exec(PROBE, globals())  # the host reads its state with the same state()
 
 os.umask(0o022)
 with multipy.InterpreterManager(2) as manager:
     manager.register_module_source("probe", PROBE)
     first, second = manager.all_instances()
-    before = host()
+    before = state()
     signal = first.global_("probe", "change")().deref()
-    print(json.dumps({"before": before, "signal": signal, "host": host(),
+    print(json.dumps({"before": before, "signal": signal, "host": state(),
                       "first": first.global_("probe", "state")().deref(),
                       "second": second.global_("probe", "state")().deref()}))
 '''

@@ -6,11 +6,13 @@ current stream and its torch's device name; the host does the same.  Then the ex
 ResNet-18 package is loaded with map_location="cuda" and replicated onto 1, then all N
 interpreters, without running it, and then run once at batch 8 in each.  Prints one
 JSON object: every context seen, whether they are one, the weights' bytes, and the
-device's memory in use (nvidia-smi's memory.used, every process) at each step.
+device's memory in use (nvidia-smi's memory.used, every process) at each step; and how
+many tiny kernels 1, then N interpreters launch a second at once (one context).
 
 With --processes N instead (plain python, no interpreters): N worker processes each load
 the same ResNet-18 onto the GPU and run it once at batch 8, as N process servers' workers
-would; prints the device's memory in use before and while they all hold it.
+would; prints the device's memory in use before and while they all hold it, and how
+many tiny kernels 1, then N processes launch a second at once (a context each).
 
     multipy run benchmarks/gpu/probe.py [--interpreters 8]
     python benchmarks/gpu/probe.py --processes 8
@@ -42,6 +44,19 @@ def report(size):
     return {"context": context.value, "failed": failed, "finite": y == y,
             "stream": torch.cuda.current_stream().cuda_stream,
             "device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+def launches(seconds):
+    """Tiny kernels launched, one after another, for seconds: how many."""
+    import time
+    x = torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    count, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(100):
+            x.add_(1)
+        count += 100
+    torch.cuda.synchronize()
+    return count
 '''
 
 
@@ -69,6 +84,45 @@ def _worker(path: str, ready, done) -> None:
     torch.cuda.synchronize()
     ready.release()
     done.wait()
+
+
+def _launching(seconds: float, start, results) -> None:
+    """A worker process of process_launches: CUDA started, then launches() timed."""
+    probe: dict = {}
+    exec(INSIDE, probe)
+    probe["torch"].ones(1, device="cuda")
+    start.wait(timeout=120)
+    results.put(probe["launches"](seconds))
+
+
+def process_launches(count: int, seconds: float = 3.0) -> float:
+    """Tiny-kernel launches per second of count processes at once, each its own context."""
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(count), context.Queue()
+    workers = [context.Process(target=_launching, args=(seconds, start, results))
+               for _ in range(count)]
+    for worker in workers:
+        worker.start()
+    total = sum(results.get(timeout=300) for _ in workers)
+    for worker in workers:
+        worker.join(60)
+    return total / seconds
+
+
+def interpreter_launches(manager: multipy.InterpreterManager, count: int,
+                         seconds: float = 3.0) -> float:
+    """Tiny-kernel launches per second of count interpreters at once, one context."""
+    totals = [0] * count
+
+    def run(i: int) -> None:
+        totals[i] = manager.all_instances()[i].global_("gpu_probe", "launches")(seconds).deref()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(totals) / seconds
 
 
 def processes(count: int) -> dict:
@@ -120,7 +174,10 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=0)
     args = parser.parse_args()
     if args.processes:
-        print(json.dumps({"used_mib": processes(args.processes)}, indent=1))
+        print(json.dumps({"used_mib": processes(args.processes),
+                          "launches_per_second": {
+                              f"{n} processes": process_launches(n)
+                              for n in (1, args.processes)}}, indent=1))
         return
     import torch
 
@@ -142,10 +199,13 @@ def main() -> None:
         for thread in threads:
             thread.join()
         memory[f"{args.interpreters} interpreters with torch"] = used_mib()
+        launches = {f"{n} interpreters": interpreter_launches(manager, n)
+                    for n in (1, args.interpreters)}
         weights = replicas(manager, memory)
     contexts = {r["context"] for r in reports} | {host.value}
     print(json.dumps({"host_context": host.value, "interpreters": reports,
                       "one_context": len(contexts) == 1, "weights_bytes": weights,
+                      "launches_per_second": launches,
                       "used_mib": memory}, indent=1))
 
 

@@ -2,8 +2,8 @@
 
 Host and interpreters share one address space, and one CUDA context, so a tensor (on
 the CPU or a CUDA device) or a numpy array crosses a call as a record of its memory
-instead of its bytes: the address of a DLPack description (multipy/_dlpack.h).  The sending side *exports* the object: it keeps the
-DLPack capsule under a token.  The receiving side builds an *alias* over the same memory;
+instead of its bytes: the address of a DLPack description (multipy/_dlpack.h).  The
+sending side *exports* the object: it keeps the DLPack capsule under a token.  The receiving side builds an *alias* over the same memory;
 when the last view of the alias dies, the token goes back to the owner, which drops the
 capsule (docs/design.md, "memory": memory is only ever freed by the side that allocated
 it).
@@ -172,7 +172,8 @@ class _CudaLoan:
 
 
 def _cuda_record(tensor: Any, lent: Lent) -> tuple | None:
-    """describe for a CUDA tensor: (CUDA, token, (address, event, stream slot, device))."""
+    """describe for a CUDA tensor: (CUDA, token, (address, event, stream slot, device,
+    sender's stream))."""
     if tensor.is_conj() or tensor.is_neg():  # lazy views, which DLPack would not describe
         return None
     import torch

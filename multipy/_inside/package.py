@@ -2,8 +2,9 @@
 
 The host calls these functions through ordinary requests (``global_`` and a call).
 Weights are never copied: an importer reads each storage record from the host's one
-copy (lent as aliases, see _sharing; on a CUDA device, the host's one copy there), and a movable object's storages stay in the
-interpreter that made it and are aliased by the others.
+copy (lent as aliases, see _sharing; on a CUDA device, the host's one copy there), and
+a movable object's storages stay in the interpreter that made it and are aliased by the
+others.
 """
 from __future__ import annotations
 

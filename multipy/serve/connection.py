@@ -56,8 +56,8 @@ class _Refused(Exception):
 class _Coalescing:
     """A connection's transport that holds an answer's head (uvicorn writes it alone)
     until the first piece of its body, the answer's end or the connection's close, and
-    writes the two together: one system call, and for a small answer one TCP segment, instead of two.
-    The rest is the transport's own."""
+    writes the two together: one system call, and for a small answer one TCP segment,
+    instead of two.  The rest is the transport's own."""
 
     __slots__ = ("_transport", "_head")
 

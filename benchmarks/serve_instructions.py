@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serve_load import free_port  # noqa: E402
+from serve_load import _stop, _wait_ready, free_port  # noqa: E402
 
 from multipy._launch import launch_environment  # noqa: E402
 
@@ -35,11 +35,11 @@ BODY = json.dumps({"inputs": [{"name": "x", "shape": [3, 10], "datatype": "FP32"
 
 
 def requests(port: int, count: int | None = None, seconds: float = 0.0) -> None:
-    """count requests (or as many as seconds allow) over one keep-alive connection."""
+    """count requests, or as many as seconds allow, over one keep-alive connection."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     end = time.monotonic() + seconds
     done = 0
-    while (count is None and time.monotonic() < end) or (count is not None and done < count):
+    while done < count if count is not None else time.monotonic() < end:
         connection.request("POST", "/v2/models/simple/infer", BODY,
                            {"Content-Type": "application/json"})
         answer = connection.getresponse()
@@ -48,22 +48,6 @@ def requests(port: int, count: int | None = None, seconds: float = 0.0) -> None:
             raise RuntimeError(f"the server answered {answer.status}")
         done += 1
     connection.close()
-
-
-def ready(port: int, server: subprocess.Popen, seconds: float = 1200) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited with {server.returncode}")
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-            connection.request("GET", "/v2/health/ready")
-            if connection.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise TimeoutError("the server was not ready")
 
 
 def main() -> None:
@@ -93,7 +77,7 @@ def main() -> None:
         server = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True,
                                   env=launch_environment())
         try:
-            ready(port, server)
+            _wait_ready(port, server, seconds=1200)  # (minutes to start under callgrind)
             requests(port, seconds=args.warm_up)
             if args.tool == "callgrind":
                 subprocess.run(["callgrind_control", "-i", "on", str(server.pid)],
@@ -116,12 +100,7 @@ def main() -> None:
                 tracer.send_signal(signal.SIGINT)
                 tracer.wait(60)
         finally:
-            os.killpg(server.pid, signal.SIGINT)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            _stop(server)
         log.seek(0)
         if args.tool == "callgrind":
             dumped = out + ".1"

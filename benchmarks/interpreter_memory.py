@@ -23,6 +23,8 @@ import struct
 import multipy
 
 _MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")
+#: The report's group of anonymous memory (mappings of no file).
+ANONYMOUS = "anonymous (heaps, Python's arenas, thread stacks)"
 
 INSIDE = r'''
 import ctypes, importlib
@@ -98,7 +100,7 @@ def smaps() -> tuple[collections.Counter, dict[str, int]]:
 def kind(name: str) -> str:
     """A mapping's group in the report: a library's file name, or anonymous memory."""
     if name.startswith("[") or not name.startswith("/"):
-        return "anonymous (heaps, Python's arenas, thread stacks)"
+        return ANONYMOUS
     return os.path.basename(name.removesuffix(" (.bss)"))
 
 
@@ -121,8 +123,7 @@ def main() -> None:
     grown: collections.Counter = collections.Counter()
     for name in set(before) | set(after):
         grown[kind(name)] += after[name] - before[name]
-    anonymous = "anonymous (heaps, Python's arenas, thread stacks)"
-    libraries = sorted(((kib, name) for name, kib in grown.items() if name != anonymous),
+    libraries = sorted(((kib, name) for name, kib in grown.items() if name != ANONYMOUS),
                        reverse=True)
     mib = 1024
     print(f"one more interpreter importing {', '.join(imports) or 'nothing'} "
@@ -130,7 +131,7 @@ def main() -> None:
     print(f"  RSS {(totals_after['Rss'] - totals_before['Rss']) / mib:,.1f} MiB, "
           f"PSS {(totals_after['Pss'] - totals_before['Pss']) / mib:,.1f} MiB, "
           f"private {sum(grown.values()) / mib:,.1f} MiB:")
-    print(f"  {grown[anonymous] / mib:8,.1f} MiB  {anonymous}; of which its libc's malloc "
+    print(f"  {grown[ANONYMOUS] / mib:8,.1f} MiB  {ANONYMOUS}; of which its libc's malloc "
           f"holds {malloc / 2**20:,.1f} MiB in use")
     print(f"  {sum(k for k, _ in libraries) / mib:8,.1f} MiB  libraries' own copies "
           f"(relocated data, .bss, code no other copy maps), of {len(libraries)} files:")

@@ -29,11 +29,20 @@ if sysconfig.get_config_var("Py_ENABLE_SHARED"):
         extra_link_args=["-Wl,--no-as-needed,--disable-new-dtags",
                          f"-l:{sysconfig.get_config_var('LDLIBRARY')}"]))
 if platform.machine() == "x86_64":
-    # The CUDA driver each interpreter sees (docs/design.md, "CUDA"): a plain shared
-    # library named libcuda.so.1 whose x86-64 trampolines jump to the host's driver.
-    # Elsewhere it is not built, and interpreters get no forwarder.
-    extensions.append(Extension(
-        "multipy._cuda_forward", ["multipy/_cuda_forward.c"], depends=["multipy/_cuda_names.h"],
-        libraries=["dl"], extra_link_args=["-Wl,-soname,libcuda.so.1"]))
+    # Libraries each interpreter reaches in the host's namespace instead of loading its own
+    # (docs/design.md, "CUDA" and "One copy per process"): plain shared libraries with the
+    # real one's soname, whose x86-64 trampolines (_forward.h) jump to the host's copy.
+    # Elsewhere they are not built, and interpreters load their own (and get no driver).
+    forward = ["multipy/_forward.h"]
+    extensions += [
+        Extension("multipy._cuda_forward", ["multipy/_cuda_forward.c"],
+                  depends=forward + ["multipy/_cuda_names.h"], libraries=["dl"],
+                  extra_link_args=["-Wl,-soname,libcuda.so.1"]),
+        Extension("multipy._cublaslt_forward", ["multipy/_cublaslt_forward.c"],
+                  depends=forward + ["multipy/_cublaslt_names.h", "multipy/_cublaslt_forward.map"],
+                  libraries=["dl"],
+                  extra_link_args=["-Wl,-soname,libcublasLt.so.13",
+                                   "-Wl,--version-script=multipy/_cublaslt_forward.map"]),
+    ]
 
 setup(ext_modules=extensions)

@@ -1,18 +1,33 @@
-"""The host's CUDA driver, and the forwarder that gives every interpreter that one driver.
+"""The host's CUDA driver and CUDA libraries, which every interpreter reaches through
+forwarders instead of loading its own.
 
 A process can use one CUDA driver, not one per namespace; each interpreter therefore gets
 ``_cuda_forward``, a library named ``libcuda.so.1`` whose every entry point jumps to the
 driver loaded here, in the host's namespace (docs/design.md, "CUDA").  Without a driver
-nothing is loaded anywhere.  Standard library only.
+nothing is loaded anywhere.  Some CUDA libraries cost each namespace that loads them a
+copy of their data; those in ``FORWARDERS`` are kept once, in the host's namespace, and
+an interpreter's dlopen of one gets its forwarder (docs/design.md, "One copy per
+process").  Standard library only.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
+import glob
 import importlib.util
+import os
+import struct
+import sys
 
 #: The driver's soname: what CUDA runtimes load, and the forwarder's own soname.
 DRIVER = "libcuda.so.1"
+
+#: Libraries that every interpreter reaches in the host's namespace: each one's soname,
+#: and the module of multipy's forwarder of that soname.
+FORWARDERS = {"libcublasLt.so.13": "multipy._cublaslt_forward"}
+
+#: Set to 0, every interpreter loads its own copy of the libraries in FORWARDERS.
+FORWARD_VARIABLE = "MULTIPY_FORWARD_LIBRARIES"
 
 
 @functools.cache
@@ -40,14 +55,74 @@ def driver_version() -> int | None:
     return None if failed else version.value
 
 
+def _module_path(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    return spec.origin if spec is not None and spec.origin else None
+
+
 def forwarder() -> str | None:
     """Path of the forwarder to load into each new interpreter's namespace before any
     code runs there: None when the host has no driver, or when the forwarder is not
     built (it is built on x86-64 only)."""
     if driver() is None:
         return None
-    spec = importlib.util.find_spec("multipy._cuda_forward")
-    return spec.origin if spec is not None and spec.origin else None
+    return _module_path("multipy._cuda_forward")
+
+
+@functools.cache
+def exported_functions(path: str) -> frozenset[str]:
+    """The functions that the shared library at path exports: the defined global and
+    weak functions of its dynamic symbol table, without their versions.  Empty for a
+    file that is no 64-bit little-endian ELF file.  Raises OSError if it cannot be read."""
+    with open(path, "rb") as library:
+        header = library.read(64)
+        if len(header) < 64 or header[:6] != b"\x7fELF\x02\x01":
+            return frozenset()
+        (table,), (size, count) = struct.unpack_from("<Q", header, 0x28), struct.unpack_from(
+            "<HH", header, 0x3A)
+        library.seek(table)
+        raw = library.read(size * count)
+        # Each section: name, type, flags, address, offset, size, link, ...
+        sections = [struct.unpack_from("<IIQQQQI", raw, i * size) for i in range(count)]
+        for _, kind, _, _, offset, length, link in sections:
+            if kind != 11:  # SHT_DYNSYM
+                continue
+            library.seek(offset)
+            symbols = library.read(length)
+            library.seek(sections[link][4])
+            names = library.read(sections[link][5])
+            exported = set()
+            for at in range(0, len(symbols), 24):  # Elf64_Sym
+                name, info, _, section = struct.unpack_from("<IBBH", symbols, at)
+                if section and info & 0xF == 2 and info >> 4 in (1, 2):  # FUNC; GLOBAL, WEAK
+                    exported.add(names[name:names.index(b"\0", name)].decode())
+            return frozenset(exported)
+    return frozenset()
+
+
+def forwarded_libraries() -> list[tuple[str, str]]:
+    """(library, its forwarder), resolved paths, for each installed copy of a library in
+    FORWARDERS that interpreters should reach in the host's namespace: those found as
+    torch finds them (``nvidia/*/lib/`` under an entry of sys.path) whose every exported
+    function the forwarder has.  Empty when MULTIPY_FORWARD_LIBRARIES is 0 or no
+    forwarder is built."""
+    if os.environ.get(FORWARD_VARIABLE, "1").strip() == "0":
+        return []
+    found = []
+    for soname, module in FORWARDERS.items():
+        stub = _module_path(module)
+        if stub is None:
+            continue
+        for entry in sys.path:
+            for path in glob.glob(os.path.join(entry or ".", "nvidia", "*", "lib", soname)):
+                real = os.path.realpath(path)
+                try:
+                    covered = exported_functions(real) <= exported_functions(stub)
+                except OSError:
+                    continue
+                if covered and (real, stub) not in found:
+                    found.append((real, stub))
+    return found
 
 
 def describe() -> str:

@@ -19,9 +19,16 @@
  *   interpreter and crashed.  Here it answers with the namespace's root object, this
  *   library, whose dependencies (searched breadth first by dlsym) start with the
  *   interpreter's own libpython: the program as the interpreter sees it.
+ * - A library the host keeps one copy of for every interpreter (docs/design.md, "One
+ *   copy per process"; the host names them with multipy_forward_library).  Opened by
+ *   its path, as torch opens cuBLASLt, it is loaded once into the host's namespace, and
+ *   the caller gets multipy's forwarder of the same soname, pointed at that copy.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
 
 #if defined(__x86_64__)
 
@@ -49,13 +56,77 @@ __attribute__((visibility("hidden"))) void *multipy_dlopen_root(const char *file
     return multipy_libc_dlopen(root_path, (mode & ~RTLD_GLOBAL) | RTLD_NOLOAD);
 }
 
+/* The libraries forwarded to the host's copy: the real file (a resolved path), and
+ * multipy's forwarder for it.  Written before any code runs in the namespace. */
+static struct {
+    char *real;
+    char *forwarder;
+} forwarded[4];
+static size_t forwarded_count;
+
+/* From the host, before any code runs in the namespace: a dlopen of `real` (by a path
+ * that resolves to it) gets `forwarder` instead.  0, or -1 when the table is full. */
+int multipy_forward_library(const char *real, const char *forwarder)
+{
+    if (forwarded_count == sizeof forwarded / sizeof forwarded[0])
+        return -1;
+    if (!(forwarded[forwarded_count].real = strdup(real))
+        || !(forwarded[forwarded_count].forwarder = strdup(forwarder)))
+        return -1;
+    forwarded_count++;
+    return 0;
+}
+
+/* dlopen(file, mode) of a forwarded library: the host's copy (loaded now if it was
+ * not) and this namespace's forwarder pointed at it.  NULL, for libc to open `file` as
+ * usual, when `file` is no forwarded library or any of that fails. */
+__attribute__((visibility("hidden"))) void *multipy_dlopen_forwarded(const char *file, int mode)
+{
+    const char *name = strrchr(file, '/');
+    if (!name || !forwarded_count)
+        return NULL;
+    char resolved[PATH_MAX];
+    for (size_t i = 0; i < forwarded_count; i++) {
+        if (strcmp(name, strrchr(forwarded[i].real, '/')) != 0 || !realpath(file, resolved)
+            || strcmp(resolved, forwarded[i].real) != 0)
+            continue;
+        mode &= ~RTLD_GLOBAL;
+        if (mode & RTLD_NOLOAD)
+            return multipy_libc_dlopen(forwarded[i].forwarder, mode);
+        void *host = dlmopen(LM_ID_BASE, forwarded[i].real, RTLD_NOW | RTLD_LOCAL);
+        if (!host)
+            return NULL;
+        void *forwarder = multipy_libc_dlopen(forwarded[i].forwarder, mode);
+        int (*forward_to)(void *) = forwarder ? (int (*)(void *))dlsym(forwarder, "multipy_forward_to") : NULL;
+        if (!forward_to) {
+            if (forwarder)
+                dlclose(forwarder);
+            dlclose(host);
+            return NULL;
+        }
+        forward_to(host);
+        return forwarder;
+    }
+    return NULL;
+}
+
 __attribute__((naked)) void *dlopen(const char *file, int mode)
 {
     (void)file, (void)mode;
     __asm__("testq %rdi, %rdi\n\t"
             "jz multipy_dlopen_root\n\t"
+            "pushq %rdi\n\t" /* kept across the call; the stack stays 16-byte aligned */
+            "pushq %rsi\n\t"
+            "subq $8, %rsp\n\t"
+            "call multipy_dlopen_forwarded\n\t"
+            "addq $8, %rsp\n\t"
+            "popq %rsi\n\t"
+            "popq %rdi\n\t"
+            "testq %rax, %rax\n\t"
+            "jnz 1f\n\t"
             "andl $-257, %esi\n\t" /* mode &= ~RTLD_GLOBAL (0x100) */
-            "jmp *multipy_libc_dlopen(%rip)\n\t");
+            "jmp *multipy_libc_dlopen(%rip)\n"
+            "1:\tret\n\t");
 }
 
 #endif

@@ -37,6 +37,8 @@ _KEYS_START = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes
 _START = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
                           ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
 _STOP = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_FORWARD_TO = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+_FORWARD_LIBRARY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p)
 _ACTIVE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 _JOIN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_double)
 
@@ -112,7 +114,12 @@ class Runtime:
             raise InterpreterStartError(f"interpreter {ordinal}: {error.value.decode()}")
         forwarder = _cuda.forwarder()
         if forwarder is not None:  # before any code runs there: the host's CUDA driver
-            _glibc.load_into(lmid, forwarder)
+            forward_to = _glibc.symbol(_glibc.load_into(lmid, forwarder), "multipy_forward_to")
+            _FORWARD_TO(forward_to)(_cuda.driver()._handle)
+        forward_library = _FORWARD_LIBRARY(_glibc.symbol(root, "multipy_forward_library"))
+        for library, its_forwarder in _cuda.forwarded_libraries():  # when first opened there
+            if forward_library(library.encode(), its_forwarder.encode()):
+                break  # the root's table is full: the rest load a copy each
         bootstrap = _glibc.load_into(lmid, _library_path("_bootstrap"))
         symbol = lambda name: _glibc.symbol(bootstrap, name)  # noqa: E731
         self._status_read, status_write = os.pipe()

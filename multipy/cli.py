@@ -111,8 +111,10 @@ def _info() -> None:
 
 #: Private memory of one more interpreter importing torch and numpy, by torch build, as
 #: benchmarks/interpreter_memory.py measured it (docs/benchmarks.md, "Memory of one more
-#: interpreter"): CPython 3.11, torch 2.13.0 (CPU wheel) and 2.14.1 (PyPI's CUDA build).
-_TORCH_MIB = {"cpu": 136, "cuda": 273}
+#: interpreter"): CPython 3.11, torch 2.13.0 (CPU wheel) and 2.14.1 (PyPI's CUDA build),
+#: the latter with its cuBLASLt kept once per process (docs/design.md, "One copy per
+#: process") and with a copy in each interpreter.
+_TORCH_MIB = {"cpu": 136, "cuda": 181, "cuda, a cuBLASLt each": 273}
 
 
 def _torch_memory() -> str:
@@ -122,10 +124,16 @@ def _torch_memory() -> str:
     if spec is None or not spec.submodule_search_locations:
         return "torch is not installed: a bare interpreter costs about 9 MiB private"
     library = Path(next(iter(spec.submodule_search_locations))) / "lib"
-    build = "cuda" if any(library.glob("libtorch_cuda*.so")) else "cpu"
+    if not any(library.glob("libtorch_cuda*.so")):
+        build, note = "cpu", ""
+    elif _cuda.forwarded_libraries():
+        build, note = "cuda", "; cuBLASLt kept once per process"
+    else:
+        build, note = "cuda, a cuBLASLt each", ("; each interpreter loads its own cuBLASLt "
+                                                "(docs/design.md, \"One copy per process\")")
     return (f"one more interpreter that imports torch costs about {_TORCH_MIB[build]} MiB "
-            f"of private memory with this {'CUDA' if build == 'cuda' else 'CPU'} build of "
-            f"torch (measured with torch 2.13/2.14; `multipy run "
+            f"of private memory with this {'CPU' if build == 'cpu' else 'CUDA'} build of "
+            f"torch{note} (measured with torch 2.13/2.14; `multipy run "
             f"benchmarks/interpreter_memory.py` measures it here)")
 
 

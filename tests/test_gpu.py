@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import multipy  # noqa: E402
+from multipy import _cuda  # noqa: E402
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.timeout(180)]
@@ -65,6 +66,10 @@ def kept_sum():
 
 def weight_pointers(model):
     return [p.data_ptr() for p in model.parameters()]
+
+def through_cublaslt(a, w, bias):
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    return torch.nn.functional.linear(a, w, bias), a @ w.T
 '''
 
 
@@ -156,3 +161,28 @@ def test_replicas_loaded_onto_cuda_alias_one_copy_of_the_weights(gpu, tmp_path):
                 for i, interpreter in enumerate(gpu.all_instances())]
     assert pointers[0] == pointers[1] == pointers[2]  # a copy each would differ
     assert torch.allclose(replicated(x), expected, atol=1e-5)
+
+
+def test_interpreters_run_cublaslt_in_the_hosts_one_copy(gpu):
+    # cuBLASLt is loaded once, in the host's namespace; each interpreter's dlopen of it
+    # gets multipy's forwarder (docs/design.md, "One copy per process").
+    a, w, bias = (torch.randn(*shape, device="cuda") for shape in ((64, 128), (32, 128), (32,)))
+    results = [None] * 3
+
+    def run(i: int) -> None:
+        results[i] = on(gpu, i, "through_cublaslt")(a, w, bias).deref()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    for linear, product in results:
+        assert torch.allclose(linear, torch.nn.functional.linear(a, w, bias), rtol=1e-3, atol=1e-3)
+        assert torch.allclose(product, a @ w.T, rtol=1e-3, atol=1e-3)
+    forwarded = [library for library, _ in _cuda.forwarded_libraries()]
+    if not forwarded:
+        pytest.skip("the installed cuBLASLt exports functions the forwarder lacks")
+    copies = [line for line in open("/proc/self/maps")
+              if line.split()[-1] in forwarded and int(line.split()[2], 16) == 0]
+    assert len(copies) == 1

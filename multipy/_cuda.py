@@ -70,10 +70,11 @@ def forwarder() -> str | None:
 
 
 @functools.cache
-def exported_functions(path: str) -> frozenset[str]:
-    """The functions that the shared library at path exports: the defined global and
-    weak functions of its dynamic symbol table, without their versions.  Empty for a
-    file that is no 64-bit little-endian ELF file.  Raises OSError if it cannot be read."""
+def exported_symbols(path: str) -> frozenset[str]:
+    """The names that the shared library at path exports: the defined global and weak
+    symbols of its dynamic symbol table (functions, data, any kind), without their
+    versions, less the absolute ones that name a version.  Empty for a file that is no
+    64-bit little-endian ELF file.  Raises OSError if it cannot be read."""
     with open(path, "rb") as library:
         header = library.read(64)
         if len(header) < 64 or header[:6] != b"\x7fELF\x02\x01":
@@ -94,7 +95,7 @@ def exported_functions(path: str) -> frozenset[str]:
             exported = set()
             for at in range(0, len(symbols), 24):  # Elf64_Sym
                 name, info, _, section = struct.unpack_from("<IBBH", symbols, at)
-                if section and info & 0xF == 2 and info >> 4 in (1, 2):  # FUNC; GLOBAL, WEAK
+                if section not in (0, 0xFFF1) and info >> 4 in (1, 2):  # UNDEF, ABS; GLOBAL, WEAK
                     exported.add(names[name:names.index(b"\0", name)].decode())
             return frozenset(exported)
     return frozenset()
@@ -104,7 +105,7 @@ def forwarded_libraries() -> list[tuple[str, str]]:
     """(library, its forwarder), resolved paths, for each installed copy of a library in
     FORWARDERS that interpreters should reach in the host's namespace: those found as
     torch finds them (``nvidia/*/lib/`` under an entry of sys.path) whose every exported
-    function the forwarder has.  Empty when MULTIPY_FORWARD_LIBRARIES is 0 or no
+    name the forwarder has (it has functions only).  Empty when MULTIPY_FORWARD_LIBRARIES is 0 or no
     forwarder is built."""
     if os.environ.get(FORWARD_VARIABLE, "1").strip() == "0":
         return []
@@ -117,7 +118,7 @@ def forwarded_libraries() -> list[tuple[str, str]]:
             for path in glob.glob(os.path.join(entry or ".", "nvidia", "*", "lib", soname)):
                 real = os.path.realpath(path)
                 try:
-                    covered = exported_functions(real) <= exported_functions(stub)
+                    covered = exported_symbols(real) <= exported_symbols(stub)
                 except OSError:
                     continue
                 if covered and (real, stub) not in found:

@@ -124,12 +124,12 @@ def test_every_interpreter_reaches_the_one_copy_in_the_host(python, tmp_path):
     assert result["host"] == 5
 
 
-@pytest.mark.parametrize("why", ["a function the forwarder lacks", "MULTIPY_FORWARD_LIBRARIES=0"])
-def test_otherwise_each_interpreter_loads_its_own_copy(python, tmp_path, why):
-    extra, env = "", {"MULTIPY_FORWARD_LIBRARIES": "0"}
-    if why == "a function the forwarder lacks":
-        extra, env = "int cublasLtFromALaterRelease(void) { return 0; }\n", {}
-    fake = _fake(tmp_path, extra)
+@pytest.mark.parametrize("extra, env", [
+    ("int cublasLtFromALaterRelease(void) { return 0; }", {}),  # the forwarder lacks it
+    ("int cublasLtData = 1;", {}),  # data: a forwarder forwards functions only
+    ("", {"MULTIPY_FORWARD_LIBRARIES": "0"})], ids=["function", "data", "turned off"])
+def test_otherwise_each_interpreter_loads_its_own_copy(python, tmp_path, extra, env):
+    fake = _fake(tmp_path, extra + "\n")
     result = _result(python(SCENARIO.format(**fake), timeout=HANG, env=env))
     assert os.path.realpath(fake["path"]) not in [library for library, _ in result["forwarded"]]
     assert result["copies"] == 2  # one in each interpreter; the host had none yet
@@ -138,13 +138,14 @@ def test_otherwise_each_interpreter_loads_its_own_copy(python, tmp_path, why):
     assert result["host"] == 1
 
 
-def test_exported_functions_are_the_dynamic_symbol_tables_defined_functions(tmp_path):
+def test_exported_symbols_are_the_dynamic_symbol_tables_defined_names(tmp_path):
     fake = _fake(tmp_path, "static int hidden(void) { return 0; }\nint data = 1;\n")
-    assert _cuda.exported_functions(fake["path"]) == {"cublasLtGetVersion",
-                                                       "cublasLtGetCudartVersion"}
-    assert _cuda.exported_functions(fake["consumer"]) == {"consumer_version"}
+    # Not hidden, not the version's own name (absolute), not what it needs from libc.
+    assert _cuda.exported_symbols(fake["path"]) == {"cublasLtGetVersion",
+                                                     "cublasLtGetCudartVersion", "data"}
+    assert _cuda.exported_symbols(fake["consumer"]) == {"consumer_version"}
     (tmp_path / "text.so").write_text("not a library")
-    assert _cuda.exported_functions(str(tmp_path / "text.so")) == frozenset()
+    assert _cuda.exported_symbols(str(tmp_path / "text.so")) == frozenset()
 
 
 REAL = [library for library, _ in _cuda.forwarded_libraries()]

@@ -33,16 +33,17 @@ if platform.machine() == "x86_64":
     # (docs/design.md, "CUDA" and "One copy per process"): plain shared libraries with the
     # real one's soname, whose x86-64 trampolines (_forward.h) jump to the host's copy.
     # Elsewhere they are not built, and interpreters load their own (and get no driver).
-    forward = ["multipy/_forward.h"]
-    extensions += [
-        Extension("multipy._cuda_forward", ["multipy/_cuda_forward.c"],
-                  depends=forward + ["multipy/_cuda_names.h"], libraries=["dl"],
-                  extra_link_args=["-Wl,-soname,libcuda.so.1"]),
-        Extension("multipy._cublaslt_forward", ["multipy/_cublaslt_forward.c"],
-                  depends=forward + ["multipy/_cublaslt_names.h", "multipy/_cublaslt_forward.map"],
-                  libraries=["dl"],
-                  extra_link_args=["-Wl,-soname,libcublasLt.so.13",
-                                   "-Wl,--version-script=multipy/_cublaslt_forward.map"]),
-    ]
+    extensions.append(Extension(
+        "multipy._cuda_forward", ["multipy/_cuda_forward.c"],
+        depends=["multipy/_forward.h", "multipy/_cuda_names.h"], libraries=["dl"],
+        extra_link_args=["-Wl,-soname,libcuda.so.1"]))
+    # These carry their real library's one symbol version, named as its soname, which
+    # the libraries that need them require.
+    for name, soname in [("cublaslt", "libcublasLt.so.13"), ("nvrtc", "libnvrtc.so.13"),
+                         ("nvjitlink", "libnvJitLink.so.13")]:
+        extensions.append(Extension(
+            f"multipy._{name}_forward", [f"multipy/_{name}_forward.c"],
+            depends=["multipy/_forward.h", f"multipy/_{name}_names.h"], libraries=["dl"],
+            extra_link_args=[f"-Wl,-soname,{soname}", "-Wl,--default-symver"]))
 
 setup(ext_modules=extensions)

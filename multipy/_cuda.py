@@ -24,7 +24,9 @@ DRIVER = "libcuda.so.1"
 
 #: Libraries that every interpreter reaches in the host's namespace: each one's soname,
 #: and the module of multipy's forwarder of that soname.
-FORWARDERS = {"libcublasLt.so.13": "multipy._cublaslt_forward"}
+FORWARDERS = {"libcublasLt.so.13": "multipy._cublaslt_forward",
+              "libnvrtc.so.13": "multipy._nvrtc_forward",
+              "libnvJitLink.so.13": "multipy._nvjitlink_forward"}
 
 #: Set to 0, every interpreter loads its own copy of the libraries in FORWARDERS.
 FORWARD_VARIABLE = "MULTIPY_FORWARD_LIBRARIES"

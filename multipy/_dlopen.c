@@ -61,7 +61,7 @@ __attribute__((visibility("hidden"))) void *multipy_dlopen_root(const char *file
 static struct {
     char *real;
     char *forwarder;
-} forwarded[4];
+} forwarded[8];
 static size_t forwarded_count;
 
 /* From the host, before any code runs in the namespace: a dlopen of `real` (by a path

@@ -112,9 +112,9 @@ def _info() -> None:
 #: Private memory of one more interpreter importing torch and numpy, by torch build, as
 #: benchmarks/interpreter_memory.py measured it (docs/benchmarks.md, "Memory of one more
 #: interpreter"): CPython 3.11, torch 2.13.0 (CPU wheel) and 2.14.1 (PyPI's CUDA build),
-#: the latter with its cuBLASLt kept once per process (docs/design.md, "One copy per
-#: process") and with a copy in each interpreter.
-_TORCH_MIB = {"cpu": 136, "cuda": 181, "cuda, a cuBLASLt each": 273}
+#: the latter with its cuBLASLt, NVRTC and nvJitLink kept once per process (docs/design.md,
+#: "One copy per process") and with a copy of each in each interpreter.
+_TORCH_MIB = {"cpu": 136, "cuda": 171, "cuda, copies in each": 273}
 
 
 def _torch_memory() -> str:
@@ -126,10 +126,10 @@ def _torch_memory() -> str:
     library = Path(next(iter(spec.submodule_search_locations))) / "lib"
     if not any(library.glob("libtorch_cuda*.so")):
         build, note = "cpu", ""
-    elif _cuda.forwarded_libraries():
-        build, note = "cuda", "; cuBLASLt kept once per process"
+    elif kept := sorted(os.path.basename(library) for library, _ in _cuda.forwarded_libraries()):
+        build, note = "cuda", f"; {', '.join(kept)} kept once per process"
     else:
-        build, note = "cuda, a cuBLASLt each", ("; each interpreter loads its own cuBLASLt "
+        build, note = "cuda, copies in each", ("; each interpreter loads its own CUDA libraries "
                                                 "(docs/design.md, \"One copy per process\")")
     return (f"one more interpreter that imports torch costs about {_TORCH_MIB[build]} MiB "
             f"of private memory with this {'CPU' if build == 'cpu' else 'CUDA'} build of "

@@ -152,7 +152,8 @@ REAL = [library for library, _ in _cuda.forwarded_libraries()]
 
 
 @pytest.mark.skipif(not REAL, reason="PyPI's CUDA build of torch (with cuBLASLt 13) is not installed")
-def test_interpreters_importing_the_cuda_build_share_one_cublaslt(python):
+def test_interpreters_importing_the_cuda_build_share_one_copy_of_each(python):
+    assert {os.path.basename(library) for library in REAL} == set(_cuda.FORWARDERS)
     result = _result(python(f"""
         import json, os
         import multipy
@@ -164,20 +165,22 @@ def test_interpreters_importing_the_cuda_build_share_one_cublaslt(python):
         with multipy.InterpreterManager(2) as manager:
             manager.register_module_source("torch_probe", INSIDE)
             ran = [i.global_("torch_probe", "load")().deref() for i in manager.all_instances()]
-            copies = sum(1 for line in open("/proc/self/maps")
-                         if line.split()[-1] == {REAL[0]!r} and int(line.split()[2], 16) == 0)
+            copies = {{library: 0 for library in {REAL!r}}}
+            for line in open("/proc/self/maps"):
+                if line.split()[-1] in copies and int(line.split()[2], 16) == 0:
+                    copies[line.split()[-1]] += 1
         print("RESULT", json.dumps({{"ran": ran, "copies": copies}}))
     """, timeout=HANG * 2))
-    assert result == {"ran": [True, True], "copies": 1}
+    assert result == {"ran": [True, True], "copies": {library: 1 for library in REAL}}
 
 
 @pytest.mark.skipif(not REAL, reason="PyPI's CUDA build of torch (with cuBLASLt 13) is not installed")
 @pytest.mark.parametrize("variable, said", [
-    ("1", "costs about 181 MiB of private memory with this CUDA build of torch; cuBLASLt kept "
-          "once per process"),
+    ("1", "costs about 171 MiB of private memory with this CUDA build of torch; "
+          "libcublasLt.so.13, libnvJitLink.so.13, libnvrtc.so.13 kept once per process"),
     ("0", "costs about 273 MiB of private memory with this CUDA build of torch; each "
-          "interpreter loads its own cuBLASLt")])
-def test_info_estimates_an_interpreter_by_whether_cublaslt_is_kept_once(variable, said):
+          "interpreter loads its own CUDA libraries")])
+def test_info_estimates_an_interpreter_by_whether_cuda_libraries_are_kept_once(variable, said):
     completed = subprocess.run([sys.executable, "-m", "multipy", "info"], capture_output=True,
                                text=True, timeout=HANG,
                                env={**os.environ, "MULTIPY_FORWARD_LIBRARIES": variable})

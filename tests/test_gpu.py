@@ -70,6 +70,11 @@ def weight_pointers(model):
 def through_cublaslt(a, w, bias):
     torch.backends.cuda.preferred_blas_library("cublaslt")
     return torch.nn.functional.linear(a, w, bias), a @ w.T
+
+def through_nvrtc(x):
+    twice_plus = torch.cuda.jiterator._create_jit_fn(
+        "template <typename T> T twice_plus(T x, T y) { return 2 * x + y; }")
+    return twice_plus(x, x)
 '''
 
 
@@ -163,14 +168,16 @@ def test_replicas_loaded_onto_cuda_alias_one_copy_of_the_weights(gpu, tmp_path):
     assert torch.allclose(replicated(x), expected, atol=1e-5)
 
 
-def test_interpreters_run_cublaslt_in_the_hosts_one_copy(gpu):
-    # cuBLASLt is loaded once, in the host's namespace; each interpreter's dlopen of it
-    # gets multipy's forwarder (docs/design.md, "One copy per process").
+def test_interpreters_run_cublaslt_and_nvrtc_in_the_hosts_one_copy(gpu):
+    # cuBLASLt and NVRTC are loaded once, in the host's namespace; each interpreter's
+    # dlopen of them gets multipy's forwarders (docs/design.md, "One copy per process").
     a, w, bias = (torch.randn(*shape, device="cuda") for shape in ((64, 128), (32, 128), (32,)))
     results = [None] * 3
+    compiled = [None] * 3
 
     def run(i: int) -> None:
         results[i] = on(gpu, i, "through_cublaslt")(a, w, bias).deref()
+        compiled[i] = on(gpu, i, "through_nvrtc")(a).deref()
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for thread in threads:
@@ -180,9 +187,11 @@ def test_interpreters_run_cublaslt_in_the_hosts_one_copy(gpu):
     for linear, product in results:
         assert torch.allclose(linear, torch.nn.functional.linear(a, w, bias), rtol=1e-3, atol=1e-3)
         assert torch.allclose(product, a @ w.T, rtol=1e-3, atol=1e-3)
+    for result in compiled:  # a jiterator kernel, compiled by NVRTC inside
+        assert torch.allclose(result, 3 * a)
     forwarded = [library for library, _ in _cuda.forwarded_libraries()]
     if not forwarded:
-        pytest.skip("the installed cuBLASLt exports functions the forwarder lacks")
-    copies = [line for line in open("/proc/self/maps")
+        pytest.skip("the installed CUDA libraries export names the forwarders lack")
+    copies = [line.split()[-1] for line in open("/proc/self/maps")
               if line.split()[-1] in forwarded and int(line.split()[2], 16) == 0]
-    assert len(copies) == 1
+    assert sorted(copies) == sorted(set(copies))  # one copy of each

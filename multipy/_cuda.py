@@ -7,10 +7,13 @@ driver loaded here, in the host's namespace (docs/design.md, "CUDA").  Without a
 nothing is loaded anywhere.  Some CUDA libraries cost each namespace that loads them a
 copy of their data; those in ``FORWARDERS`` are kept once, in the host's namespace, and
 an interpreter's dlopen of one gets its forwarder (docs/design.md, "One copy per
-process").  Standard library only.
+process").  ``call``, ``primary_context`` and ``DeviceCopy`` use the driver directly,
+on either side (in an interpreter, through its forwarder), without torch.  Standard
+library only.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
@@ -18,6 +21,9 @@ import importlib.util
 import os
 import struct
 import sys
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 #: The driver's soname: what CUDA runtimes load, and the forwarder's own soname.
 DRIVER = "libcuda.so.1"
@@ -55,6 +61,90 @@ def driver_version() -> int | None:
     except AttributeError:  # a library of that name that is no CUDA driver
         return None
     return None if failed else version.value
+
+
+def call(name: str, *args: Any) -> None:
+    """Calls the driver's function name with args; RuntimeError, naming the function and
+    the driver's error, if it fails or there is no driver."""
+    cuda = driver()
+    if cuda is None:
+        raise RuntimeError(f"no CUDA driver to call {name}: this machine has none that loads")
+    code = getattr(cuda, name)(*args)
+    if code:
+        text = ctypes.c_char_p()
+        cuda.cuGetErrorString(code, ctypes.byref(text))
+        raise RuntimeError(f"the CUDA driver's {name} failed with error {code}"
+                           + (f" ({text.value.decode()})" if text.value else ""))
+
+
+#: device ordinal -> its primary context (CUcontext), retained for the process's life:
+#: the context torch's CUDA runtime uses, in the host and in every interpreter.
+_primary_contexts: dict[int, ctypes.c_void_p] = {}
+_retaining = threading.Lock()
+
+
+@contextlib.contextmanager
+def primary_context(device: int) -> Iterator[None]:
+    """Makes the primary context of CUDA device ``device`` (an ordinal) current on this
+    thread for the block, whichever thread it is; RuntimeError if the driver refuses."""
+    with _retaining:
+        context = _primary_contexts.get(device)
+        if context is None:
+            handle, context = ctypes.c_int(), ctypes.c_void_p()
+            call("cuInit", 0)
+            call("cuDeviceGet", ctypes.byref(handle), device)
+            call("cuDevicePrimaryCtxRetain", ctypes.byref(context), handle)
+            _primary_contexts[device] = context
+    call("cuCtxPushCurrent_v2", context)
+    try:
+        yield
+    finally:
+        driver().cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+
+
+class DeviceCopy:
+    """Copies of host buffers in the memory of CUDA device ``device`` (an ordinal), made
+    through the driver in the device's primary context, which torch uses too: one
+    allocation, each buffer at an offset aligned to 256 bytes, copied before the
+    constructor returns.  ``places`` maps each buffer's name to (device address, size);
+    an empty buffer gets (0, 0).  ``close()`` frees the memory (once; later calls do
+    nothing).  RuntimeError if there is no driver or it refuses (nothing is kept then).
+
+    buffers: name -> an object of the buffer protocol, C-contiguous (a numpy array)."""
+
+    def __init__(self, buffers: Mapping[str, Any], device: int = 0) -> None:
+        self.device = device
+        self.places: dict[str, tuple[int, int]] = {}
+        views = {name: memoryview(buffer).cast("B") for name, buffer in buffers.items()}
+        offsets, total = {}, 0
+        for name, view in views.items():
+            if view.nbytes:
+                offsets[name], total = total, total + (view.nbytes + 255) // 256 * 256
+        self._base = ctypes.c_uint64()
+        with primary_context(device):
+            if total:
+                call("cuMemAlloc_v2", ctypes.byref(self._base), ctypes.c_size_t(total))
+            try:
+                for name, view in views.items():
+                    if not view.nbytes:
+                        self.places[name] = (0, 0)
+                        continue
+                    address = self._base.value + offsets[name]
+                    source = (ctypes.c_char * view.nbytes).from_buffer(view) if not view.readonly \
+                        else ctypes.create_string_buffer(view.tobytes(), view.nbytes)
+                    call("cuMemcpyHtoD_v2", ctypes.c_uint64(address), source,
+                         ctypes.c_size_t(view.nbytes))
+                    self.places[name] = (address, view.nbytes)
+                call("cuCtxSynchronize")  # a copy from pageable memory may still be in flight
+            except BaseException:
+                self.close()
+                raise
+
+    def close(self) -> None:
+        base, self._base = self._base, ctypes.c_uint64()
+        if base.value:
+            with primary_context(self.device):
+                call("cuMemFree_v2", base)
 
 
 def _module_path(name: str) -> str | None:

@@ -28,7 +28,7 @@ import threading
 import types
 from typing import Any, Callable, Iterable, Iterator
 
-from . import _protocol
+from . import _cuda, _protocol
 
 try:  # multipy's C: inside an interpreter its bootstrap module, in the host _host
     import _multipy_bootstrap as _c
@@ -248,40 +248,14 @@ def order_after_call() -> None:
         _stream_wait_event(stream, event.cuda_event, device)
 
 
-#: device ordinal -> its primary context (CUcontext), retained for the process's life:
-#: the context torch's CUDA runtime uses, in the host and in every interpreter.
-_primary_contexts: dict[int, ctypes.c_void_p] = {}
-
-
-def _driver_call(cuda: ctypes.CDLL, name: str, *args: Any) -> None:
-    code = getattr(cuda, name)(*args)
-    if code:
-        raise RuntimeError(f"the CUDA driver's {name} failed with error {code}")
-
-
-@functools.cache
-def _driver() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")  # loaded already by this side's torch
-
-
 def _stream_wait_event(stream: int, event: int, device: int) -> None:
     """Makes ``stream`` (a CUstream; 0 is the legacy default stream) wait, on the GPU, for
     the work recorded before ``event`` (a CUevent) on ``device``: no thread waits.  The
     device's primary context is current for the call, whichever thread this is.  The
     driver is the process's one (in an interpreter, its forwarder: docs/design.md, "CUDA");
     RuntimeError if it refuses."""
-    cuda = _driver()
-    context = _primary_contexts.get(device)
-    if context is None:
-        handle, context = ctypes.c_int(), ctypes.c_void_p()
-        _driver_call(cuda, "cuDeviceGet", ctypes.byref(handle), device)
-        _driver_call(cuda, "cuDevicePrimaryCtxRetain", ctypes.byref(context), handle)
-        _primary_contexts[device] = context
-    _driver_call(cuda, "cuCtxPushCurrent_v2", context)
-    try:
-        _driver_call(cuda, "cuStreamWaitEvent", ctypes.c_void_p(stream), ctypes.c_void_p(event), 0)
-    finally:
-        cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+    with _cuda.primary_context(device):
+        _cuda.call("cuStreamWaitEvent", ctypes.c_void_p(stream), ctypes.c_void_p(event), 0)
 
 
 def _array_record(array: Any, lent: Lent) -> tuple | None:

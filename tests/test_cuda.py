@@ -27,12 +27,36 @@ needs_forwarder = pytest.mark.skipif(FORWARDER is None,
                                      reason="the forwarder is built on x86-64 only")
 
 FAKE_DRIVER = r"""
-static int calls;
+#include <stdlib.h>
+#include <string.h>
+static int calls, contexts, allocations, frees;
 
 int cuInit(unsigned int flags) { __atomic_fetch_add(&calls, 1, __ATOMIC_SEQ_CST); return flags; }
 int cuDriverGetVersion(int *version) { *version = 12040; return 0; }
 int cuDeviceGetCount(int *count) { *count = 3; return 0; }
 int fake_calls(void) { return calls; }
+
+/* Device memory is host memory here; at most 1 MiB at a time. */
+int cuDeviceGet(int *device, int ordinal) { *device = ordinal; return ordinal < 3 ? 0 : 101; }
+int cuDevicePrimaryCtxRetain(void **context, int device) { *context = (void *)(long)(device + 1); return 0; }
+int cuCtxPushCurrent_v2(void *context) { contexts++; return 0; }
+int cuCtxPopCurrent_v2(void **context) { contexts--; return 0; }
+int cuCtxSynchronize(void) { return 0; }
+int cuMemAlloc_v2(unsigned long long *address, size_t size)
+{
+    if (size > (1 << 20)) return 2; /* CUDA_ERROR_OUT_OF_MEMORY */
+    allocations++;
+    *address = (unsigned long long)malloc(size);
+    return 0;
+}
+int cuMemcpyHtoD_v2(unsigned long long address, const void *from, size_t size)
+{
+    memcpy((void *)address, from, size);
+    return 0;
+}
+int cuMemFree_v2(unsigned long long address) { frees++; free((void *)address); return 0; }
+int cuGetErrorString(int error, const char **text) { *text = error == 2 ? "out of memory" : 0; return 0; }
+int fake_memory(void) { return allocations * 1000 + frees * 10 + contexts; }
 """
 
 #: Registered in each interpreter: what the CUDA driver looks like from inside.
@@ -61,7 +85,7 @@ def probe():
     where = _DlInfo()
     ctypes.CDLL("libc.so.6").dladdr(ctypes.cast(cuda.cuInit, ctypes.c_void_p), ctypes.byref(where))
     return {"init": cuda.cuInit(0), "devices": cuda.cuDeviceGetCount(ctypes.byref(count)),
-            "count": count.value, "missing": cuda.cuMemAlloc_v2(None, 0),
+            "count": count.value, "missing": cuda.cuModuleLoad(None, None),
             "path": os.path.realpath(where.fname.decode()),
             "fake_visible": hasattr(cuda, "fake_calls")}
 """
@@ -125,7 +149,7 @@ def test_every_interpreter_reaches_the_one_driver_of_the_host(python, fake_drive
         assert seen["path"] == result["forwarder"]  # the forwarder, not a copy of the driver
         assert not seen["fake_visible"]
         assert (seen["init"], seen["devices"], seen["count"]) == (0, 0, 3)
-        assert seen["missing"] == 500  # CUDA_ERROR_NOT_FOUND: the fake has no cuMemAlloc_v2
+        assert seen["missing"] == 500  # CUDA_ERROR_NOT_FOUND: the fake has no cuModuleLoad
     assert result["calls"] == 2  # both interpreters' cuInit reached the host's copy
 
 
@@ -157,3 +181,60 @@ def test_the_forwarder_exports_every_listed_name_and_forwards_nothing_in_the_hos
         print("RESULT", json.dumps({{n: getattr(forwarder, n)() for n in {names!r}}}))
     """, timeout=HANG))
     assert result == {name: 500 for name in names}
+
+
+DEVICE_COPY = """
+import ctypes, gc, json
+import numpy as np
+from multipy import _cuda
+from multipy.serve import archive
+
+host = _cuda.driver()
+buffers = {"a": np.arange(10, dtype=np.uint8), "empty": np.zeros(0, np.uint8),
+           "b": np.frombuffer(b"weights", np.uint8)}  # (read-only)
+copy = _cuda.DeviceCopy(buffers, 1)
+base = min(address for address, size in copy.places.values() if size)  # (the fake's malloc)
+seen = {name: [(address - base) % 256 == 0 if size else address == 0,  # aligned; empty: (0, 0)
+               list(ctypes.string_at(address, size)) if size else []]
+        for name, (address, size) in copy.places.items()}
+after_copy = host.fake_memory()
+copy.close()
+copy.close()
+after_close = host.fake_memory()
+try:
+    _cuda.DeviceCopy({"big": np.zeros(2 << 20, np.uint8)})
+    refused = None
+except RuntimeError as error:
+    refused = str(error)
+places, device, keeper = archive.on_device(buffers, "cuda:2")
+before_drop = host.fake_memory()
+del keeper
+gc.collect()
+print("RESULT", json.dumps({"seen": seen, "after_copy": after_copy, "after_close": after_close,
+                            "refused": refused, "device": device, "before_drop": before_drop,
+                            "after_drop": host.fake_memory()}))
+"""
+
+
+def test_a_device_copy_holds_the_bytes_until_it_is_closed_or_its_keeper_dies(python, fake_driver):
+    result = _result(python(DEVICE_COPY, env=fake_driver, timeout=HANG))
+    assert result["seen"] == {"a": [True, list(range(10))], "empty": [True, []],
+                              "b": [True, list(b"weights")]}
+    # fake_memory: allocations * 1000 + frees * 10 + contexts current: one allocation,
+    # freed once by two closes, the context popped after each use
+    assert (result["after_copy"], result["after_close"]) == (1000, 1010)
+    assert result["refused"] == ("the CUDA driver's cuMemAlloc_v2 failed with error 2 "
+                                 "(out of memory)")
+    assert result["device"] == "cuda:2"
+    assert (result["before_drop"], result["after_drop"]) == (2010, 2020)
+
+
+def test_serve_on_a_cuda_device_needs_a_driver_and_says_which_devices(tmp_path):
+    for device, said in (("gpu", "--device must be cpu, cuda or cuda:N (a GPU's index), not 'gpu'"),
+                         ("cuda:0", "--device cuda:0: this machine has no CUDA driver that loads")):
+        completed = subprocess.run(
+            [sys.executable, "-m", "multipy", "serve", str(tmp_path / "model.pt"), "--device",
+             device], capture_output=True, text=True, timeout=HANG)
+        if device != "gpu" and "CUDA driver" not in completed.stderr:
+            pytest.skip("this machine has a CUDA driver")
+        assert completed.returncode == 2 and said in completed.stderr, completed.stderr

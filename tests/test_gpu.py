@@ -6,9 +6,16 @@ runs them on a GPU machine.
 from __future__ import annotations
 
 import ctypes
+import http.client
+import json
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
+from conftest import export
 
 torch = pytest.importorskip("torch")
 
@@ -195,3 +202,69 @@ def test_interpreters_run_cublaslt_and_nvrtc_in_the_hosts_one_copy(gpu):
     copies = [line.split()[-1] for line in open("/proc/self/maps")
               if line.split()[-1] in forwarded and int(line.split()[2], 16) == 0]
     assert sorted(copies) == sorted(set(copies))  # one copy of each
+
+
+SERVED = """
+import torch
+
+
+class Weights(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        weight = self.linear.weight
+        return (self.linear(x), torch.tensor([weight.data_ptr()]),
+                torch.tensor([weight.is_cuda, x.is_cuda]), torch.tensor([id(torch)]))
+"""
+
+
+def test_serve_copies_an_archives_weights_to_the_device_once(tmp_path):
+    # multipy serve --device cuda: the host copies the weights to the GPU once (through the
+    # driver), every interpreter's model aliases them, inputs go there and outputs back.
+    pytest.importorskip("uvicorn")
+    path = export(tmp_path, "gpu_served", SERVED, lambda module: module.Weights(), "weights.pt")
+    expected = torch.package.PackageImporter(path).load_pickle("model", "model.pkl")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "multipy", "serve", path, "--device", "cuda",
+                               "--interpreters", "3", "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while True:
+            assert server.poll() is None, server.stdout.read()
+            assert time.monotonic() < deadline, "the server was not ready"
+            try:
+                ready = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                ready.request("GET", "/v2/health/ready")
+                if ready.getresponse().status == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        # Three connections open at once: each goes to an interpreter of its own.
+        connections = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for _ in range(3)]
+        for connection in connections:
+            connection.connect()
+        x = [[1.0, 2.0, 3.0, 4.0]]
+        answers = []
+        for connection in connections:
+            connection.request("POST", "/v2/models/weights/infer", json.dumps({"inputs": [
+                {"name": "x", "shape": [1, 4], "datatype": "FP32", "data": x[0]}]}),
+                {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            assert response.status == 200
+            answers.append({o["name"]: o["data"] for o in json.loads(response.read())["outputs"]})
+        with torch.no_grad():
+            wanted = expected(torch.tensor(x))[0].flatten().tolist()
+        for answer in answers:
+            assert answer["output0"] == pytest.approx(wanted, rel=1e-5)
+            assert answer["output2"] == [True, True]
+        assert len({answer["output3"][0] for answer in answers}) == 3  # three interpreters
+        assert len({answer["output1"][0] for answer in answers}) == 1  # one copy of the weights
+    finally:
+        server.kill()
+        server.wait(30)

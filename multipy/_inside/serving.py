@@ -3,7 +3,9 @@
 The serving host never imports torch.  It sends numpy arrays, lent without copies
 (multipy._sharing); here they become tensors over the same memory (``torch.from_numpy``),
 the model runs under ``torch.no_grad()``, and its outputs go back as numpy arrays over
-the outputs' own memory, lent the same way.  BF16 has no numpy dtype: a BF16 tensor
+the outputs' own memory, lent the same way.  A model served on a CUDA device has its
+weights in device memory that the host copied there once (multipy.serve.archive.
+on_device), aliased here; its inputs are copied to the device and its outputs back.  BF16 has no numpy dtype: a BF16 tensor
 crosses, both ways, as a uint16 array of its bits (``tensor.view(torch.uint16)``).
 
 BYTES (text, and other data of variable length) has no tensor: a BYTES input reaches the
@@ -43,11 +45,13 @@ _INPUT_KINDS = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_
                 inspect.Parameter.KEYWORD_ONLY)
 
 
-def load(path: str, module: str, resource: str, storages: dict[str, Any]) -> Served:
+def load(path: str, module: str, resource: str, storages: dict[str, Any],
+         device: str = "cpu", keeper: Any = None) -> Served:
     """The model pickled at (module, resource) of the torch.package archive at path,
-    ready to serve.  storages: the archive's storage records (record name -> uint8 numpy
-    array lent by the host), which the model's tensors alias instead of reading the file
-    again.  The archive's
+    ready to serve on device.  storages: the archive's storage records (record name ->
+    uint8 numpy array lent by the host; on a CUDA device, (address, size) of the host's
+    copy in device memory, which keeper, lent by the host, keeps), which the model's
+    tensors alias instead of reading the file again.  The archive's
     (module, "example.pkl"), if it has one, is a tuple of example inputs: it names the
     inputs' datatypes and shapes in the metadata, and warms the model up.  Its
     (module, "config.json"), if it has one, declares the inputs (and outputs): see
@@ -56,19 +60,43 @@ def load(path: str, module: str, resource: str, storages: dict[str, Any]) -> Ser
 
     from .package import importer, load_pickle
 
-    shared = {name: torch.from_numpy(array) for name, array in storages.items()}
+    if device == "cpu":
+        shared = {name: torch.from_numpy(array) for name, array in storages.items()}
+        location = None
+    else:
+        shared = {name: _on_device(torch, address, size, device)
+                  for name, (address, size) in storages.items()}
+        location = device
     package_importer = importer(path, shared)
-    model = load_pickle(package_importer, module, resource)
+    model = load_pickle(package_importer, module, resource, location)
     example = config = None
     folder = module.replace(".", "/")
     records = package_importer.zip_reader.get_all_records()
     if f"{folder}/example.pkl" in records:
-        example = load_pickle(package_importer, module, "example.pkl")
+        example = load_pickle(package_importer, module, "example.pkl", location)
         if not isinstance(example, tuple):
             example = (example,)
     if f"{folder}/config.json" in records:
         config = declared(package_importer.load_text(module, "config.json"))
-    return Served(model, example, package_importer.modules.values(), config)
+    return Served(model, example, package_importer.modules.values(), config, device, keeper)
+
+
+class _DeviceBytes:
+    """Bytes in device memory that the host holds, as torch.as_tensor takes them: the
+    CUDA Array Interface (version 3), with no stream to wait for (the host's copy ended
+    before the host sent the address)."""
+
+    def __init__(self, address: int, size: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (size,), "typestr": "|u1",
+                                         "data": (address, False), "version": 3,
+                                         "strides": None, "stream": None}
+
+
+def _on_device(torch: Any, address: int, size: int, device: str) -> Any:
+    """A uint8 tensor on device over size bytes at address, which it does not own."""
+    if not size:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.as_tensor(_DeviceBytes(address, size), device=device)
 
 
 def declared(text: str) -> dict[str, list[dict]]:
@@ -114,9 +142,14 @@ class Served:
     """One model in this interpreter, called by the host with numpy arrays."""
 
     def __init__(self, model: Any, example: tuple | None, modules: Any = (),
-                 config: dict[str, list[dict]] | None = None) -> None:
+                 config: dict[str, list[dict]] | None = None, device: str = "cpu",
+                 keeper: Any = None) -> None:
         self.model = model
         self.config = config
+        #: where the model runs: inputs are copied there
+        self.device = device
+        #: what keeps the memory that the model's weights alias, where the host holds it
+        self.keeper = keeper
         # the package's own modules (mangled names; not its extern ones): see forget
         own = [module for module in modules if isinstance(module, types.ModuleType)
                and module.__name__.startswith(_MANGLED)]
@@ -153,7 +186,8 @@ class Served:
         import torch
 
         try:
-            tensors = [_tensor(torch, array, datatype) for array, datatype in zip(arrays, datatypes)]
+            tensors = [_tensor(torch, array, datatype, self.device)
+                       for array, datatype in zip(arrays, datatypes)]
             with torch.no_grad():
                 if names is None:
                     result = self.model(*tensors)
@@ -233,12 +267,14 @@ def _described(torch: Any, value: Any) -> dict:
     return {"datatype": "FP32", "shape": [-1]}
 
 
-def _tensor(torch: Any, array: Any, datatype: str) -> Any:
-    """A tensor over array's memory (bits of BF16 arrive as uint16); a BYTES array as it
-    is (no tensor holds bytes)."""
+def _tensor(torch: Any, array: Any, datatype: str, device: str = "cpu") -> Any:
+    """A tensor over array's memory (bits of BF16 arrive as uint16), or its copy on
+    device; a BYTES array as it is (no tensor holds bytes)."""
     if datatype == "BYTES":
         return array
     tensor = torch.from_numpy(array)
+    if device != "cpu":
+        tensor = tensor.to(device)
     return tensor.view(torch.bfloat16) if datatype == "BF16" else tensor
 
 

@@ -6,6 +6,8 @@ their pages are the page cache's, shared by every interpreter that aliases them 
 every process that maps the file), and no one writes to them.  torch's archive writer
 stores records uncompressed and aligned to 64 bytes, so each array is a slice of the
 mapping; a compressed record, which torch does not write, is read into memory instead.
+For a model served on a CUDA device, ``on_device`` copies them once to the device's
+memory, through the driver, for every interpreter to alias there.
 """
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ import mmap
 import os
 import stat
 import struct
+import weakref
 import zipfile
 
 import numpy as np
+
+from .. import _cuda
 
 #: A zip local file header: its fixed size and where the name and extra lengths are.
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
@@ -86,6 +91,20 @@ def storages(path: str) -> dict[str, np.ndarray]:
             else:
                 found[name] = np.frombuffer(bytearray(archive.read(info)), np.uint8)
     return found
+
+
+def on_device(storages: dict[str, np.ndarray], device: str
+              ) -> tuple[dict[str, tuple[int, int]], str, np.ndarray]:
+    """The storages copied once to the memory of CUDA device ``device`` ("cuda" or
+    "cuda:N"), as ``multipy._inside.serving.load`` takes them: (record name -> (device
+    address, size), device, keeper).  keeper is a one-byte array that each interpreter
+    keeps an alias of (lent, as arrays are) for as long as its model lives: the device
+    memory is freed once the host's keeper and every alias of it are gone, so no model
+    outlives its weights.  RuntimeError if the driver refuses."""
+    copy = _cuda.DeviceCopy(storages, int(device.partition(":")[2] or 0))
+    keeper = np.zeros(1, np.uint8)
+    weakref.finalize(keeper, copy.close).atexit = False  # at exit the process's end frees it
+    return copy.places, device, keeper
 
 
 def _data_offset(file, info: zipfile.ZipInfo) -> int | None:

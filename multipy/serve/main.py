@@ -32,6 +32,7 @@ import importlib.util
 import logging
 import logging.config
 import os
+import re
 import signal
 import socket
 import sys
@@ -41,6 +42,7 @@ from typing import Any, Iterator, NoReturn
 
 import uvicorn
 
+from .. import _cuda
 from .._glibc import MAX_NAMESPACES
 from .._launch import make_room
 from .._pool import capacity
@@ -90,6 +92,11 @@ def parser() -> argparse.ArgumentParser:
     parse.add_argument("--resource", default="model.pkl",
                        help="the model's pickle in that package (default: model.pkl)")
     parse.add_argument("--name", help="the model's name, with one PATH (default: the file's stem)")
+    parse.add_argument("--device", default="cpu", metavar="DEVICE",
+                       help="where the archives' models run: cpu, cuda or cuda:N (their weights "
+                            "copied to the GPU once for every interpreter; inputs go there and "
+                            "outputs come back). A model class puts itself on a device in its "
+                            "own load() (default: cpu)")
     parse.add_argument("--interpreters", type=int, metavar="N",
                        help=f"interpreters, each running every model, in each process "
                             f"(default: the cores, {cores()} here, divided among the "
@@ -505,6 +512,12 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
         parse.error("--read-timeout must be a number of seconds above 0")
     if args.graceful_timeout < 0:
         parse.error("--graceful-timeout must be a number of seconds, 0 for no limit")
+    if args.device != "cpu":
+        if re.fullmatch(r"cuda(:\d+)?", args.device) is None:
+            parse.error(f"--device must be cpu, cuda or cuda:N (a GPU's index), not {args.device!r}")
+        if _cuda.driver() is None:
+            parse.error(f"--device {args.device}: this machine has no CUDA driver that loads "
+                        f"(multipy info)")
     if args.ray and args.replicas is not None and args.replicas < 1:
         parse.error("--replicas must be at least 1")
     if args.ray and args.replica_cpus is not None and not args.replica_cpus > 0:
@@ -518,7 +531,8 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
                    args.timeout, max_request_size=args.max_request_size,
                    limits=Limits(args.max_header_size, args.max_headers, args.read_timeout),
                    graceful_timeout=args.graceful_timeout or None,
-                   model_control=args.model_control, model_repository=repositories)
+                   model_control=args.model_control, model_repository=repositories,
+                   device=args.device)
 
 
 def _refuse(error: ArchiveError | model_class.ClassError,

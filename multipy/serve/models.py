@@ -5,7 +5,8 @@ the manager.
 The host never imports torch.  Each interpreter loads the archive itself with
 ``multipy._inside.serving.load`` (its own PackageImporter), its tensors aliasing the
 archive's storages that the host mapped once (multipy.serve.archive), so the weights are
-in memory once whatever the number of interpreters.  Once every model is ready, each
+in memory once whatever the number of interpreters; on a CUDA device, in device memory
+once, copied there by the host through the driver (``archive.on_device``).  Once every model is ready, each
 interpreter's front end answers requests with its own copy (multipy._inside.front_end);
 the host itself calls a model only for Ray Serve's replicas and for connections that
 arrived while the interpreters started (``ServedModel.infer``).
@@ -62,7 +63,8 @@ class ServedModel(ModelRequests):
     """One model on every interpreter of a manager.
 
     ``materialise(interpreter)`` loads it there (and runs its example once, if the
-    archive has one); ``ready`` is true once every interpreter has it, and ``instance``
+    archive has one), on device (an archive's model: "cpu", "cuda" or "cuda:N"; a class
+    chooses its own); ``ready`` is true once every interpreter has it, and ``instance``
     is the loaded model there.  ``infer(request)`` (see ModelRequests) runs a request
     on a free interpreter: every call of every model takes a turn from ``turns``, which
     the server's models share, so that at most one call per interpreter runs and the
@@ -71,14 +73,15 @@ class ServedModel(ModelRequests):
 
     def __init__(self, spec: ModelSpec, manager: Any, metrics: Metrics, turns: Turns,
                  max_batch_size: int = 1, batch_delay: float = 0.0,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, device: str = "cpu") -> None:
         super().__init__(spec.name, metrics.models[spec.name], max_batch_size, batch_delay,
                          timeout)
         self.spec = spec
         self._metrics = metrics
         self._manager = manager
         self._turns = turns
-        self._storages: dict[str, Any] | None = None
+        self.device = device
+        self._storages: tuple | None = None  # load's storages and device arguments
         self._mapping = threading.Lock()
         self.replicated = ReplicatedObj(manager, self._load)
         self._materialised: set[Interpreter] = set()
@@ -92,9 +95,11 @@ class ServedModel(ModelRequests):
                                                               spec.resource, spec.name)
         with self._mapping:  # interpreters load in parallel: the archive is mapped once
             if self._storages is None:
-                self._storages = archive.storages(self.spec.path)
+                storages = archive.storages(self.spec.path)
+                self._storages = (storages,) if self.device == "cpu" else \
+                    archive.on_device(storages, self.device)
         load = interpreter.global_(_INSIDE, "load")
-        return load(self.spec.path, self.spec.module, self.spec.resource, self._storages)
+        return load(self.spec.path, self.spec.module, self.spec.resource, *self._storages)
 
     def materialise(self, interpreter: Interpreter) -> None:
         """Loads the model on interpreter and warms it up (nothing if it has already);

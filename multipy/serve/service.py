@@ -62,7 +62,8 @@ class Options:
     graceful_timeout: --graceful-timeout, seconds (None: no limit); model_control:
     --model-control (multipy.serve.repository.MODEL_CONTROLS); model_repository: the
     directories (real paths) whose archives the repository's loads may read
-    (--model-repository; none: only the archives the server started with)."""
+    (--model-repository; none: only the archives the server started with); device: where
+    the archives' models run (--device: "cpu", "cuda", "cuda:N")."""
 
     models: tuple[ModelSpec, ...]
     interpreters: int
@@ -75,6 +76,7 @@ class Options:
     graceful_timeout: float | None = GRACEFUL_TIMEOUT
     model_control: str = "none"
     model_repository: tuple[str, ...] = ()
+    device: str = "cpu"
 
     @property
     def slots(self) -> int:
@@ -196,7 +198,7 @@ class Service:
     def _served(self, spec: ModelSpec) -> ServedModel:
         max_batch_size, delay = self._batching
         return ServedModel(spec, self.manager, self.metrics, self._turns, max_batch_size, delay,
-                           self.options.timeout)
+                           self.options.timeout, self.options.device)
 
     def _materialise(self, models: list[ServedModel], progress: Progress | None) -> None:
         errors: list[BaseException] = []

@@ -9,6 +9,7 @@ on a request at the least: what `multipy serve` does on top of it (the protocol'
 checks, limits, metrics, batching, binary data, gRPC) is its own cost.
 
     python floor_app.py PACKAGE --name NAME --workers N --port PORT [--torch-threads T]
+        [--device cuda]
 """
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ def _app():
         if tensor["datatype"] == "BYTES":
             return np.array([each.encode() for each in tensor["data"]],
                             dtype=object).reshape(tensor["shape"])
-        return torch.tensor(tensor["data"], dtype=dtypes[tensor["datatype"]]).reshape(
-            tensor["shape"])
+        return torch.tensor(tensor["data"], dtype=dtypes[tensor["datatype"]],
+                            device=settings["device"]).reshape(tensor["shape"])
 
     def output(name: str, value) -> dict:
         if isinstance(value, torch.Tensor):
@@ -77,7 +78,7 @@ def _app():
         torch.set_num_threads(settings["threads"])
         torch.set_grad_enabled(False)  # the event loop's thread, which calls the model
         state["model"] = torch.package.PackageImporter(settings["package"]).load_pickle(
-            "model", "model.pkl")
+            "model", "model.pkl", map_location=settings["device"])
         open(os.path.join(settings["ready"], str(os.getpid())), "w").close()
         yield
 
@@ -101,6 +102,8 @@ def peer_parser(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--name", required=True, help="the model's name in the protocol")
     parser.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     parser.add_argument("--port", type=int, default=8080, help="HTTP port (default 8080)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model runs, each worker its own copy (default cpu)")
     return parser
 
 
@@ -114,7 +117,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as ready:
         os.environ[SETTINGS] = json.dumps({"package": os.path.abspath(args.package),
                                            "name": args.name, "threads": args.torch_threads,
-                                           "workers": args.workers, "ready": ready})
+                                           "workers": args.workers, "ready": ready,
+                                           "device": args.device})
         uvicorn.run("floor_app:app", app_dir=HERE, host="127.0.0.1", port=args.port,
                     workers=args.workers, http="httptools", loop="uvloop", access_log=False,
                     log_level="warning")

@@ -8,6 +8,7 @@ Runs in the peer's own virtual environment (serve_load.py makes it: KServe 0.21 
 protobuf and psutil versions that other packages of the project's environment clash with).
 
     python kserve_model.py PACKAGE --name NAME --workers N --port PORT [--grpc-port PORT]
+        [--device cuda]
 """
 from __future__ import annotations
 
@@ -23,24 +24,26 @@ class PackagedModel(kserve.Model):
     """The object at ("model", "model.pkl") of a torch.package archive; inputs in request
     order are its arguments, outputs are named output0, output1, ..."""
 
-    def __init__(self, name: str, path: str) -> None:
+    def __init__(self, name: str, path: str, device: str = "cpu") -> None:
         super().__init__(name)
         self.path = path
+        self.device = device
         self.model = None
         self.load()
 
     def __reduce__(self):  # KServe spawns its workers: each loads its own copy
-        return PackagedModel, (self.name, self.path)
+        return PackagedModel, (self.name, self.path, self.device)
 
     def load(self) -> bool:
         torch.set_num_threads(1)  # one intra-op thread per worker, as multipy's interpreters
-        self.model = torch.package.PackageImporter(self.path).load_pickle("model", "model.pkl")
+        self.model = torch.package.PackageImporter(self.path).load_pickle(
+            "model", "model.pkl", map_location=self.device)
         self.ready = True
         return self.ready
 
     async def predict(self, payload: InferRequest, headers=None,
                       response_headers=None) -> InferResponse:
-        arguments = [_argument(each) for each in payload.inputs]
+        arguments = [_argument(each, self.device) for each in payload.inputs]
         with torch.no_grad():
             result = self.model(*arguments)
         results = result if isinstance(result, (tuple, list)) else (result,)
@@ -50,7 +53,7 @@ class PackagedModel(kserve.Model):
                 output = InferOutput(f"output{index}", list(value.shape), "BYTES")
                 output.set_data_from_numpy(value, binary_data=False)
             else:
-                array = value.numpy().astype(np.float32)
+                array = value.cpu().numpy().astype(np.float32)
                 output = InferOutput(f"output{index}", list(array.shape), "FP32")
                 output.set_data_from_numpy(array, binary_data=False)
             outputs.append(output)
@@ -63,12 +66,13 @@ class PackagedModel(kserve.Model):
                              requested_outputs=payload.request_outputs)
 
 
-def _argument(tensor):
-    """A request's input as the model takes it, as `multipy serve` gives it: a tensor, or
-    for BYTES a numpy array of bytes (KServe gives binary data as bytes, JSON as str)."""
+def _argument(tensor, device: str):
+    """A request's input as the model takes it, as `multipy serve` gives it: a tensor (on
+    device), or for BYTES a numpy array of bytes (KServe gives binary data as bytes, JSON
+    as str)."""
     array = tensor.as_numpy()
     if tensor.datatype != "BYTES":
-        return torch.from_numpy(np.ascontiguousarray(array))
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device)
     flat = [each if isinstance(each, bytes) else str(each).encode() for each in array.reshape(-1)]
     return np.array(flat, dtype=object).reshape(array.shape)
 
@@ -78,7 +82,7 @@ def main() -> None:
     parser.add_argument("--grpc-port", type=int,
                         help="gRPC port (default: no gRPC); served by the parent process alone")
     args = parser.parse_args()
-    model = PackagedModel(args.name, args.package)
+    model = PackagedModel(args.name, args.package, args.device)
     kserve.ModelServer(http_port=args.port, workers=args.workers,
                        enable_grpc=args.grpc_port is not None,
                        grpc_port=args.grpc_port if args.grpc_port is not None else 8081,

@@ -29,9 +29,15 @@ is missing"); the JSON clients say application/json.  The floor runs in this Pyt
 with torch's intra-op threads as multipy's default for N (--peers floor needs no
 KServe).
 
+With --device cuda every server runs the model on the GPU (multipy serve --device cuda:
+its weights on the device once; each peer's worker its own copy), and the tables add the
+device memory in use while each server ran, less what was in use before it started
+(nvidia-smi).
+
     multipy run benchmarks/serve_load.py [--counts 2,4] [--clients 2] [--seconds 10] [--rounds 3]
         [--models simple,python_heavy,text_classifier] [--transports http,grpc,json]
         [--peers kserve,floor | --peers none | --no-peer] [--peer-python PYTHON] [--json FILE]
+        [--device cuda]
 """
 from __future__ import annotations
 
@@ -128,6 +134,13 @@ def pss_tree(pid: int) -> int:
         except (OSError, StopIteration):
             pass
     return total
+
+
+def device_memory_mib() -> float:
+    """The memory in use on GPU 0, as nvidia-smi reports it, in MiB."""
+    answer = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
+                             "--id=0"], capture_output=True, text=True, check=True, timeout=60)
+    return float(answer.stdout.split()[0])
 
 
 def _wait_ready(port: int, process: subprocess.Popen, grpc_port: int | None = None,
@@ -320,12 +333,14 @@ def _client(port: int, transport: str, model: str, seconds: float, warm_up: floa
 
 
 def run_server(command: list[str], ports: dict[str, int], order: tuple, model: str,
-               clients: int, seconds: float, warm_up: float, inputs, expected) -> dict[str, dict]:
+               clients: int, seconds: float, warm_up: float, inputs, expected,
+               on_gpu: bool = False) -> dict[str, dict]:
     """Starts the server (command), which serves HTTP on ports["http"] (binary and JSON
     alike; and gRPC on ports["grpc"] if "grpc" is in order) and measures load() over
     each transport of order, in turn, with the server's cores and the PSS of its process
-    tree as each ends; transport -> figures.  The server is stopped at the end, or on an
-    error (its log's end printed)."""
+    tree as each ends (and, on_gpu, the device memory it added); transport -> figures.
+    The server is stopped at the end, or on an error (its log's end printed)."""
+    idle = device_memory_mib() if on_gpu else 0.0
     with tempfile.TemporaryFile("w+") as log:  # a pipe nobody reads would stall the server
         process = subprocess.Popen(command, stdout=log, stderr=log, text=True,
                                    start_new_session=True)
@@ -345,6 +360,8 @@ def run_server(command: list[str], ports: dict[str, int], order: tuple, model: s
                 figures["busy_processes"] = sum(cores >= 0.1 for cores in busy)
                 figures["server_cores"] = sum(busy)
                 figures["pss_mib"] = pss_tree(process.pid) / (1 << 20)
+                if on_gpu:
+                    figures["device_mib"] = device_memory_mib() - idle
                 measured[transport] = figures
             return measured
         except BaseException:
@@ -393,15 +410,15 @@ def example(directory: str, model: str) -> tuple[str, list, list]:
 
 
 def server_command(name: str, path: str, model: str, n: int, grpc: bool,
-                   kserve_python: str | None) -> list[str]:
+                   kserve_python: str | None, device: str = "cpu") -> list[str]:
     """The command that starts server name (multipy, or a peer) for the archive at path
-    with n interpreters or workers, its HTTP port "{http}" and, with grpc, its gRPC port
-    "{grpc}" to be filled in."""
+    with n interpreters or workers, the model on device, its HTTP port "{http}" and,
+    with grpc, its gRPC port "{grpc}" to be filled in."""
     grpc_port = ["--grpc-port", "{grpc}"] if grpc else []
     if name == "multipy":
         return [sys.executable, "-m", "multipy", "serve", path, "--interpreters", str(n),
-                "--port", "{http}", *grpc_port]
-    peer = [path, "--name", model, "--workers", str(n), "--port", "{http}"]
+                "--port", "{http}", "--device", device, *grpc_port]
+    peer = [path, "--name", model, "--workers", str(n), "--port", "{http}", "--device", device]
     if name == "kserve":
         return [kserve_python, os.path.join(HERE, "kserve_model.py"), *peer, *grpc_port]
     from multipy.manager import default_torch_threads
@@ -436,6 +453,9 @@ def main() -> None:
     parser.add_argument("--peer-python",
                         help="a python that already has KServe, instead of --peer-venv")
     parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--device", default="cpu",
+                        help="where every server runs the model: cpu, or cuda (the GPU's "
+                             "memory measured too) (cpu)")
     args = parser.parse_args()
     counts = [int(n) for n in args.counts.split(",")]
     transports = tuple(args.transports.split(","))
@@ -457,7 +477,8 @@ def main() -> None:
                 speaks = {name: tuple(t for t in transports if t in SPEAKS[name])
                           for name in servers}
                 commands = {name: server_command(name, path, model, n, "grpc" in speaks[name],
-                                                 kserve_python) for name in servers}
+                                                 kserve_python, args.device)
+                            for name in servers}
                 rounds = {(name, transport): [] for name in servers for transport in speaks[name]}
                 for round_ in range(args.rounds):
                     # who goes first turns round by round, and which transport alternates
@@ -467,7 +488,8 @@ def main() -> None:
                         ports = {"http": free_port(), "grpc": free_port()}
                         command = [part.format(**ports) for part in commands[name]]
                         measured = run_server(command, ports, order, model, args.clients * n,
-                                              args.seconds, args.warm_up, inputs, expected)
+                                              args.seconds, args.warm_up, inputs, expected,
+                                              args.device != "cpu")
                         for transport in order:
                             rounds[name, transport].append(measured[transport])
                 for transport in transports:
@@ -498,9 +520,10 @@ def report(rows: list[dict], transports: tuple, args) -> None:
           f"servers taking turns; {os.cpu_count()} cores")
     for transport in transports:
         print(f"\n{transport} ({CLIENTS[transport]})")
+        gpu = args.device != "cpu"
         print(f"{'model':15s} {'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} "
-              f"{'p99 ms':>8s} {'PSS MiB':>8s} {'cores':>6s} {'clients':>7s} {'wrong':>6s} "
-              f"{'ratio':>12s}")
+              f"{'p99 ms':>8s} {'PSS MiB':>8s} " + (f"{'GPU MiB':>8s} " if gpu else "")
+              + f"{'cores':>6s} {'clients':>7s} {'wrong':>6s} {'ratio':>12s}")
         for row in (row for row in rows if row["transport"] == transport):
             for name in row["servers"]:
                 f = row[name]
@@ -508,7 +531,8 @@ def report(rows: list[dict], transports: tuple, args) -> None:
                          else "{:.2f}x/{:.2f}x".format(*_ratios(row["multipy"], f)))
                 print(f"{row['model']:15s} {LABELS[name].format(n=row['n']):28s} {row['n']:2d} "
                       f"{f['requests_per_second']:8.1f} {f['p50_ms']:8.2f} {f['p99_ms']:8.2f} "
-                      f"{f['pss_mib']:8.1f} {f['server_cores']:6.2f} {f['client_cores']:7.2f} "
+                      f"{f['pss_mib']:8.1f} " + (f"{f['device_mib']:8.0f} " if gpu else "")
+                      + f"{f['server_cores']:6.2f} {f['client_cores']:7.2f} "
                       f"{f['wrong']:6d} {ratio:>12s}")
     print("\n(ratio, on a peer's row: multipy / that peer, requests/s / memory)")
     for row in rows:
@@ -516,8 +540,10 @@ def report(rows: list[dict], transports: tuple, args) -> None:
             requests, memory = _ratios(row["multipy"], row[peer])
             each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
                              for a, b in zip(row["rounds"]["multipy"], row["rounds"][peer]))
+            device = (f", GPU memory {row['multipy']['device_mib'] / row[peer]['device_mib']:.2f}x"
+                      if args.device != "cpu" else "")
             print(f"  {row['model']}, {row['transport']}, N={row['n']}: multipy / {NAMES[peer]}: "
-                  f"requests/s {requests:.2f}x, memory {memory:.2f}x   (req/s by round, "
+                  f"requests/s {requests:.2f}x, memory {memory:.2f}x{device}   (req/s by round, "
                   f"multipy/{NAMES[peer]}: {each})")
     for model in args.models.split(","):
         for transport in transports:

@@ -7,15 +7,23 @@
 #   gpu       tests/test_gpu.py                                 -> gpu-tests.txt
 #   bench     multipy bench --device cuda: the Python-heavy model and ResNet-18 at batch
 #             1 (n = 1, 8), ResNet-18 at batch 8 ($BATCHES) -> bench.txt, bench1/, bench8/
+#   serve     benchmarks/serve_load.py --device cuda: multipy serve beside the floor (and
+#             KServe, where its python is given as $KSERVE_PYTHON), JSON clients -> serve.txt
 #   tests     the whole test suite (pytest-xdist's -n 8)        -> tests.txt
+# Wheels in .whl/ (benchmarks/gpu/wheels.sh, carried along) are installed first, into
+# /tmp/site: the serving stack and the tests' client, which that machine lacks.
 #     OUT=/tmp/gpu STEPS="info probe" benchmarks/gpu/run.sh
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
-STEPS=${STEPS:-info gpu probe bench tests}
+STEPS=${STEPS:-info gpu probe bench serve tests}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 step() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 {
     git log -1 --format='commit %h %s' 2>/dev/null
@@ -46,6 +54,14 @@ if step bench; then
         echo "bench batch $batch: exit $?"
     done >"$OUT/bench.txt" 2>&1
     grep -v "━\|─" "$OUT/bench.txt" | tail -60
+fi
+if step serve; then
+    peers=floor; [ -n "${KSERVE_PYTHON:-}" ] && peers=floor,kserve
+    timeout ${SERVE_TIMEOUT:-240} $PY -m multipy run benchmarks/serve_load.py --device cuda \
+        --models ${SERVE_MODELS:-simple,python_heavy} --counts ${SERVE_COUNTS:-8} \
+        --transports json --peers $peers ${KSERVE_PYTHON:+--peer-python $KSERVE_PYTHON} \
+        --seconds 5 --warm-up 2 --rounds 1 >"$OUT/serve.txt" 2>&1
+    echo "serve: exit $?"; tail -20 "$OUT/serve.txt"
 fi
 if step tests; then
     timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -v -rf -n 8 -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1

@@ -3,7 +3,8 @@
 # torch (python3, or $PYTHON): builds multipy's C in place, then runs each step, its
 # output in $OUT (default: gpu-results/).  STEPS picks steps (default: all of them):
 #   info      multipy info, the machine and the build          -> machine.txt
-#   probe     benchmarks/gpu/probe.py, interpreters then processes -> probe.json, probe.err
+#   probe     benchmarks/gpu/probe.py, interpreters (hardware queues 8, then 32), then
+#             processes                                         -> probe.json, probe.err
 #   gpu       tests/test_gpu.py                                 -> gpu-tests.txt
 #   bench     multipy bench --device cuda: the Python-heavy model and ResNet-18 at batch
 #             1 (n = 1, 8), ResNet-18 at batch 8 ($BATCHES) -> bench.txt, bench1/, bench8/
@@ -42,6 +43,10 @@ fi
 if step probe; then
     { timeout 150 $PY -m multipy run benchmarks/gpu/probe.py --interpreters 8
       echo "probe, interpreters: exit $?"
+      # 9 streams (8 interpreters' and the default) over the driver's 8 hardware queues by
+      # default: with 32, does one context launch more? (docs/gpu.md, the 1.8x)
+      CUDA_DEVICE_MAX_CONNECTIONS=32 timeout 150 $PY -m multipy run benchmarks/gpu/probe.py --interpreters 8
+      echo "probe, interpreters, CUDA_DEVICE_MAX_CONNECTIONS=32: exit $?"
       timeout 150 $PY benchmarks/gpu/probe.py --processes 8
       echo "probe, processes: exit $?"; } >"$OUT/probe.json" 2>"$OUT/probe.err"
     grep -v '^   ' "$OUT/probe.json" | tail -25; tail -5 "$OUT/probe.err"

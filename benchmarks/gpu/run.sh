@@ -11,8 +11,9 @@
 #   serve     benchmarks/serve_load.py --device cuda: multipy serve beside the floor (and
 #             KServe, where its python is given as $KSERVE_PYTHON), JSON clients -> serve.txt
 #   tests     the whole test suite (pytest-xdist's -n 8)        -> tests.txt
-# Wheels in .whl/ (benchmarks/gpu/wheels.sh, carried along) are installed first, into
-# /tmp/site: the serving stack and the tests' client, which that machine lacks.
+# Wheels in .whl/ (benchmarks/gpu/wheels.sh, carried along) are installed first: the
+# serving stack and the tests' client into /tmp/site, KServe into /tmp/kserve-site (with
+# $KSERVE_PYTHON, a python that finds it first).
 #     OUT=/tmp/gpu STEPS="info probe" benchmarks/gpu/run.sh
 set -u
 cd "$(dirname "$0")/../.."
@@ -21,9 +22,17 @@ STEPS=${STEPS:-info gpu probe bench serve tests}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+install() {  # the wheels in folder $1 into target $2
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+        --target "$2" "$1"/*.whl
+}
+if ls .whl/serve/*.whl >/dev/null 2>&1 && install .whl/serve /tmp/site; then
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+if [ -z "${KSERVE_PYTHON:-}" ] && ls .whl/kserve/*.whl >/dev/null 2>&1 \
+        && install .whl/kserve /tmp/kserve-site; then  # KServe's python: its own first
+    printf '#!/bin/sh\nPYTHONPATH=/tmp/kserve-site:$PYTHONPATH exec %s "$@"\n' "$(command -v $PY)" \
+        >/tmp/kserve-python && chmod +x /tmp/kserve-python && KSERVE_PYTHON=/tmp/kserve-python
 fi
 step() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 {

@@ -7,9 +7,11 @@ uvicorn worker) on the example model `simple`, under callgrind with instrumentat
 keep-alive connection; then counts, over --requests more: the instructions the server
 ran (callgrind, switched on for them alone with callgrind_control; user space only), or
 its system calls by kind (strace -c, attached for them alone).  Needs valgrind or strace.
+With --keep FILE, callgrind's profile of those requests is kept there, for
+`callgrind_annotate FILE` (where the instructions went, by function).
 
     python benchmarks/serve_instructions.py [--server multipy|floor] [--tool callgrind|strace]
-        [--requests 1000] [--warm-up 20]
+        [--requests 1000] [--warm-up 20] [--keep FILE]
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +59,7 @@ def main() -> None:
     parser.add_argument("--tool", choices=("callgrind", "strace"), default="callgrind")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--warm-up", type=float, default=20, help="seconds of requests first")
+    parser.add_argument("--keep", metavar="FILE", help="where to keep callgrind's profile")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     from generate_examples import generate
@@ -108,6 +112,8 @@ def main() -> None:
                                 else "", re.MULTILINE)
             if not totals:
                 sys.exit("callgrind dumped no count; the server's log:\n" + log.read()[-2000:])
+            if args.keep:
+                shutil.copyfile(dumped, args.keep)
             print(f"{args.server}: {int(totals[0]) / args.requests:,.0f} instructions per "
                   f"request ({args.requests} requests)")
         else:

@@ -49,7 +49,7 @@ class ModelRequests(abc.ABC):
         self._timeout = timeout
         self._described: dict[str, list[dict]] | None = None
         self._declared: dict[str, dict] | None = None  # name -> input, if declared
-        self._parameters: list[str] = []
+        self._parameters: frozenset[str] = frozenset()
         self._platform = "pytorch_torch_package"  # "python": a class, given inputs by name
         #: whether a call of one request also gets its id and parameters (``request=``)
         self._wants_request = False
@@ -60,7 +60,7 @@ class ModelRequests(abc.ABC):
         """Sets the model's inputs and outputs, as ``multipy._inside.serving.Served.metadata``
         gives them; requests are checked against inputs it says are declared."""
         self._described = described
-        self._parameters = [spec["name"] for spec in described["inputs"]]
+        self._parameters = frozenset(spec["name"] for spec in described["inputs"])
         self._declared = {spec["name"]: spec for spec in described["inputs"]} \
             if described.get("declared") else None
         self._platform = described.get("platform", "pytorch_torch_package")
@@ -154,7 +154,7 @@ class ModelRequests(abc.ABC):
         position in request order)."""
         names = tuple(t.name for t in inputs)
         if self._platform == "python" or (self._parameters
-                                          and set(names) <= set(self._parameters)):
+                                          and self._parameters.issuperset(names)):
             return names
         return None
 
@@ -211,10 +211,11 @@ class Started:
 
     def requests(self) -> str:
         """The requests the call answers, as a crash report names them."""
+        if len(self._places) == 1:
+            place = self._places[0]
+            return "request (no id)" if place.id is None else f"request {place.id!r}"
         names = [f"{place.id!r}" if place.id is not None else "(no id)"
                  for place in self._places]
-        if len(names) == 1:
-            return f"request {names[0]}"
         return f"a batch of {len(names)} requests: {', '.join(names)}"
 
     def __enter__(self) -> None:

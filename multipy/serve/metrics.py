@@ -154,62 +154,57 @@ class _Count:
         self._values[self._at] -= 1.0
 
 
-class _Histogram:
-    """A histogram of a row: a count per bucket, one past the last bucket, and the sum."""
-
-    __slots__ = ("_values", "_at", "_bounds")
-
-    def __init__(self, values: memoryview, at: int, bounds: Sequence[float]) -> None:
-        self._values, self._at, self._bounds = values, at, bounds
-
-    def observe(self, value: float) -> None:
-        self._values[self._at + bisect.bisect_left(self._bounds, value)] += 1.0
-        self._values[self._at + len(self._bounds) + 1] += value
-
-
 class ModelSeries:
-    """One model's series in one row, and the row's state as its calls begin and end."""
+    """One model's series in one row, and the row's state as its calls begin and end:
+    each step of a request is one call that stores its counts."""
 
-    __slots__ = ("requests", "latency", "queued", "busy", "calls", "batched", "_values", "_at",
-                 "_index")
+    __slots__ = ("requests", "queued", "_values", "_at", "_index")
 
     def __init__(self, values: memoryview, at: int, index: int) -> None:
         self.requests = _Count(values, at + _REQUESTS)
-        self.latency = _Histogram(values, at + _LATENCY_AT, _LATENCY)
         self.queued = _Count(values, at + _QUEUED)
-        self.busy = _Count(values, at + _BUSY)
-        self.calls = _Count(values, at + _CALLS)
-        self.batched = _Histogram(values, at + _BATCHED_AT, _BATCHED)
         self._values, self._at, self._index = values, at, index
 
-    def calling(self, running: bool) -> None:
-        """A call of the model begins (True) or ends in this row's interpreter."""
-        self._values[_SINCE] = time.monotonic() if running else 0.0
-        if running:
-            self._values[self._at + _LAST_CALL] = time.time() * 1000.0
+    def call_began(self, requests: int) -> None:
+        """A call of the model for that many requests begins in this row's interpreter:
+        one more call, and interpreter busy with it, since now."""
+        values, at = self._values, self._at
+        values[at + _BUSY] += 1.0
+        values[at + _CALLS] += 1.0
+        values[at + _BATCHED_AT + bisect.bisect_left(_BATCHED, requests)] += 1.0
+        values[at + _BATCHED_AT + len(_BATCHED) + 1] += requests
+        values[_SINCE] = time.monotonic()
+        values[at + _LAST_CALL] = time.time() * 1000.0
+
+    def call_ended(self) -> None:
+        """The call that began last in this row's interpreter has ended."""
+        self._values[_SINCE] = 0.0
+        self._values[self._at + _BUSY] -= 1.0
 
     def abandoned(self, running: bool) -> None:
         """A call of the model that its request gave up on still runs (True), or has
         ended."""
         self._values[_ABANDONED] = self._index + 1.0 if running else 0.0
 
-    def failed(self, status: int, elapsed_ns: int) -> None:
-        """One request answered with an error of that HTTP status, elapsed_ns after it
-        arrived."""
-        where = STATUSES.index(status) if status in STATUSES else STATUSES.index(500)
-        self._values[self._at + _FAILURES + where] += 1.0
-        self._values[self._at + _FAILURE_NS] += elapsed_ns
-
-    def succeeded(self, elapsed_ns: int, timing: Any) -> None:
-        """One request answered elapsed_ns after it arrived, with timing's parts
-        (multipy.serve.requests.Timing)."""
+    def answered(self, status: int, elapsed_ns: int, timing: Any = None) -> None:
+        """One request answered with that HTTP status elapsed_ns after it arrived: its
+        latency, and its success with timing's parts (multipy.serve.requests.Timing), or
+        its failure."""
         values, at = self._values, self._at
-        values[at + _SUCCESSES] += 1.0
-        values[at + _SUCCESS_NS] += elapsed_ns
-        values[at + _QUEUE_NS] += timing.queue_ns
-        values[at + _INPUT_NS] += timing.input_ns
-        values[at + _INFER_NS] += timing.infer_ns
-        values[at + _OUTPUT_NS] += timing.output_ns
+        seconds = elapsed_ns / 1e9
+        values[at + _LATENCY_AT + bisect.bisect_left(_LATENCY, seconds)] += 1.0
+        values[at + _LATENCY_AT + len(_LATENCY) + 1] += seconds
+        if status == 200:
+            values[at + _SUCCESSES] += 1.0
+            values[at + _SUCCESS_NS] += elapsed_ns
+            values[at + _QUEUE_NS] += timing.queue_ns
+            values[at + _INPUT_NS] += timing.input_ns
+            values[at + _INFER_NS] += timing.infer_ns
+            values[at + _OUTPUT_NS] += timing.output_ns
+            return
+        where = STATUSES.index(status) if status in STATUSES else STATUSES.index(500)
+        values[at + _FAILURES + where] += 1.0
+        values[at + _FAILURE_NS] += elapsed_ns
 
 
 class Metrics:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Mapping
 
 from .batching import Batcher
 from .metrics import ModelSeries
@@ -23,11 +23,11 @@ class ServiceTimeout(Exception):
     """A request ran past --timeout; its call was cancelled."""
 
 
-def named(models: Mapping[str, Any], served: Iterable[str], name: str,
+def named(models: Mapping[str, Any], served: Collection[str], name: str,
           version: str | None = None) -> Any:
     """The model called name (and version, if given) in models, or None while it loads;
-    ProtocolError (404) if the server serves no such model or version."""
-    served = list(served)
+    ProtocolError (404) if served (the names of the models the server serves) has no
+    such model, or it no such version."""
     if name not in served:
         raise ProtocolError(f"unknown model {name!r}; this server serves "
                             f"{', '.join(map(repr, served))}", 404)
@@ -222,14 +222,10 @@ class Started:
         self._began = time.perf_counter_ns()
         for place in self._places:
             place.leave(self._began)
-        self._series.busy.inc()
-        self._series.calls.inc()
-        self._series.batched.observe(len(self._places))
-        self._series.calling(True)
+        self._series.call_began(len(self._places))
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._series.calling(False)
-        self._series.busy.dec()
+        self._series.call_ended()
         took = time.perf_counter_ns() - self._began
         for place in self._places:
             place.timing.infer_ns = took

@@ -56,6 +56,8 @@ DATATYPES = (*DTYPES, BYTES)
 #: The bytes of a BYTES element's length, in binary data (little-endian).
 LENGTH_PREFIX = 4
 _LENGTH = struct.Struct("<I")
+#: JSON without spaces, as answers are written
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 class ProtocolError(Exception):
@@ -106,7 +108,8 @@ def decode_request(body: bytes, header_length: str | None = None,
     Content-Encoding header's (gzip and deflate are read, up to max_size bytes).
     ProtocolError if it is not a well-formed inference request (413 if it expands past
     max_size)."""
-    body = _decompressed(body, content_encoding, max_size)
+    if content_encoding is not None:
+        body = _decompressed(body, content_encoding, max_size)
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
@@ -155,9 +158,10 @@ def parse_request(request: Any, binary: memoryview) -> InferRequest:
     if offset != len(binary):
         raise ProtocolError(f"the request has {len(binary) - offset} bytes of binary data "
                             f"that no input claims (binary_data_size)")
-    names = [tensor.name for tensor in tensors]
-    if len(set(names)) != len(names):
-        raise ProtocolError(f"input names must be unique: {names}")
+    if len(tensors) > 1:
+        names = [tensor.name for tensor in tensors]
+        if len(set(names)) != len(names):
+            raise ProtocolError(f"input names must be unique: {names}")
     outputs = None
     if request.get("outputs"):  # absent, null or []: every output, as Triton answers
         if not isinstance(request["outputs"], list):
@@ -169,7 +173,8 @@ def parse_request(request: Any, binary: memoryview) -> InferRequest:
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError('"id" must be a string')
-    return InferRequest(tensors, outputs, _flag(parameters, "binary_data_output"),
+    return InferRequest(tensors, outputs,
+                        _flag(parameters, "binary_data_output") if parameters else False,
                         request_id, parameters)
 
 
@@ -319,17 +324,23 @@ def bytes_array(elements: list[bytes], shape: list[int]) -> np.ndarray:
     return array.reshape(shape)
 
 
+#: The type of a size in a shape (bool is not one).
+_INT = frozenset({int})
+
+
 def _count(name: str, shape: Any) -> int:
     """How many elements shape claims, checked in time bounded by MAX_RANK: a list of at
     most MAX_RANK sizes from 0 to MAX_ELEMENTS whose product, zeros left out, is at most
     MAX_ELEMENTS (numpy refuses an empty array whose other sizes multiply past its
     limit)."""
     if (not isinstance(shape, list) or len(shape) > MAX_RANK
-            or not all(type(size) is int and 0 <= size <= MAX_ELEMENTS for size in shape)):
+            or not _INT.issuperset(map(type, shape))
+            or (shape and not 0 <= min(shape) <= max(shape) <= MAX_ELEMENTS)):
         raise ProtocolError(f"input {name!r}: shape must be a list of at most {MAX_RANK} "
                             f"sizes (integers from 0 to {MAX_ELEMENTS}), not {_short(shape)}")
     count = math.prod(shape)  # of at most MAX_RANK sizes that small: quick
-    if math.prod(size for size in shape if size) > MAX_ELEMENTS:
+    if count > MAX_ELEMENTS or (
+            not count and math.prod(size for size in shape if size) > MAX_ELEMENTS):
         raise ProtocolError(f"input {name!r}: shape {_short(shape)} has more than "
                             f"{MAX_ELEMENTS} elements (its sizes that are not 0 multiplied)")
     return count
@@ -514,7 +525,7 @@ def encode_response(model_name: str, model_version: str | None, request_id: str 
     if request_id is not None:
         answer["id"] = request_id
     answer["outputs"] = described
-    header = json.dumps(answer, separators=(",", ":")).encode()
+    header = _COMPACT.encode(answer).encode()
     if not chunks:
         return header, {"Content-Type": "application/json"}
     return header + b"".join(chunks), {"Content-Type": "application/octet-stream",
@@ -546,7 +557,9 @@ def tensor_bytes(tensor: Tensor) -> bytes:
 def compress(body: bytes, headers: dict[str, str], accept_encoding: str | None) -> bytes:
     """body compressed as the client accepts (gzip or deflate, as tritonclient asks for
     with response_compression_algorithm); headers gets Content-Encoding then."""
-    accepted = {part.split(";")[0].strip().lower() for part in (accept_encoding or "").split(",")}
+    if not accept_encoding:
+        return body
+    accepted = {part.split(";")[0].strip().lower() for part in accept_encoding.split(",")}
     if "gzip" in accepted:
         headers["Content-Encoding"] = "gzip"
         return gzip.compress(body, compresslevel=1)

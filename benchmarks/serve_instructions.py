@@ -2,8 +2,9 @@
 that a busy, shared machine does not skew, where requests/s and CPU time do.
 
 Starts `multipy serve` (one interpreter) or the floor (benchmarks/floor_app.py, one
-uvicorn worker) on the example model `simple`, under callgrind with instrumentation off
-(`--tool callgrind`) or plainly (`--tool strace`); warms it up with JSON requests over a
+uvicorn worker, with torch's intra-op threads as many as multipy's interpreter has, as
+serve_load.py gives them) on the example model `simple`, under callgrind with
+instrumentation off (`--tool callgrind`) or plainly (`--tool strace`); warms it up with JSON requests over a
 keep-alive connection; then counts, over --requests more: the instructions the server
 ran (callgrind, switched on for them alone with callgrind_control; user space only), or
 its system calls by kind (strace -c, attached for them alone).  Needs valgrind or strace.
@@ -32,6 +33,7 @@ sys.path.insert(0, HERE)
 from serve_load import _stop, _wait_ready, free_port  # noqa: E402
 
 from multipy._launch import launch_environment  # noqa: E402
+from multipy.manager import default_torch_threads  # noqa: E402
 
 BODY = json.dumps({"inputs": [{"name": "x", "shape": [3, 10], "datatype": "FP32",
                                "data": [0.5] * 30}]})
@@ -71,7 +73,9 @@ def main() -> None:
         command = ([sys.executable, "-m", "multipy.serve", path, "--interpreters", "1",
                     "--port", str(port)] if args.server == "multipy" else
                    [sys.executable, os.path.join(HERE, "floor_app.py"), path, "--name",
-                    "simple", "--workers", "1", "--port", str(port)])
+                    "simple", "--workers", "1", "--port", str(port),
+                    # torch's intra-op threads as multipy's one interpreter has them
+                    "--torch-threads", str(default_torch_threads(1))])
         if args.tool == "callgrind":
             command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
                        f"--callgrind-out-file={out}", *command]

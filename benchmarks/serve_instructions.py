@@ -4,10 +4,11 @@ that a busy, shared machine does not skew, where requests/s and CPU time do.
 Starts `multipy serve` (one interpreter) or the floor (benchmarks/floor_app.py, one
 uvicorn worker, with torch's intra-op threads as many as multipy's interpreter has, as
 serve_load.py gives them) on the example model `simple`, under callgrind with
-instrumentation off (`--tool callgrind`) or plainly (`--tool strace`); warms it up with JSON requests over a
-keep-alive connection; then counts, over --requests more: the instructions the server
-ran (callgrind, switched on for them alone with callgrind_control; user space only), or
-its system calls by kind (strace -c, attached for them alone).  Needs valgrind or strace.
+instrumentation off (`--tool callgrind`) or plainly (`--tool strace`); warms it up with
+JSON requests over a keep-alive connection; then counts, over --requests more: the
+instructions the server ran (callgrind, switched on for them alone with
+callgrind_control; user space only), or its system calls by kind (strace -c, attached
+for them alone).  Needs valgrind or strace.
 With --keep FILE, callgrind's profile of those requests is kept there, for
 `callgrind_annotate FILE` (where the instructions went, by function).
 

@@ -196,11 +196,10 @@ class _Inference:
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         service = self._service
-        headers: dict[bytes, str] = {}
-        for key, value in scope["headers"]:
-            if key in self._HEADERS and key not in headers:  # (the first, as Starlette's)
-                headers[key] = value.decode("latin-1")
-        length, encoding, header_length, accepted = map(headers.get, self._HEADERS)
+        named = dict(reversed(scope["headers"])).get  # (the first of a name, as Starlette's)
+        length, encoding, header_length, accepted = [
+            None if value is None else value.decode("latin-1")
+            for value in map(named, self._HEADERS)]
 
         async def decode() -> InferRequest:
             limit = service.max_request_size

@@ -356,6 +356,8 @@ def _short(value: Any, limit: int = 200) -> str:
 def _leaf_types(data: Any, limit: int) -> set[type] | None:
     """The types of the values of nested lists data (lists of lists, or of values), or
     None if they hold more than limit values: a walk of the lists that builds nothing."""
+    if type(data) is list and (not data or type(data[0]) is not list):  # flat: at once
+        return set(map(type, data)) if len(data) <= limit else None
     types: set[type] = set()
     pending, seen = [data], 0
     while pending:
@@ -376,6 +378,11 @@ def _leaf_types(data: Any, limit: int) -> set[type] | None:
 
 #: The Python types of JSON values that numeric data may hold.
 _NUMBERS = frozenset({int, float, bool})
+#: Each numeric datatype's kinds of numpy arrays that its JSON data may be read as, and
+#: what an error calls them.
+_ALLOWED = {datatype: ("b", "true or false") if datatype == "BOOL" else
+            ("iu", "integers") if dtype.kind in "iu" and datatype != "BF16" else
+            ("iuf", "numbers") for datatype, dtype in DTYPES.items()}
 
 
 def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarray:
@@ -388,13 +395,7 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
         return _bytes_from_json(name, shape, data)
     count = math.prod(shape)
     dtype = DTYPES[datatype]
-    if datatype == "BOOL":
-        allowed = "b"
-    elif dtype.kind in "iu" and datatype != "BF16":
-        allowed = "iu"
-    else:
-        allowed = "iuf"
-    wanted = {"b": "true or false", "iu": "integers", "iuf": "numbers"}[allowed]
+    allowed, wanted = _ALLOWED[datatype]
     types = _leaf_types(data, count)
     if types is None:
         raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
@@ -557,9 +558,10 @@ def tensor_bytes(tensor: Tensor) -> bytes:
 def compress(body: bytes, headers: dict[str, str], accept_encoding: str | None) -> bytes:
     """body compressed as the client accepts (gzip or deflate, as tritonclient asks for
     with response_compression_algorithm); headers gets Content-Encoding then."""
-    if not accept_encoding:
+    named = (accept_encoding or "").lower()
+    if "gzip" not in named and "deflate" not in named:  # (none, or identity: at once)
         return body
-    accepted = {part.split(";")[0].strip().lower() for part in accept_encoding.split(",")}
+    accepted = {part.split(";")[0].strip() for part in named.split(",")}
     if "gzip" in accepted:
         headers["Content-Encoding"] = "gzip"
         return gzip.compress(body, compresslevel=1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.applications import Starlette
@@ -168,10 +169,12 @@ def _inference_first(infer: _Inference, app: Starlette) -> Callable:
     return dispatch
 
 
+@functools.lru_cache(maxsize=256)
 def _inference_params(path: str) -> dict[str, str] | None:
     """The path parameters of an inference path, as Starlette's routes give them
     (/v2/models/{model}/infer and /v2/models/{model}/versions/{version}/infer, each
-    parameter one segment or more, of no "/"), or None for another path."""
+    parameter one segment or more, of no "/"), or None for another path.  (Remembered
+    for the paths seen last: the dict is shared by their requests, which only read it.)"""
     if not (path.startswith("/v2/models/") and path.endswith("/infer")):
         return None
     parts = path[len("/v2/models/"):-len("/infer")].split("/")

@@ -26,7 +26,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -77,9 +77,9 @@ class InvalidInput(ProtocolError):
         super().__init__(message, 400)
 
 
-@dataclass
-class Tensor:
-    """A named tensor of the protocol: its datatype and its data as an array of its shape."""
+class Tensor(NamedTuple):
+    """A named tensor of the protocol: its datatype and its data as an array of its shape
+    (a tuple: ``zip(*tensors)`` gives their names, datatypes and arrays)."""
 
     name: str
     datatype: str
@@ -378,6 +378,7 @@ def _leaf_types(data: Any, limit: int) -> set[type] | None:
 
 #: The Python types of JSON values that numeric data may hold.
 _NUMBERS = frozenset({int, float, bool})
+_FLOAT = frozenset({float})
 #: Each numeric datatype's kinds of numpy arrays that its JSON data may be read as, and
 #: what an error calls them.
 _ALLOWED = {datatype: ("b", "true or false") if datatype == "BOOL" else
@@ -403,8 +404,11 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
     if not types <= _NUMBERS:
         wrong = sorted(t.__name__ for t in types - _NUMBERS)[0]
         raise ProtocolError(f"input {name!r}: {datatype} data must be {wanted}; got a {wrong}")
+    # floats for a float datatype: read as its dtype at once, as astype would give them
+    exact = allowed == "iuf" and datatype != "BF16" and types <= _FLOAT
     try:
-        values = np.array(data if isinstance(data, list) else [data])
+        values = np.array(data if isinstance(data, list) else [data],
+                          dtype=dtype if exact else None)
     except (ValueError, TypeError, OverflowError):
         raise ProtocolError(f"input {name!r}: data must be a (nested) list of "
                             f"numbers of one shape") from None
@@ -426,7 +430,7 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
         if values.min() < info.min or values.max() > info.max:
             raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range "
                                 f"[{info.min}, {info.max}]")
-    return values.astype(dtype).reshape(shape)
+    return values.astype(dtype, copy=False).reshape(shape)
 
 
 def _bytes_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:

@@ -131,12 +131,11 @@ class ModelRequests(abc.ABC):
         """One call of the model, with inputs that hold the requests at places (request:
         the one request, when the call is not a batch's); what the model raises,
         SystemExit or KeyboardInterrupt included, is a ModelError."""
-        names = self._names(inputs)
-        datatypes = tuple(t.datatype for t in inputs)
+        names, datatypes, arrays = zip(*inputs)
         given = {"request": (request.id, request.parameters)} \
             if self._wants_request and request is not None else {}
         try:
-            outputs = await self._run(names, datatypes, [t.array for t in inputs],
+            outputs = await self._run(self._names(names), datatypes, list(arrays),
                                       Started(self._series, places), given)
         except (ModelError, ProtocolError):  # said already
             raise
@@ -146,13 +145,12 @@ class ModelRequests(abc.ABC):
             raise ModelError(f"model {self.name!r} raised {type(error).__name__}: "
                              f"{error}") from error
         output_names, output_datatypes, *arrays = outputs
-        return [Tensor(*output) for output in zip(output_names, output_datatypes, arrays)]
+        return list(map(Tensor, output_names, output_datatypes, arrays))
 
-    def _names(self, inputs: list[Tensor]) -> tuple[str, ...] | None:
+    def _names(self, names: tuple[str, ...]) -> tuple[str, ...] | None:
         """The inputs' names when every one names one of forward's parameters (they are
         given by name), or always for a class's predict (it gets a dict), else None (by
         position in request order)."""
-        names = tuple(t.name for t in inputs)
         if self._platform == "python" or (self._parameters
                                           and self._parameters.issuperset(names)):
             return names

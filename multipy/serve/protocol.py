@@ -56,6 +56,9 @@ DATATYPES = (*DTYPES, BYTES)
 #: The bytes of a BYTES element's length, in binary data (little-endian).
 LENGTH_PREFIX = 4
 _LENGTH = struct.Struct("<I")
+#: The first bytes of JSON's byte order marks: text that begins with none of them, and
+#: has no NUL in its first four bytes, is UTF-8 (as json.detect_encoding says)
+_NOT_UTF8 = (b"\xef", b"\xfe", b"\xff")
 #: JSON without spaces, as answers are written
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
 
@@ -128,8 +131,10 @@ def decode_request(body: bytes, header_length: str | None = None,
 def json_object(text: bytes) -> dict:
     """The JSON object that text holds; ProtocolError if it is not well-formed JSON, or
     not an object."""
-    try:
-        found = json.loads(text)
+    head = text[:4]
+    try:  # (UTF-8, as json.loads finds it, decoded here without its search)
+        found = json.loads(text.decode("utf-8", "surrogatepass")
+                           if b"\0" not in head and head[:1] not in _NOT_UTF8 else text)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
         # an integer literal over Python's digit limit, nesting deeper than the stack
         raise ProtocolError(f"malformed JSON in the request: {error}") from None

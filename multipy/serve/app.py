@@ -30,12 +30,12 @@ from .protocol import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compr
 
 
 def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Callable:
-    """The ASGI application serving service: the host's (multipy.serve.service.Service) or an
-    interpreter's front end's (multipy._inside.front_end), each of which has ``ready``,
-    ``model(name, version)`` (a multipy.serve.requests.ModelRequests, or None while it
-    loads), ``metrics``, ``max_request_size`` and ``drain()``.  on_startup() runs when
-    the server starts (the host starts loading the models there), and batches still
-    waiting run at shutdown.  A Starlette application answers every request but
+    """The ASGI application serving service: the host's (multipy.serve.service.Service)
+    or an interpreter's front end's (multipy._inside.front_end), each of which has
+    ``ready``, ``model(name, version)`` (a multipy.serve.requests.ModelRequests, or None
+    while it loads), ``metrics``, ``max_request_size`` and ``drain()``.  on_startup()
+    runs when the server starts (the host starts loading the models there), and batches
+    still waiting run at shutdown.  A Starlette application answers every request but
     inference requests, which go to the inference endpoint without it
     (``_inference_first``)."""
 
@@ -187,8 +187,8 @@ def _inference_params(path: str) -> dict[str, str] | None:
 
 class _Inference:
     """The inference endpoint of service, a plain ASGI application (its request's
-    ``path_params`` name the model and version): it reads the headers it needs in one
-    pass and writes its answer itself."""
+    ``path_params`` name the model and version): it reads the headers it needs from one
+    dict of them and writes its answer itself."""
 
     #: the request headers it reads (uvicorn gives their names in lower case)
     _HEADERS = (b"content-length", b"content-encoding", HEADER_LENGTH.lower().encode(),

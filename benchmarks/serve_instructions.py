@@ -2,14 +2,18 @@
 that a busy, shared machine does not skew, where requests/s and CPU time do.
 
 Starts `multipy serve` (one interpreter) or the floor (benchmarks/floor_app.py, one
-uvicorn worker) on the example model `simple`, under callgrind with instrumentation off
-(`--tool callgrind`) or plainly (`--tool strace`); warms it up with JSON requests over a
-keep-alive connection; then counts, over --requests more: the instructions the server
-ran (callgrind, switched on for them alone with callgrind_control; user space only), or
-its system calls by kind (strace -c, attached for them alone).  Needs valgrind or strace.
+uvicorn worker, with torch's intra-op threads as many as multipy's interpreter has, as
+serve_load.py gives them) on the example model `simple`, under callgrind with
+instrumentation off (`--tool callgrind`) or plainly (`--tool strace`); warms it up with
+JSON requests over a keep-alive connection; then counts, over --requests more: the
+instructions the server ran (callgrind, switched on for them alone with
+callgrind_control; user space only), or its system calls by kind (strace -c, attached
+for them alone).  Needs valgrind or strace.
+With --keep FILE, callgrind's profile of those requests is kept there, for
+`callgrind_annotate FILE` (where the instructions went, by function).
 
     python benchmarks/serve_instructions.py [--server multipy|floor] [--tool callgrind|strace]
-        [--requests 1000] [--warm-up 20]
+        [--requests 1000] [--warm-up 20] [--keep FILE]
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +34,7 @@ sys.path.insert(0, HERE)
 from serve_load import _stop, _wait_ready, free_port  # noqa: E402
 
 from multipy._launch import launch_environment  # noqa: E402
+from multipy.manager import default_torch_threads  # noqa: E402
 
 BODY = json.dumps({"inputs": [{"name": "x", "shape": [3, 10], "datatype": "FP32",
                                "data": [0.5] * 30}]})
@@ -56,6 +62,7 @@ def main() -> None:
     parser.add_argument("--tool", choices=("callgrind", "strace"), default="callgrind")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--warm-up", type=float, default=20, help="seconds of requests first")
+    parser.add_argument("--keep", metavar="FILE", help="where to keep callgrind's profile")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     from generate_examples import generate
@@ -67,7 +74,9 @@ def main() -> None:
         command = ([sys.executable, "-m", "multipy.serve", path, "--interpreters", "1",
                     "--port", str(port)] if args.server == "multipy" else
                    [sys.executable, os.path.join(HERE, "floor_app.py"), path, "--name",
-                    "simple", "--workers", "1", "--port", str(port)])
+                    "simple", "--workers", "1", "--port", str(port),
+                    # torch's intra-op threads as multipy's one interpreter has them
+                    "--torch-threads", str(default_torch_threads(1))])
         if args.tool == "callgrind":
             command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
                        f"--callgrind-out-file={out}", *command]
@@ -108,6 +117,8 @@ def main() -> None:
                                 else "", re.MULTILINE)
             if not totals:
                 sys.exit("callgrind dumped no count; the server's log:\n" + log.read()[-2000:])
+            if args.keep:
+                shutil.copyfile(dumped, args.keep)
             print(f"{args.server}: {int(totals[0]) / args.requests:,.0f} instructions per "
                   f"request ({args.requests} requests)")
         else:

@@ -165,7 +165,7 @@ def test_a_new_connection_goes_to_the_front_end_with_the_fewest_open_connections
             assert fronts.hand(left, busy_ones=False)
             chosen.append(next(k for k, (read, _) in enumerate(inboxes) if receive(read)))
         assert chosen == [0, 1, 0]  # open: 0, 0, 1; then 1, 1, 1: the first of the fewest
-        first.models["m"].busy.inc()  # front end 0 is in a call now
+        first.models["m"].call_began(1)  # front end 0 is in a call now
         left, right = socket.socketpair()
         right.close()
         assert fronts.hand(left, busy_ones=False)

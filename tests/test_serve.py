@@ -1517,14 +1517,14 @@ def test_metrics_sum_every_writers_row():
         series = front.models["a"]
         for _ in range(k + 1):
             series.requests.inc()
-            series.latency.observe(0.003)
-        series.failed(413, 1000)
+        series.answered(413, 3_000_000)
         timing = Timing()
         timing.input_ns, timing.queue_ns, timing.infer_ns, timing.output_ns = 1, 2, 3, 4
-        series.succeeded(100 * (k + 1), timing)
-        series.busy.inc()
+        series.answered(200, 100 * (k + 1), timing)
+        series.call_began(1)
         front.closed_connection()
-    fronts[0].models["b"].batched.observe(3)
+    fronts[0].models["b"].call_began(3)  # a batch of 3, ended
+    fronts[0].models["b"].call_ended()
     samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
                for family in text_string_to_metric_families(fronts[1].render().decode())
                for sample in family.samples}
@@ -1532,20 +1532,20 @@ def test_metrics_sum_every_writers_row():
     assert samples[("multipy_inference_requests_total", (("model", "b"),))] == 0
     assert samples[("multipy_inference_failures_total", (("model", "a"), ("status", "413")))] == 2
     latency = "multipy_inference_request_duration_seconds"
-    assert samples[(f"{latency}_bucket", (("le", "0.0025"), ("model", "a")))] == 0
-    assert samples[(f"{latency}_bucket", (("le", "0.005"), ("model", "a")))] == 3
-    assert samples[(f"{latency}_count", (("model", "a"),))] == 3
-    assert samples[(f"{latency}_sum", (("model", "a"),))] == pytest.approx(0.009)
+    assert samples[(f"{latency}_bucket", (("le", "0.0025"), ("model", "a")))] == 2
+    assert samples[(f"{latency}_bucket", (("le", "0.005"), ("model", "a")))] == 4
+    assert samples[(f"{latency}_count", (("model", "a"),))] == 4
+    assert samples[(f"{latency}_sum", (("model", "a"),))] == pytest.approx(0.0060003)
     assert samples[("multipy_busy_interpreters", (("model", "a"),))] == 2
     assert samples[("multipy_batch_requests_bucket", (("le", "2.0"), ("model", "b")))] == 0
     assert samples[("multipy_batch_requests_bucket", (("le", "4.0"), ("model", "b")))] == 1
     # and the statistics extension reads the same rows
     stats = {s["name"]: s for s in host.statistics(["a", "b"])["model_stats"]}
     assert stats["a"]["inference_stats"]["success"] == {"count": 2, "ns": 300}
-    assert stats["a"]["inference_stats"]["fail"] == {"count": 2, "ns": 2000}
+    assert stats["a"]["inference_stats"]["fail"] == {"count": 2, "ns": 6_000_000}
     assert [stats["a"]["inference_stats"][part]["ns"] for part in (
         "compute_input", "queue", "compute_infer", "compute_output")] == [2, 4, 6, 8]
-    assert stats["b"]["inference_count"] == 3 and stats["b"]["execution_count"] == 0
+    assert stats["b"]["inference_count"] == 3 and stats["b"]["execution_count"] == 1
     assert samples[("multipy_interpreters", ())] == 2
     assert [host.closed_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
     assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 1]

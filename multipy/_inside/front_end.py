@@ -411,6 +411,8 @@ class _Model(ModelRequests):
                  max_batch_size: int, batch_delay: float, timeout: float | None) -> None:
         super().__init__(name, series, max_batch_size, batch_delay, timeout)
         self._served, self._worker = served, worker
+        self._asynchronous = getattr(served, "asynchronous", False)  # a class's async predict
+        self._noted = f"model {name!r}, "  # what a crash report names, before the requests
 
     @property
     def cancellable(self) -> bool:
@@ -420,11 +422,11 @@ class _Model(ModelRequests):
                    arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
         if self._worker is None:  # here, blocking the loop
             # what a crash report names while it runs (kept alive until then)
-            running = (b"inference", f"model {self.name!r}, {started.requests()}".encode())
+            running = (b"inference", (self._noted + started.requests()).encode())
             _multipy_bootstrap.note(*running)
             try:
                 with started:
-                    if getattr(self._served, "asynchronous", False):  # a class's async predict
+                    if self._asynchronous:
                         return await self._served.infer_async(names, datatypes, *arrays,
                                                               **given)
                     return self._served.infer(names, datatypes, *arrays, **given)

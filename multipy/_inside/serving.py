@@ -172,6 +172,7 @@ class Served:
                 for name, buffer in owner._buffers.items():
                     if buffer is not None:
                         owner._buffers[name] = buffer.clone()
+        self._torch = torch
         #: storages of the model's own state: an output over one is copied, or the next
         #: call here could change it while the host still reads it
         self.state = {tensor.untyped_storage().data_ptr() for module in modules
@@ -180,24 +181,25 @@ class Served:
     def infer(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any
               ) -> tuple:
         """Runs the model on the arrays, each of its datatype, given by position, or by
-        name when names are given (tensors, but BYTES arrays as they are); returns its
-        outputs as (names, datatypes, *arrays), named as ``_outputs`` says.  Flat, so
-        that the call takes multipy's fast path."""
-        import torch
-
+        name when names are given (tensors, but BYTES arrays as they are), with autograd
+        off (as ``torch.no_grad()``); returns its outputs as (names, datatypes, *arrays),
+        named as ``_outputs`` says.  Flat, so that the call takes multipy's fast path."""
+        torch = self._torch
         try:
             tensors = [_tensor(torch, array, datatype, self.device)
                        for array, datatype in zip(arrays, datatypes)]
-            with torch.no_grad():
-                if names is None:
-                    result = self.model(*tensors)
-                else:
-                    result = self.model(**dict(zip(names, tensors)))
+            enabled = torch.is_grad_enabled()  # (no_grad's calls of C, less its Python)
+            torch._C._set_grad_enabled(False)
+            try:
+                result = self.model(*tensors) if names is None else \
+                    self.model(**dict(zip(names, tensors)))
+            finally:
+                torch._C._set_grad_enabled(enabled)
             outputs = _outputs(torch, result, self.state)
         except Exception as error:
             _raise_plainly(error)
-        return (tuple(name for name, _, _ in outputs),
-                tuple(datatype for _, datatype, _ in outputs), *(array for _, _, array in outputs))
+        output_names, output_datatypes, output_arrays = zip(*outputs) if outputs else ((), (), ())
+        return (output_names, output_datatypes, *output_arrays)
 
     def forget(self) -> None:
         """Lets go of what the process keeps of the model's package for good, so that
@@ -284,6 +286,8 @@ def _outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, str, A
     their names joined with dots (``output1.0``, ``scores.top``).  A list of str and
     bytes only (not empty) is one output, BYTES of shape [len], not a list of outputs.
     An output over one of the storages in state (the model's own) is a copy."""
+    if torch is not None and isinstance(result, torch.Tensor):  # (the most common: at once)
+        return [("output0", *_array(torch, "output0", result, state))]
     if isinstance(result, dict):
         items = [(str(key), value) for key, value in result.items()]
     elif isinstance(result, (tuple, list)) and not _is_string_list(result):
@@ -322,24 +326,38 @@ def _is_strings(value: Any) -> bool:
         isinstance(item, (str, bytes)) for item in value.reshape(-1))
 
 
+#: torch's dtypes -> the protocol's datatypes (``_DATATYPES``), once torch is imported
+_TENSOR_DATATYPES: dict[Any, str] = {}
+
+
+def _tensor_datatypes(torch: Any) -> dict[Any, str]:
+    """Fills in and returns _TENSOR_DATATYPES (every dtype of _DATATYPES that this torch
+    has)."""
+    _TENSOR_DATATYPES.update({getattr(torch, name): datatype for name, datatype in
+                              _DATATYPES.items() if isinstance(getattr(torch, name, None),
+                                                               torch.dtype)})
+    return _TENSOR_DATATYPES
+
+
 def _array(torch: Any, name: str, value: Any, state: set[int]) -> tuple[str, Any]:
     """(datatype, numpy array over the same memory) for an output value; a copy of a
     tensor over one of the storages in state; for str and bytes (see the module's
     docstring), a new array of dtype object holding bytes."""
     if torch is not None and isinstance(value, torch.Tensor):
-        tensor = value.detach()
+        tensor = value.detach() if value.requires_grad else value
         if tensor.untyped_storage().data_ptr() in state:
             tensor = tensor.clone()
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             tensor = tensor.cpu()
-        tensor = tensor.resolve_conj().resolve_neg()
-        kind = str(tensor.dtype).rpartition(".")[2]
-        if kind not in _DATATYPES:
+        if tensor.is_conj() or tensor.is_neg():
+            tensor = tensor.resolve_conj().resolve_neg()
+        datatype = (_TENSOR_DATATYPES or _tensor_datatypes(torch)).get(tensor.dtype)
+        if datatype is None:
             raise TypeError(f"output {name!r} is a tensor of {tensor.dtype}, which the Open "
                             f"Inference Protocol has no datatype for")
-        if kind == "bfloat16":  # no numpy dtype: its bits, as uint16
-            return "BF16", tensor.view(torch.uint16).numpy()
-        return _DATATYPES[kind], tensor.numpy()
+        if datatype == "BF16":  # no numpy dtype: its bits, as uint16
+            return datatype, tensor.view(torch.uint16).numpy()
+        return datatype, tensor.numpy()
     import numpy
 
     if isinstance(value, (str, bytes)) or _is_string_list(value):

@@ -1,6 +1,7 @@
 """The HTTP face of a server: the Open Inference Protocol's REST endpoints, Triton's
-statistics extension and ``/metrics``, as a Starlette application.  Inference requests
-go through the path that every transport shares (multipy.serve.inference).
+statistics extension and ``/metrics``, as a Starlette application, with inference
+requests answered before it, as a plain ASGI application.  Inference requests go through
+the path that every transport shares (multipy.serve.inference).
 
 Every error answer is the protocol's ``{"error": "..."}``, with the status that
 multipy.serve.inference gives it (404 also for an unknown route).  Each request is
@@ -10,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -27,13 +29,15 @@ from .protocol import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compr
                        decode_request, encode_response, error_body, json_object)
 
 
-def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Starlette:
-    """The application serving service: the host's (multipy.serve.service.Service) or an
-    interpreter's front end's (multipy._inside.front_end), each of which has ``ready``,
-    ``model(name, version)`` (a multipy.serve.requests.ModelRequests, or None while it
-    loads), ``metrics``, ``max_request_size`` and ``drain()``.  on_startup() runs when
-    the server starts (the host starts loading the models there), and batches still
-    waiting run at shutdown."""
+def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Callable:
+    """The ASGI application serving service: the host's (multipy.serve.service.Service)
+    or an interpreter's front end's (multipy._inside.front_end), each of which has
+    ``ready``, ``model(name, version)`` (a multipy.serve.requests.ModelRequests, or None
+    while it loads), ``metrics``, ``max_request_size`` and ``drain()``.  on_startup()
+    runs when the server starts (the host starts loading the models there), and batches
+    still waiting run at shutdown.  A Starlette application answers every request but
+    inference requests, which go to the inference endpoint without it
+    (``_inference_first``)."""
 
     async def live(request: Request) -> Response:
         return Response(status_code=200)
@@ -73,40 +77,6 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
             return Response(status_code=400)
         stuck = service.metrics.all_stuck()
         return _error(400, stuck) if stuck else Response(status_code=200)
-
-    async def infer(request: Request) -> Response:
-        async def decode() -> InferRequest:
-            limit = service.max_request_size
-            try:
-                body = await _body(request, limit)
-            except ClientDisconnect:  # nobody to answer
-                raise ProtocolError("the client went away", 499) from None
-            encoding = request.headers.get("content-encoding")
-            # (a compressed body may expand to the limit)
-            return await decode_apart(service, limit if encoding else len(body),
-                                      decode_request, body, request.headers.get(HEADER_LENGTH),
-                                      encoding, limit)
-
-        def encode(decoded: InferRequest, outputs: list[Tensor]) -> Response:
-            binary = dict(decoded.outputs or ())
-            body, headers = encode_response(
-                name, "1", decoded.id,
-                [(t, binary.get(t.name, decoded.binary_outputs)) for t in outputs])
-            body = compress(body, headers, request.headers.get("accept-encoding"))
-            return Response(body, headers=headers)
-
-        async def gone() -> None:
-            while (await request.receive())["type"] != "http.disconnect":
-                pass  # (once the body is read, only the disconnect comes)
-
-        name = request.path_params["model"]
-        try:
-            return await infer_through(service, name, request.path_params.get("version"),
-                                       decode, encode, gone)
-        except ProtocolError as error:
-            if error.status == 499:
-                return Response(status_code=499)
-            return _error(error.status, str(error))
 
     async def repository_index(request: Request) -> Response:
         try:
@@ -154,10 +124,12 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
         yield
         await service.drain()
 
+    infer = _Inference(service)
     model_path = "/v2/models/{model}"
     version_path = "/v2/models/{model}/versions/{version}"
     routes = [
-        Route(f"{model_path}/infer", infer, methods=["POST"]),  # first: the busy one
+        # (under a root path: else _inference_first answers these before Starlette)
+        Route(f"{model_path}/infer", infer, methods=["POST"]),
         Route(f"{version_path}/infer", infer, methods=["POST"]),
         Route("/v2/health/live", live, methods=["GET"]),
         Route("/v2/health/ready", ready, methods=["GET"]),
@@ -174,32 +146,138 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
         Route("/v2/repository/models/{model}/unload", repository_unload, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error},
-                     lifespan=lifespan)
+    return _inference_first(infer, Starlette(routes=routes,
+                                             exception_handlers={HTTPException: http_error},
+                                             lifespan=lifespan))
+
+
+def _inference_first(infer: _Inference, app: Starlette) -> Callable:
+    """app, but an inference request (POST to one of the protocol's two inference paths,
+    with no root path) goes straight to infer, without Starlette's middleware, routing
+    and request objects: what every other request, and every other method on those
+    paths (405), meets is app's."""
+
+    async def dispatch(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            params = _inference_params(scope["path"])
+            if params is not None:
+                scope["path_params"] = params
+                await infer(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return dispatch
+
+
+@functools.lru_cache(maxsize=256)
+def _inference_params(path: str) -> dict[str, str] | None:
+    """The path parameters of an inference path, as Starlette's routes give them
+    (/v2/models/{model}/infer and /v2/models/{model}/versions/{version}/infer, each
+    parameter one segment or more, of no "/"), or None for another path.  (Remembered
+    for the paths seen last: the dict is shared by their requests, which only read it.)"""
+    if not (path.startswith("/v2/models/") and path.endswith("/infer")):
+        return None
+    parts = path[len("/v2/models/"):-len("/infer")].split("/")
+    if len(parts) == 1 and parts[0]:
+        return {"model": parts[0]}
+    if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
+        return {"model": parts[0], "version": parts[2]}
+    return None
+
+
+class _Inference:
+    """The inference endpoint of service, a plain ASGI application (its request's
+    ``path_params`` name the model and version): it reads the headers it needs from one
+    dict of them and writes its answer itself."""
+
+    #: the request headers it reads (uvicorn gives their names in lower case)
+    _HEADERS = (b"content-length", b"content-encoding", HEADER_LENGTH.lower().encode(),
+                b"accept-encoding")
+
+    def __init__(self, service: Server) -> None:
+        self._service = service
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        service = self._service
+        named = dict(reversed(scope["headers"])).get  # (the first of a name, as Starlette's)
+        length, encoding, header_length, accepted = [
+            None if value is None else value.decode("latin-1")
+            for value in map(named, self._HEADERS)]
+
+        async def decode() -> InferRequest:
+            limit = service.max_request_size
+            body = await _body(receive, length, limit)
+            # (a compressed body may expand to the limit)
+            return await decode_apart(service, limit if encoding else len(body),
+                                      decode_request, body, header_length, encoding, limit)
+
+        def encode(decoded: InferRequest, outputs: list[Tensor]) -> tuple[bytes, dict]:
+            binary = dict(decoded.outputs or ())
+            body, answer_headers = encode_response(
+                name, "1", decoded.id,
+                [(t, binary.get(t.name, decoded.binary_outputs)) for t in outputs])
+            return compress(body, answer_headers, accepted), answer_headers
+
+        async def gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass  # (once the body is read, only the disconnect comes)
+
+        params = scope["path_params"]
+        name = params["model"]
+        try:
+            body, answer_headers = await infer_through(service, name, params.get("version"),
+                                                       decode, encode, gone)
+        except ProtocolError as error:
+            if error.status == 499:
+                await _answer(send, 499, b"", {})
+            else:
+                await _answer(send, error.status, error_body(str(error)), _JSON)
+            return
+        await _answer(send, 200, body, answer_headers)
+
+
+#: the headers of a JSON answer
+_JSON = {"Content-Type": "application/json"}
+
+
+async def _answer(send: Callable, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+    """Sends an answer of status with body and headers (and its Content-Length), as a
+    Starlette Response sends it."""
+    raw = [(key.lower().encode("latin-1"), value.encode("latin-1"))
+           for key, value in headers.items()]
+    raw.append((b"content-length", str(len(body)).encode("latin-1")))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _json_body(request: Request) -> dict:
     """The request's body as a JSON object ({} if it is empty); ProtocolError if it is
     not one, or has more than the 64 KiB that such a request may have."""
-    body = await _body(request, 1 << 16)
+    body = await _body(request.receive, request.headers.get("content-length"), 1 << 16)
     return json_object(body) if body.strip() else {}
 
 
-async def _body(request: Request, limit: int) -> bytes:
-    """The request's body; ProtocolError (413) if it has more than limit bytes: said by
-    its Content-Length before any is read, or as soon as what arrives passes it."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+async def _body(receive: Callable, declared: str | None, limit: int) -> bytes:
+    """The body of the request that receive (ASGI's) reads, whose Content-Length header
+    says declared; ProtocolError: 413 if it has more than limit bytes, said by its
+    Content-Length before any is read, or as soon as what arrives passes it; 499 if the
+    client goes away first."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProtocolError(f"the request has {declared} bytes, more than the {limit} this "
                             f"server takes (--max-request-size)", 413)
     chunks, size = [], 0
-    async for chunk in request.stream():
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":  # nobody to answer
+            raise ProtocolError("the client went away", 499)
+        chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
             raise ProtocolError(f"the request has more than the {limit} bytes this server "
                                 f"takes (--max-request-size)", 413)
         chunks.append(chunk)
-    return b"".join(chunks)
+        if not message.get("more_body", False):
+            return b"".join(chunks) if len(chunks) > 1 else chunk
 
 
 def logging_config(server_lines: bool = True) -> dict:

@@ -93,6 +93,8 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
     closes each connection once it has answered one request.  Its ``received`` counts
     the bytes read from the connection."""
 
+    on_header = base.on_header  # (called as it is, without super(): once per field)
+
     class Guarded(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -102,7 +104,6 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             self._heading = True  # bytes that come now belong to a request's head
             self._head = 0
             self._tail = b""
-            self._fields = 0
             self._refusal: tuple[int, str] | None = None
             # when the request under way (or the connection) began, and the one timer that
             # watches it: re-armed while requests come in time, not made for each
@@ -148,12 +149,11 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                 self.send_400_response(message)
 
         def on_header(self, name: bytes, value: bytes) -> None:
-            self._fields += 1
-            if self._fields > limits.max_headers:
+            if len(self.headers) >= limits.max_headers:  # (the request's fields so far)
                 self._refusal = (431, f"the request has more than the {limits.max_headers} "
                                       f"header fields this server takes (--max-headers)")
                 raise _Refused
-            super().on_header(name, value)
+            on_header(self, name, value)
 
         def on_headers_complete(self) -> None:
             self._heading = False
@@ -167,7 +167,7 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
 
         def on_message_complete(self) -> None:
             self._disarm()  # arrived whole
-            self._heading, self._head, self._tail, self._fields = True, 0, b"", 0
+            self._heading, self._head, self._tail = True, 0, b""
             super().on_message_complete()
 
         def _arm(self) -> None:

@@ -115,12 +115,7 @@ async def infer(service: Server, name: str, version: str | None,
         logger.exception("inference on model %r failed", name)
         raise ProtocolError(f"internal error: {type(error).__name__}: {error}", 500) from None
     finally:
-        elapsed = time.perf_counter_ns() - began
-        series.latency.observe(elapsed / 1e9)
-        if status == 200:
-            series.succeeded(elapsed, timing)
-        else:
-            series.failed(status, elapsed)
+        series.answered(status, time.perf_counter_ns() - began, timing)
 
 
 async def _unless_gone(work: Awaitable[Answer],

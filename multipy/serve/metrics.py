@@ -66,11 +66,13 @@ _ROW = 4
 _REQUESTS = 0
 _FAILURES = 1
 _LATENCY_AT = _FAILURES + len(STATUSES)
-_QUEUED = _LATENCY_AT + len(_LATENCY) + 2
+_LATENCY_SUM = _LATENCY_AT + len(_LATENCY) + 1
+_QUEUED = _LATENCY_SUM + 1
 _BUSY = _QUEUED + 1
 _CALLS = _BUSY + 1
 _BATCHED_AT = _CALLS + 1
-_SUCCESSES = _BATCHED_AT + len(_BATCHED) + 2
+_BATCHED_SUM = _BATCHED_AT + len(_BATCHED) + 1
+_SUCCESSES = _BATCHED_SUM + 1
 _SUCCESS_NS = _SUCCESSES + 1
 _FAILURE_NS = _SUCCESS_NS + 1
 _QUEUE_NS = _FAILURE_NS + 1
@@ -154,62 +156,58 @@ class _Count:
         self._values[self._at] -= 1.0
 
 
-class _Histogram:
-    """A histogram of a row: a count per bucket, one past the last bucket, and the sum."""
-
-    __slots__ = ("_values", "_at", "_bounds")
-
-    def __init__(self, values: memoryview, at: int, bounds: Sequence[float]) -> None:
-        self._values, self._at, self._bounds = values, at, bounds
-
-    def observe(self, value: float) -> None:
-        self._values[self._at + bisect.bisect_left(self._bounds, value)] += 1.0
-        self._values[self._at + len(self._bounds) + 1] += value
-
-
 class ModelSeries:
-    """One model's series in one row, and the row's state as its calls begin and end."""
+    """One model's series in one row, and the row's state as its calls begin and end:
+    each step of a request is one call that stores its counts."""
 
-    __slots__ = ("requests", "latency", "queued", "busy", "calls", "batched", "_values", "_at",
-                 "_index")
+    __slots__ = ("requests", "queued", "_values", "_own", "_index")
 
     def __init__(self, values: memoryview, at: int, index: int) -> None:
         self.requests = _Count(values, at + _REQUESTS)
-        self.latency = _Histogram(values, at + _LATENCY_AT, _LATENCY)
         self.queued = _Count(values, at + _QUEUED)
-        self.busy = _Count(values, at + _BUSY)
-        self.calls = _Count(values, at + _CALLS)
-        self.batched = _Histogram(values, at + _BATCHED_AT, _BATCHED)
-        self._values, self._at, self._index = values, at, index
+        self._values, self._index = values, index
+        self._own = values[at:at + _PER_MODEL]  # (its series, at offsets from 0)
 
-    def calling(self, running: bool) -> None:
-        """A call of the model begins (True) or ends in this row's interpreter."""
-        self._values[_SINCE] = time.monotonic() if running else 0.0
-        if running:
-            self._values[self._at + _LAST_CALL] = time.time() * 1000.0
+    def call_began(self, requests: int) -> None:
+        """A call of the model for that many requests begins in this row's interpreter:
+        one more call, and interpreter busy with it, since now."""
+        own = self._own
+        own[_BUSY] += 1.0
+        own[_CALLS] += 1.0
+        own[_BATCHED_AT + bisect.bisect_left(_BATCHED, requests)] += 1.0
+        own[_BATCHED_SUM] += requests
+        own[_LAST_CALL] = time.time() * 1000.0
+        self._values[_SINCE] = time.monotonic()
+
+    def call_ended(self) -> None:
+        """The call that began last in this row's interpreter has ended."""
+        self._values[_SINCE] = 0.0
+        self._own[_BUSY] -= 1.0
 
     def abandoned(self, running: bool) -> None:
         """A call of the model that its request gave up on still runs (True), or has
         ended."""
         self._values[_ABANDONED] = self._index + 1.0 if running else 0.0
 
-    def failed(self, status: int, elapsed_ns: int) -> None:
-        """One request answered with an error of that HTTP status, elapsed_ns after it
-        arrived."""
+    def answered(self, status: int, elapsed_ns: int, timing: Any = None) -> None:
+        """One request answered with that HTTP status elapsed_ns after it arrived: its
+        latency, and its success with timing's parts (multipy.serve.requests.Timing), or
+        its failure."""
+        own = self._own
+        seconds = elapsed_ns / 1e9
+        own[_LATENCY_AT + bisect.bisect_left(_LATENCY, seconds)] += 1.0
+        own[_LATENCY_SUM] += seconds
+        if status == 200:
+            own[_SUCCESSES] += 1.0
+            own[_SUCCESS_NS] += elapsed_ns
+            own[_QUEUE_NS] += timing.queue_ns
+            own[_INPUT_NS] += timing.input_ns
+            own[_INFER_NS] += timing.infer_ns
+            own[_OUTPUT_NS] += timing.output_ns
+            return
         where = STATUSES.index(status) if status in STATUSES else STATUSES.index(500)
-        self._values[self._at + _FAILURES + where] += 1.0
-        self._values[self._at + _FAILURE_NS] += elapsed_ns
-
-    def succeeded(self, elapsed_ns: int, timing: Any) -> None:
-        """One request answered elapsed_ns after it arrived, with timing's parts
-        (multipy.serve.requests.Timing)."""
-        values, at = self._values, self._at
-        values[at + _SUCCESSES] += 1.0
-        values[at + _SUCCESS_NS] += elapsed_ns
-        values[at + _QUEUE_NS] += timing.queue_ns
-        values[at + _INPUT_NS] += timing.input_ns
-        values[at + _INFER_NS] += timing.infer_ns
-        values[at + _OUTPUT_NS] += timing.output_ns
+        own[_FAILURES + where] += 1.0
+        own[_FAILURE_NS] += elapsed_ns
 
 
 class Metrics:
@@ -340,7 +338,7 @@ class Metrics:
             stats.append({
                 "name": name, "version": "1",
                 "last_inference": int(board.most(at + _LAST_CALL)),
-                "inference_count": total(_BATCHED_AT + len(_BATCHED) + 1),
+                "inference_count": total(_BATCHED_SUM),
                 "execution_count": total(_CALLS),
                 "inference_stats": {
                     "success": duration(successes, _SUCCESS_NS),

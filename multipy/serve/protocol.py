@@ -26,7 +26,7 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -56,6 +56,11 @@ DATATYPES = (*DTYPES, BYTES)
 #: The bytes of a BYTES element's length, in binary data (little-endian).
 LENGTH_PREFIX = 4
 _LENGTH = struct.Struct("<I")
+#: The first bytes of JSON's byte order marks: text that begins with none of them, and
+#: has no NUL in its first four bytes, is UTF-8 (as json.detect_encoding says)
+_NOT_UTF8 = (b"\xef", b"\xfe", b"\xff")
+#: JSON without spaces, as answers are written
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
 
 
 class ProtocolError(Exception):
@@ -75,9 +80,9 @@ class InvalidInput(ProtocolError):
         super().__init__(message, 400)
 
 
-@dataclass
-class Tensor:
-    """A named tensor of the protocol: its datatype and its data as an array of its shape."""
+class Tensor(NamedTuple):
+    """A named tensor of the protocol: its datatype and its data as an array of its shape
+    (a tuple: ``zip(*tensors)`` gives their names, datatypes and arrays)."""
 
     name: str
     datatype: str
@@ -106,7 +111,8 @@ def decode_request(body: bytes, header_length: str | None = None,
     Content-Encoding header's (gzip and deflate are read, up to max_size bytes).
     ProtocolError if it is not a well-formed inference request (413 if it expands past
     max_size)."""
-    body = _decompressed(body, content_encoding, max_size)
+    if content_encoding is not None:
+        body = _decompressed(body, content_encoding, max_size)
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
@@ -125,8 +131,10 @@ def decode_request(body: bytes, header_length: str | None = None,
 def json_object(text: bytes) -> dict:
     """The JSON object that text holds; ProtocolError if it is not well-formed JSON, or
     not an object."""
-    try:
-        found = json.loads(text)
+    head = text[:4]
+    try:  # (UTF-8, as json.loads finds it, decoded here without its search)
+        found = json.loads(text.decode("utf-8", "surrogatepass")
+                           if b"\0" not in head and head[:1] not in _NOT_UTF8 else text)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
         # an integer literal over Python's digit limit, nesting deeper than the stack
         raise ProtocolError(f"malformed JSON in the request: {error}") from None
@@ -155,9 +163,10 @@ def parse_request(request: Any, binary: memoryview) -> InferRequest:
     if offset != len(binary):
         raise ProtocolError(f"the request has {len(binary) - offset} bytes of binary data "
                             f"that no input claims (binary_data_size)")
-    names = [tensor.name for tensor in tensors]
-    if len(set(names)) != len(names):
-        raise ProtocolError(f"input names must be unique: {names}")
+    if len(tensors) > 1:
+        names = [tensor.name for tensor in tensors]
+        if len(set(names)) != len(names):
+            raise ProtocolError(f"input names must be unique: {names}")
     outputs = None
     if request.get("outputs"):  # absent, null or []: every output, as Triton answers
         if not isinstance(request["outputs"], list):
@@ -169,7 +178,8 @@ def parse_request(request: Any, binary: memoryview) -> InferRequest:
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError('"id" must be a string')
-    return InferRequest(tensors, outputs, _flag(parameters, "binary_data_output"),
+    return InferRequest(tensors, outputs,
+                        _flag(parameters, "binary_data_output") if parameters else False,
                         request_id, parameters)
 
 
@@ -319,17 +329,23 @@ def bytes_array(elements: list[bytes], shape: list[int]) -> np.ndarray:
     return array.reshape(shape)
 
 
+#: The type of a size in a shape (bool is not one).
+_INT = frozenset({int})
+
+
 def _count(name: str, shape: Any) -> int:
     """How many elements shape claims, checked in time bounded by MAX_RANK: a list of at
     most MAX_RANK sizes from 0 to MAX_ELEMENTS whose product, zeros left out, is at most
     MAX_ELEMENTS (numpy refuses an empty array whose other sizes multiply past its
     limit)."""
     if (not isinstance(shape, list) or len(shape) > MAX_RANK
-            or not all(type(size) is int and 0 <= size <= MAX_ELEMENTS for size in shape)):
+            or not _INT.issuperset(map(type, shape))
+            or (shape and not 0 <= min(shape) <= max(shape) <= MAX_ELEMENTS)):
         raise ProtocolError(f"input {name!r}: shape must be a list of at most {MAX_RANK} "
                             f"sizes (integers from 0 to {MAX_ELEMENTS}), not {_short(shape)}")
     count = math.prod(shape)  # of at most MAX_RANK sizes that small: quick
-    if math.prod(size for size in shape if size) > MAX_ELEMENTS:
+    if count > MAX_ELEMENTS or (
+            not count and math.prod(size for size in shape if size) > MAX_ELEMENTS):
         raise ProtocolError(f"input {name!r}: shape {_short(shape)} has more than "
                             f"{MAX_ELEMENTS} elements (its sizes that are not 0 multiplied)")
     return count
@@ -345,6 +361,8 @@ def _short(value: Any, limit: int = 200) -> str:
 def _leaf_types(data: Any, limit: int) -> set[type] | None:
     """The types of the values of nested lists data (lists of lists, or of values), or
     None if they hold more than limit values: a walk of the lists that builds nothing."""
+    if type(data) is list and (not data or type(data[0]) is not list):  # flat: at once
+        return set(map(type, data)) if len(data) <= limit else None
     types: set[type] = set()
     pending, seen = [data], 0
     while pending:
@@ -365,6 +383,12 @@ def _leaf_types(data: Any, limit: int) -> set[type] | None:
 
 #: The Python types of JSON values that numeric data may hold.
 _NUMBERS = frozenset({int, float, bool})
+_FLOAT = frozenset({float})
+#: Each numeric datatype's kinds of numpy arrays that its JSON data may be read as, and
+#: what an error calls them.
+_ALLOWED = {datatype: ("b", "true or false") if datatype == "BOOL" else
+            ("iu", "integers") if dtype.kind in "iu" and datatype != "BF16" else
+            ("iuf", "numbers") for datatype, dtype in DTYPES.items()}
 
 
 def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarray:
@@ -377,13 +401,7 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
         return _bytes_from_json(name, shape, data)
     count = math.prod(shape)
     dtype = DTYPES[datatype]
-    if datatype == "BOOL":
-        allowed = "b"
-    elif dtype.kind in "iu" and datatype != "BF16":
-        allowed = "iu"
-    else:
-        allowed = "iuf"
-    wanted = {"b": "true or false", "iu": "integers", "iuf": "numbers"}[allowed]
+    allowed, wanted = _ALLOWED[datatype]
     types = _leaf_types(data, count)
     if types is None:
         raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
@@ -391,8 +409,11 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
     if not types <= _NUMBERS:
         wrong = sorted(t.__name__ for t in types - _NUMBERS)[0]
         raise ProtocolError(f"input {name!r}: {datatype} data must be {wanted}; got a {wrong}")
+    # floats for a float datatype: read as its dtype at once, as astype would give them
+    exact = allowed == "iuf" and datatype != "BF16" and types <= _FLOAT
     try:
-        values = np.array(data if isinstance(data, list) else [data])
+        values = np.array(data if isinstance(data, list) else [data],
+                          dtype=dtype if exact else None)
     except (ValueError, TypeError, OverflowError):
         raise ProtocolError(f"input {name!r}: data must be a (nested) list of "
                             f"numbers of one shape") from None
@@ -414,7 +435,7 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
         if values.min() < info.min or values.max() > info.max:
             raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range "
                                 f"[{info.min}, {info.max}]")
-    return values.astype(dtype).reshape(shape)
+    return values.astype(dtype, copy=False).reshape(shape)
 
 
 def _bytes_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
@@ -514,7 +535,7 @@ def encode_response(model_name: str, model_version: str | None, request_id: str 
     if request_id is not None:
         answer["id"] = request_id
     answer["outputs"] = described
-    header = json.dumps(answer, separators=(",", ":")).encode()
+    header = _COMPACT.encode(answer).encode()
     if not chunks:
         return header, {"Content-Type": "application/json"}
     return header + b"".join(chunks), {"Content-Type": "application/octet-stream",
@@ -546,7 +567,10 @@ def tensor_bytes(tensor: Tensor) -> bytes:
 def compress(body: bytes, headers: dict[str, str], accept_encoding: str | None) -> bytes:
     """body compressed as the client accepts (gzip or deflate, as tritonclient asks for
     with response_compression_algorithm); headers gets Content-Encoding then."""
-    accepted = {part.split(";")[0].strip().lower() for part in (accept_encoding or "").split(",")}
+    named = (accept_encoding or "").lower()
+    if "gzip" not in named and "deflate" not in named:  # (none, or identity: at once)
+        return body
+    accepted = {part.split(";")[0].strip() for part in named.split(",")}
     if "gzip" in accepted:
         headers["Content-Encoding"] = "gzip"
         return gzip.compress(body, compresslevel=1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Mapping
 
 from .batching import Batcher
 from .metrics import ModelSeries
@@ -23,11 +23,11 @@ class ServiceTimeout(Exception):
     """A request ran past --timeout; its call was cancelled."""
 
 
-def named(models: Mapping[str, Any], served: Iterable[str], name: str,
+def named(models: Mapping[str, Any], served: Collection[str], name: str,
           version: str | None = None) -> Any:
     """The model called name (and version, if given) in models, or None while it loads;
-    ProtocolError (404) if the server serves no such model or version."""
-    served = list(served)
+    ProtocolError (404) if served (the names of the models the server serves) has no
+    such model, or it no such version."""
     if name not in served:
         raise ProtocolError(f"unknown model {name!r}; this server serves "
                             f"{', '.join(map(repr, served))}", 404)
@@ -49,7 +49,7 @@ class ModelRequests(abc.ABC):
         self._timeout = timeout
         self._described: dict[str, list[dict]] | None = None
         self._declared: dict[str, dict] | None = None  # name -> input, if declared
-        self._parameters: list[str] = []
+        self._parameters: frozenset[str] = frozenset()
         self._platform = "pytorch_torch_package"  # "python": a class, given inputs by name
         #: whether a call of one request also gets its id and parameters (``request=``)
         self._wants_request = False
@@ -60,7 +60,7 @@ class ModelRequests(abc.ABC):
         """Sets the model's inputs and outputs, as ``multipy._inside.serving.Served.metadata``
         gives them; requests are checked against inputs it says are declared."""
         self._described = described
-        self._parameters = [spec["name"] for spec in described["inputs"]]
+        self._parameters = frozenset(spec["name"] for spec in described["inputs"])
         self._declared = {spec["name"]: spec for spec in described["inputs"]} \
             if described.get("declared") else None
         self._platform = described.get("platform", "pytorch_torch_package")
@@ -131,12 +131,11 @@ class ModelRequests(abc.ABC):
         """One call of the model, with inputs that hold the requests at places (request:
         the one request, when the call is not a batch's); what the model raises,
         SystemExit or KeyboardInterrupt included, is a ModelError."""
-        names = self._names(inputs)
-        datatypes = tuple(t.datatype for t in inputs)
+        names, datatypes, arrays = zip(*inputs)
         given = {"request": (request.id, request.parameters)} \
             if self._wants_request and request is not None else {}
         try:
-            outputs = await self._run(names, datatypes, [t.array for t in inputs],
+            outputs = await self._run(self._names(names), datatypes, list(arrays),
                                       Started(self._series, places), given)
         except (ModelError, ProtocolError):  # said already
             raise
@@ -146,15 +145,14 @@ class ModelRequests(abc.ABC):
             raise ModelError(f"model {self.name!r} raised {type(error).__name__}: "
                              f"{error}") from error
         output_names, output_datatypes, *arrays = outputs
-        return [Tensor(*output) for output in zip(output_names, output_datatypes, arrays)]
+        return list(map(Tensor, output_names, output_datatypes, arrays))
 
-    def _names(self, inputs: list[Tensor]) -> tuple[str, ...] | None:
+    def _names(self, names: tuple[str, ...]) -> tuple[str, ...] | None:
         """The inputs' names when every one names one of forward's parameters (they are
         given by name), or always for a class's predict (it gets a dict), else None (by
         position in request order)."""
-        names = tuple(t.name for t in inputs)
         if self._platform == "python" or (self._parameters
-                                          and set(names) <= set(self._parameters)):
+                                          and self._parameters.issuperset(names)):
             return names
         return None
 
@@ -211,24 +209,21 @@ class Started:
 
     def requests(self) -> str:
         """The requests the call answers, as a crash report names them."""
+        if len(self._places) == 1:
+            place = self._places[0]
+            return "request (no id)" if place.id is None else f"request {place.id!r}"
         names = [f"{place.id!r}" if place.id is not None else "(no id)"
                  for place in self._places]
-        if len(names) == 1:
-            return f"request {names[0]}"
         return f"a batch of {len(names)} requests: {', '.join(names)}"
 
     def __enter__(self) -> None:
         self._began = time.perf_counter_ns()
         for place in self._places:
             place.leave(self._began)
-        self._series.busy.inc()
-        self._series.calls.inc()
-        self._series.batched.observe(len(self._places))
-        self._series.calling(True)
+        self._series.call_began(len(self._places))
 
     def __exit__(self, *exc_info: Any) -> None:
-        self._series.calling(False)
-        self._series.busy.dec()
+        self._series.call_ended()
         took = time.perf_counter_ns() - self._began
         for place in self._places:
             place.timing.infer_ns = took

@@ -205,6 +205,17 @@ class Interpreter:
             self._sessions += 1
         return self
 
+    def occupy_if_idle(self) -> bool:
+        """``occupy()`` if the load balancer would pick this interpreter at once (no open
+        session, room left, no abandoned call running, its manager open); whether it
+        did.  One call for the load balancer's common case."""
+        runtime = self._runtime
+        with self._lock:
+            if self._sessions or self._closed or runtime.out_of_room or runtime.abandoned_calls:
+                return False
+            self._sessions = 1
+        return True
+
     def hand_back(self) -> None:
         """Ends one ``occupy()``."""
         with self._lock:
@@ -256,7 +267,7 @@ class Interpreter:
         body = _sharing.plain(args)
         if body is not None:
             return op, handle, body, None
-        if op == CALL_VALUE and _sharing.is_plain(args[0]) and _sharing.is_plain(args[2]):
+        if op == CALL_VALUE and (not args[2] or _sharing.is_plain(args[2])):
             lent = _sharing.Lent(exports)  # a call with scalars and tensors: the fast path
             try:
                 flat = _sharing.lend_flat(args[1], lent)

@@ -131,7 +131,8 @@ def main() -> None:
           f"callgrind), against a plain host thread's")
     for way in WAYS:
         if way in counts:
-            print(f"  {WAYS[way]:38s} {counts[way]:9,.0f}   {counts[way] / counts['host']:5.2f}x")
+            ratio = counts[way] / counts["host"]
+            print(f"  {WAYS[way]:38s} {counts[way]:9,.0f}   {ratio:5.2f}x the thread's")
 
 
 if __name__ == "__main__":

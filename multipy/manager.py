@@ -118,7 +118,8 @@ class InterpreterManager:
         object.  Raises what acquire_one raises."""
         deadline = None
         while True:
-            with self._lock:
+            self._lock.acquire()  # not `with`: half the cost, and this runs for every call
+            try:
                 chosen = None
                 if not self._closed:
                     last = self._interpreters[self._thread.cursor % self._limit]
@@ -128,6 +129,8 @@ class InterpreterManager:
                 if chosen is not None:
                     self._thread.cursor = chosen.index
                     return chosen.occupy()
+            finally:
+                self._lock.release()
             self._check_open()
             if deadline is None:  # every interpreter runs an abandoned call: wait
                 seconds = current_timeout()

@@ -210,16 +210,22 @@ class Interpreter:
         session, room left, no abandoned call running, its manager open); whether it
         did.  One call for the load balancer's common case."""
         runtime = self._runtime
-        with self._lock:
+        self._lock.acquire()  # not `with`: half the cost, and this runs for every call
+        try:
             if self._sessions or self._closed or runtime.out_of_room or runtime.abandoned_calls:
                 return False
             self._sessions = 1
-        return True
+            return True
+        finally:
+            self._lock.release()
 
     def hand_back(self) -> None:
         """Ends one ``occupy()``."""
-        with self._lock:
+        self._lock.acquire()  # not `with`: see occupy_if_idle
+        try:
             self._sessions -= 1
+        finally:
+            self._lock.release()
 
     def global_(self, module: str, name: str) -> Obj:
         """The object ``name`` (dots allowed) of ``module``, imported in the interpreter."""

@@ -64,13 +64,41 @@ static int tensor_says(PyObject *method, PyObject *tensor)
     return truth;
 }
 
-/* Lends tensor, noting its token in `lent` (a multipy._sharing.Lent: its list `tokens`,
- * its exports' dict `objects` and token iterator `counter`), token noted before the
- * capsule is kept.  The record (kind, token, address), None if the tensor is not lent
- * (a lazy conjugate or negative view, which DLPack would not describe; not in host
- * memory; one DLPack refuses), or NULL with an exception.  The tensor crosses detached,
- * a view of its own, so that set_() on it cannot free the memory that is lent. */
-static PyObject *lend_torch(PyObject *tensor, PyObject *lent)
+/* Where one message lends into: its multipy._sharing.Lent's list `tokens`, its exports'
+ * dict `objects` and token iterator `counter`, read once a message (by names interned
+ * once), not once a tensor. */
+struct loan {
+    PyObject *tokens, *objects, *counter;
+};
+static PyObject *loan_names[3]; /* "tokens", "objects", "counter" */
+
+/* Reads lent's parts into loan: 0, or -1 with an exception (loan_close still due). */
+static int loan_open(struct loan *loan, PyObject *lent)
+{
+    static const char *names[3] = {"tokens", "objects", "counter"};
+    PyObject **parts[3] = {&loan->tokens, &loan->objects, &loan->counter};
+    for (int i = 0; i < 3; i++) {
+        if (!loan_names[i] && !(loan_names[i] = PyUnicode_InternFromString(names[i])))
+            return -1;
+        if (!(*parts[i] = PyObject_GetAttr(lent, loan_names[i])))
+            return -1;
+    }
+    return 0;
+}
+
+static void loan_close(struct loan *loan)
+{
+    Py_CLEAR(loan->tokens);
+    Py_CLEAR(loan->objects);
+    Py_CLEAR(loan->counter);
+}
+
+/* Lends tensor into loan, token noted before the capsule is kept.  The record (kind,
+ * token, address), None if the tensor is not lent (a lazy conjugate or negative view,
+ * which DLPack would not describe; not in host memory; one DLPack refuses), or NULL
+ * with an exception.  The tensor crosses detached, a view of its own, so that set_() on
+ * it cannot free the memory that is lent. */
+static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
 {
     int lazy = tensor_says(torch_api.is_conj, tensor);
     if (lazy == 0)
@@ -95,19 +123,14 @@ static PyObject *lend_torch(PyObject *tensor, PyObject *lent)
             Py_RETURN_NONE;
         return NULL;
     }
-    PyObject *record = NULL, *token = NULL, *address = PyLong_FromVoidPtr(managed);
-    PyObject *tokens = PyObject_GetAttrString(lent, "tokens");
-    PyObject *objects = PyObject_GetAttrString(lent, "objects");
-    PyObject *counter = PyObject_GetAttrString(lent, "counter");
-    if (address && tokens && objects && counter && !(token = PyIter_Next(counter))
-        && !PyErr_Occurred())
+    PyObject *record = NULL, *address = PyLong_FromVoidPtr(managed);
+    PyObject *token = address ? PyIter_Next(loan->counter) : NULL;
+    if (address && !token && !PyErr_Occurred())
         PyErr_SetNone(PyExc_StopIteration); /* the tokens ran out */
-    if (token && PyList_Append(tokens, token) == 0 && PyDict_SetItem(objects, token, capsule) == 0)
+    if (token && PyList_Append(loan->tokens, token) == 0
+        && PyDict_SetItem(loan->objects, token, capsule) == 0)
         record = PyTuple_Pack(3, torch_kind, token, address);
     Py_XDECREF(token);
-    Py_XDECREF(counter);
-    Py_XDECREF(objects);
-    Py_XDECREF(tokens);
     Py_XDECREF(address);
     Py_DECREF(capsule);
     return record;
@@ -121,7 +144,10 @@ static PyObject *lend_tensor(PyObject *module, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_TypeError, "lend_tensor(tensor, lent), after use_torch");
         return NULL;
     }
-    return lend_torch(args[0], args[1]);
+    struct loan loan = {NULL, NULL, NULL};
+    PyObject *record = loan_open(&loan, args[1]) == 0 ? lend_torch(args[0], &loan) : NULL;
+    loan_close(&loan);
+    return record;
 }
 
 static int is_scalar(PyObject *value)
@@ -184,6 +210,7 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
      * records take the places of what is lent */
     PyObject *values = PySequence_Tuple(args[0]), *flat = NULL, *met = NULL;
     PyObject *positions = PyList_New(0);
+    struct loan loan = {NULL, NULL, NULL}; /* opened at the first torch tensor */
     if (!values || !positions
         || !(flat = copy_items(PySequence_Fast_ITEMS(values), PyTuple_GET_SIZE(values))))
         goto failed;
@@ -200,7 +227,7 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
         else if (PyErr_Occurred())
             record = NULL;
         else if (torch_api.tensor && (PyObject *)Py_TYPE(value) == torch_api.tensor)
-            record = lend_torch(value, lent);
+            record = loan.tokens || loan_open(&loan, lent) == 0 ? lend_torch(value, &loan) : NULL;
         else
             record = PyObject_CallFunctionObjArgs(describe, value, lent, NULL);
         if (record == Py_None) { /* not lent: this value is pickled, and so is the rest */
@@ -209,6 +236,7 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
             Py_DECREF(flat);
             Py_DECREF(positions);
             Py_DECREF(met);
+            loan_close(&loan);
             if (take_back(lent) < 0) {
                 Py_DECREF(record);
                 return NULL;
@@ -230,6 +258,7 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_DECREF(values);
     Py_XDECREF(met);
     values = met = NULL;
+    loan_close(&loan);
     PyObject *places = PyList_AsTuple(positions);
     Py_DECREF(positions);
     if (!places) {
@@ -243,6 +272,7 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
         take_back(lent);
     return result;
 failed:
+    loan_close(&loan);
     take_back(lent);
     Py_XDECREF(met);
     Py_XDECREF(values);

@@ -54,6 +54,30 @@ def test_load_balancer_prefers_free_then_least_used(manager):
         assert s.interpreter.index == last
 
 
+def test_occupy_if_idle_takes_only_a_free_interpreter(manager):
+    interpreter = manager[0]
+    assert interpreter.occupy_if_idle()
+    try:
+        assert interpreter.open_sessions == 1
+        assert not interpreter.occupy_if_idle()  # busy: left to the full pick
+    finally:
+        interpreter.hand_back()
+    assert interpreter.open_sessions == 0
+
+
+def test_the_last_pick_is_passed_by_once_it_has_no_room(manager):
+    with manager.acquire_one() as s:
+        last = s.interpreter
+    last._runtime.out_of_room = "no room (a test)"
+    try:
+        assert not last.occupy_if_idle()
+        chosen = manager.occupy_one()
+        chosen.hand_back()
+        assert chosen is not last
+    finally:
+        last._runtime.out_of_room = None
+
+
 def test_debug_limit_interpreters(manager):
     manager.debug_limit_interpreters(1)
     try:

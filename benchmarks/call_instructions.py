@@ -1,0 +1,139 @@
+"""Instructions per call of the `simple` model (a 3x10 input) by each way of calling it,
+and of the steps between them, against a plain host thread's call: counts that a busy,
+shared machine does not skew, where times do (docs/benchmarks.md, "The call path,
+2026-11-26").
+
+Each way runs in a process of its own under callgrind with instrumentation off until its
+timed loop (switched on and off around the loop through CALLGRIND_START_INSTRUMENTATION
+and CALLGRIND_STOP_INSTRUMENTATION, in a helper compiled here with cc); the instructions
+that the loop ran, divided by its calls.  User space only; each interpreter's copies of
+libpython and torch show in callgrind's report as unnamed code ("???").  Needs valgrind,
+its headers and a C compiler.
+
+    python benchmarks/call_instructions.py [--calls 2000] [WAY ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+_HELPER = """
+#include <valgrind/callgrind.h>
+void start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void stop(void) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS; }
+"""
+
+_INSIDE = """
+held = {}
+def hold(model, x):
+    held["model"], held["x"] = model, x.clone()
+def one():
+    held["model"](held["x"])
+def noop(*args):
+    pass
+"""
+
+#: way -> what it is, in the order printed
+WAYS = {
+    "host": "a plain host thread",
+    "noop": "no-op call_value, nothing crossing",
+    "tensor_in": "no-op call_value, a tensor in",
+    "one": "one entry a call, its input inside",
+    "call_value": "Obj.call_value, a tensor each way",
+    "replicated": "a ReplicatedObj's call",
+    "balancer": "occupy_one() and hand_back() alone",
+}
+
+
+def _measure(way: str, calls: int, helper: str) -> None:
+    """In the process under callgrind: calls of way, instrumented alone."""
+    import ctypes
+
+    import torch
+
+    import multipy
+
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+    from generate_examples import generate
+
+    torch.set_num_threads(1)
+    torch.set_grad_enabled(False)
+    with tempfile.TemporaryDirectory() as folder, \
+            multipy.InterpreterManager(1, torch_threads=1, grad_enabled=False) as manager:
+        path = generate(folder, ["simple"])["simple"]
+        importer = torch.package.PackageImporter(path)
+        model = importer.load_pickle("model", "model.pkl")
+        inputs = importer.load_pickle("model", "example.pkl")
+        replicated = manager.load_package(path).load_pickle("model", "model.pkl")
+        replicated.warm_up(*inputs)
+        manager.register_module_source("call_instructions", _INSIDE)
+        with replicated.acquire_session(manager[0]) as s:
+            s.global_("call_instructions", "hold")(s.self, inputs[0])
+            one, noop = (s.global_("call_instructions", name) for name in ("one", "noop"))
+            instance = s.self
+        call = {"host": lambda: model(*inputs),
+                "noop": lambda: noop.call_value(None),
+                "tensor_in": lambda: noop.call_value(None, inputs),
+                "one": lambda: one.call_value(None),
+                "call_value": lambda: instance.call_value(None, inputs),
+                "replicated": lambda: replicated(*inputs),
+                "balancer": lambda: manager.occupy_one().hand_back()}[way]
+        for _ in range(200):  # warm: first calls fill caches and import
+            call()
+        counter = ctypes.CDLL(helper)
+        counter.start()
+        for _ in range(calls):
+            call()
+        counter.stop()
+
+
+def _count(way: str, calls: int, helper: str, folder: str) -> float:
+    """Instructions per call of way, from a process of its own under callgrind."""
+    from multipy._launch import launch_environment
+
+    out = os.path.join(folder, f"callgrind.{way}")
+    subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                    f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
+                    "_measure", way, str(calls), helper],
+                   check=True, capture_output=True, env=launch_environment())
+    total = 0
+    for name in os.listdir(folder):  # the loop's dump: out.1
+        if name.startswith(f"callgrind.{way}"):
+            with open(os.path.join(folder, name)) as dump:
+                total += sum(int(n) for n in re.findall(r"^totals: (\d+)", dump.read(), re.M))
+    return total / calls
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "_measure":
+        _measure(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ways", nargs="*", default=list(WAYS), help=", ".join(WAYS))
+    parser.add_argument("--calls", type=int, default=2000, help="calls counted per way (2000)")
+    args = parser.parse_args()
+    unknown = set(args.ways) - set(WAYS)
+    if unknown:
+        parser.error(f"no such way: {', '.join(sorted(unknown))}")
+    ways = args.ways if "host" in args.ways else ["host", *args.ways]
+    with tempfile.TemporaryDirectory() as folder:
+        helper = os.path.join(folder, "counter.so")
+        subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-x", "c", "-", "-o", helper],
+                       input=_HELPER.encode(), check=True)
+        counts = {way: _count(way, args.calls, helper, folder) for way in ways}
+    print(f"\ninstructions per call of the simple model ({args.calls} calls counted by "
+          f"callgrind), against a plain host thread's")
+    for way in WAYS:
+        if way in counts:
+            ratio = counts[way] / counts["host"]
+            print(f"  {WAYS[way]:38s} {counts[way]:9,.0f}   {ratio:5.2f}x the thread's")
+
+
+if __name__ == "__main__":
+    main()

@@ -29,16 +29,6 @@ void start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
 void stop(void) { CALLGRIND_STOP_INSTRUMENTATION; CALLGRIND_DUMP_STATS; }
 """
 
-_INSIDE = """
-held = {}
-def hold(model, x):
-    held["model"], held["x"] = model, x.clone()
-def one():
-    held["model"](held["x"])
-def noop(*args):
-    pass
-"""
-
 #: way -> what it is, in the order printed
 WAYS = {
     "host": "a plain host thread",
@@ -58,32 +48,13 @@ def _measure(way: str, calls: int, helper: str) -> None:
     import torch
 
     import multipy
-
-    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-    from generate_examples import generate
+    from micro import simple_calls  # beside this file
 
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as folder, \
             multipy.InterpreterManager(1, torch_threads=1, grad_enabled=False) as manager:
-        path = generate(folder, ["simple"])["simple"]
-        importer = torch.package.PackageImporter(path)
-        model = importer.load_pickle("model", "model.pkl")
-        inputs = importer.load_pickle("model", "example.pkl")
-        replicated = manager.load_package(path).load_pickle("model", "model.pkl")
-        replicated.warm_up(*inputs)
-        manager.register_module_source("call_instructions", _INSIDE)
-        with replicated.acquire_session(manager[0]) as s:
-            s.global_("call_instructions", "hold")(s.self, inputs[0])
-            one, noop = (s.global_("call_instructions", name) for name in ("one", "noop"))
-            instance = s.self
-        call = {"host": lambda: model(*inputs),
-                "noop": lambda: noop.call_value(None),
-                "tensor_in": lambda: noop.call_value(None, inputs),
-                "one": lambda: one.call_value(None),
-                "call_value": lambda: instance.call_value(None, inputs),
-                "replicated": lambda: replicated(*inputs),
-                "balancer": lambda: manager.occupy_one().hand_back()}[way]
+        call = simple_calls(folder, manager)[way]
         for _ in range(200):  # warm: first calls fill caches and import
             call()
         counter = ctypes.CDLL(helper)

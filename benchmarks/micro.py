@@ -39,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from typing import Callable
 import threading
 import time
 
@@ -388,6 +389,8 @@ def hold(model, x):
     held["model"], held["x"] = model, x.clone()
 def one():
     held["model"](held["x"])
+def noop(*args):
+    pass
 def loop(count):
     model, x, samples = held["model"], held["x"], []
     for _ in range(count):
@@ -398,11 +401,42 @@ def loop(count):
 """
 
 
-def small(count: int) -> None:
+def simple_calls(directory: str, manager: multipy.InterpreterManager) -> dict[str, Callable]:
+    """The simple model (examples/generate_examples.py), written to directory, called in
+    each way that the benchmarks compare (also benchmarks/call_instructions.py): way ->
+    a function that makes one call.  "host": a plain host thread; on manager's
+    interpreter 0, "noop" and "tensor_in": a no-op call_value with nothing, or the input,
+    crossing; "one": one entry a call, its input inside; "call_value": Obj.call_value, a
+    tensor each way; "replicated": a ReplicatedObj's call; "balancer": occupy_one() and
+    hand_back() alone; and "loop" (count): the median of count calls looped inside."""
     import torch
 
     sys.path.insert(0, EXAMPLES)
     from generate_examples import generate
+
+    path = generate(directory, ["simple"])["simple"]
+    importer = torch.package.PackageImporter(path)
+    model = importer.load_pickle("model", "model.pkl")
+    inputs = importer.load_pickle("model", "example.pkl")
+    replicated = manager.load_package(path).load_pickle("model", "model.pkl")
+    replicated.warm_up(*inputs)
+    manager.register_module_source("micro_small", _SMALL)
+    with replicated.acquire_session(manager[0]) as s:
+        s.global_("micro_small", "hold")(s.self, inputs[0])
+        loop, one, noop = (s.global_("micro_small", name) for name in ("loop", "one", "noop"))
+        instance = s.self
+    return {"host": lambda: model(*inputs),
+            "noop": lambda: noop.call_value(None),
+            "tensor_in": lambda: noop.call_value(None, inputs),
+            "one": lambda: one.call_value(None),
+            "call_value": lambda: instance.call_value(None, inputs),
+            "replicated": lambda: replicated(*inputs),
+            "balancer": lambda: manager.occupy_one().hand_back(),
+            "loop": lambda count: loop.call_value(None, (count,))}
+
+
+def small(count: int) -> None:
+    import torch
 
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
@@ -412,22 +446,12 @@ def small(count: int) -> None:
           f"throughput against a plain host thread's")
     with tempfile.TemporaryDirectory() as directory, \
             multipy.InterpreterManager(1, torch_threads=1, grad_enabled=False) as manager:
-        path = generate(directory, ["simple"])["simple"]
-        importer = torch.package.PackageImporter(path)
-        model = importer.load_pickle("model", "model.pkl")
-        inputs = importer.load_pickle("model", "example.pkl")
-        replicated = manager.load_package(path).load_pickle("model", "model.pkl")
-        replicated.warm_up(*inputs)
-        manager.register_module_source("micro_small", _SMALL)
-        with replicated.acquire_session(manager[0]) as s:
-            s.global_("micro_small", "hold")(s.self, inputs[0])
-            loop, one = (s.global_("micro_small", name) for name in ("loop", "one"))
-            instance = s.self
-        calls = {"a plain host thread": lambda: model(*inputs),
-                 "one entry a call, its input inside": lambda: one.call_value(None),
-                 "Obj.call_value, a tensor each way": lambda: instance.call_value(None, inputs),
-                 "a ReplicatedObj's call": lambda: replicated(*inputs),
-                 "looped inside the interpreter": lambda: loop.call_value(None, (count,))}
+        ways = simple_calls(directory, manager)
+        calls = {"a plain host thread": ways["host"],
+                 "one entry a call, its input inside": ways["one"],
+                 "Obj.call_value, a tensor each way": ways["call_value"],
+                 "a ReplicatedObj's call": ways["replicated"],
+                 "looped inside the interpreter": lambda: ways["loop"](count)}
         blocks: list[list[float]] = [[] for _ in calls]
         for _ in range(rounds):  # each call in a block of its own: caches warm for it alone
             for (label, call), each in zip(calls.items(), blocks):

@@ -217,6 +217,7 @@ print("RESULT", json.dumps({"seen": seen, "after_copy": after_copy, "after_close
 
 
 def test_a_device_copy_holds_the_bytes_until_it_is_closed_or_its_keeper_dies(python, fake_driver):
+    pytest.importorskip("numpy")  # (the archive's storages are numpy arrays)
     result = _result(python(DEVICE_COPY, env=fake_driver, timeout=HANG))
     assert result["seen"] == {"a": [True, list(range(10))], "empty": [True, []],
                               "b": [True, list(b"weights")]}
@@ -230,6 +231,7 @@ def test_a_device_copy_holds_the_bytes_until_it_is_closed_or_its_keeper_dies(pyt
 
 
 def test_serve_on_a_cuda_device_needs_a_driver_and_says_which_devices(tmp_path):
+    pytest.importorskip("uvicorn")  # (the serve extra)
     for device, said in (("gpu", "--device must be cpu, cuda or cuda:N (a GPU's index), not 'gpu'"),
                          ("cuda:0", "--device cuda:0: this machine has no CUDA driver that loads")):
         completed = subprocess.run(

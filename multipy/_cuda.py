@@ -130,8 +130,9 @@ class DeviceCopy:
                         self.places[name] = (0, 0)
                         continue
                     address = self._base.value + offsets[name]
-                    source = (ctypes.c_char * view.nbytes).from_buffer(view) if not view.readonly \
-                        else ctypes.create_string_buffer(view.tobytes(), view.nbytes)
+                    buffer = ctypes.c_char * view.nbytes  # (a read-only one copied first)
+                    source = buffer.from_buffer_copy(view) if view.readonly else \
+                        buffer.from_buffer(view)
                     call("cuMemcpyHtoD_v2", ctypes.c_uint64(address), source,
                          ctypes.c_size_t(view.nbytes))
                     self.places[name] = (address, view.nbytes)
@@ -197,8 +198,8 @@ def forwarded_libraries() -> list[tuple[str, str]]:
     """(library, its forwarder), resolved paths, for each installed copy of a library in
     FORWARDERS that interpreters should reach in the host's namespace: those found as
     torch finds them (``nvidia/*/lib/`` under an entry of sys.path) whose every exported
-    name the forwarder has (it has functions only).  Empty when MULTIPY_FORWARD_LIBRARIES is 0 or no
-    forwarder is built."""
+    name the forwarder has (it has functions only).  Empty when MULTIPY_FORWARD_LIBRARIES
+    is 0 or no forwarder is built."""
     if os.environ.get(FORWARD_VARIABLE, "1").strip() == "0":
         return []
     found = []

@@ -126,7 +126,7 @@ def _torch_memory() -> str:
     library = Path(next(iter(spec.submodule_search_locations))) / "lib"
     if not any(library.glob("libtorch_cuda*.so")):
         build, note = "cpu", ""
-    elif kept := sorted(os.path.basename(library) for library, _ in _cuda.forwarded_libraries()):
+    elif kept := sorted(os.path.basename(path) for path, _ in _cuda.forwarded_libraries()):
         build, note = "cuda", f"; {', '.join(kept)} kept once per process"
     else:
         build, note = "cuda, copies in each", ("; each interpreter loads its own CUDA libraries "

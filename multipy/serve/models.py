@@ -6,8 +6,8 @@ The host never imports torch.  Each interpreter loads the archive itself with
 ``multipy._inside.serving.load`` (its own PackageImporter), its tensors aliasing the
 archive's storages that the host mapped once (multipy.serve.archive), so the weights are
 in memory once whatever the number of interpreters; on a CUDA device, in device memory
-once, copied there by the host through the driver (``archive.on_device``).  Once every model is ready, each
-interpreter's front end answers requests with its own copy (multipy._inside.front_end);
+once, copied there by the host through the driver (``archive.on_device``).  Once every
+model is ready, each interpreter's front end answers requests with its own copy (multipy._inside.front_end);
 the host itself calls a model only for Ray Serve's replicas and for connections that
 arrived while the interpreters started (``ServedModel.infer``).
 """
@@ -81,7 +81,7 @@ class ServedModel(ModelRequests):
         self._manager = manager
         self._turns = turns
         self.device = device
-        self._storages: tuple | None = None  # load's storages and device arguments
+        self._storages: tuple | None = None  # load's storages (and device, keeper) arguments
         self._mapping = threading.Lock()
         self.replicated = ReplicatedObj(manager, self._load)
         self._materialised: set[Interpreter] = set()

@@ -1,11 +1,11 @@
-"""What one small-model request costs a server in instructions and system calls: counts
+"""What one request of a small model costs a server in instructions and system calls: counts
 that a busy, shared machine does not skew, where requests/s and CPU time do.
 
 Starts `multipy serve` (one interpreter) or the floor (benchmarks/floor_app.py, one
 uvicorn worker, with torch's intra-op threads as many as multipy's interpreter has, as
-serve_load.py gives them) on the example model `simple`, under callgrind with
-instrumentation off (`--tool callgrind`) or plainly (`--tool strace`); warms it up with
-JSON requests over a keep-alive connection; then counts, over --requests more: the
+serve_load.py gives them) on the example model `simple` (or `python_heavy`), under
+callgrind with instrumentation off (`--tool callgrind`) or plainly (`--tool strace`);
+warms it up with JSON requests over a keep-alive connection; then counts, over --requests more: the
 instructions the server ran (callgrind, switched on for them alone with
 callgrind_control; user space only), or its system calls by kind (strace -c, attached
 for them alone).  Needs valgrind or strace.
@@ -13,7 +13,7 @@ With --keep FILE, callgrind's profile of those requests is kept there, for
 `callgrind_annotate FILE` (where the instructions went, by function).
 
     python benchmarks/serve_instructions.py [--server multipy|floor] [--tool callgrind|strace]
-        [--requests 1000] [--warm-up 20] [--keep FILE]
+        [--model simple|python_heavy] [--requests 1000] [--warm-up 20] [--keep FILE]
 """
 from __future__ import annotations
 
@@ -36,17 +36,22 @@ from serve_load import _stop, _wait_ready, free_port  # noqa: E402
 from multipy._launch import launch_environment  # noqa: E402
 from multipy.manager import default_torch_threads  # noqa: E402
 
-BODY = json.dumps({"inputs": [{"name": "x", "shape": [3, 10], "datatype": "FP32",
-                               "data": [0.5] * 30}]})
+#: model -> the JSON request that each count sends it
+BODIES = {name: json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": "FP32",
+                                        "data": [0.5] * size}]})
+          for name, shape, size in (("simple", [3, 10], 30),
+                                    ("python_heavy", [2, 48, 16], 2 * 48 * 16))}
 
 
-def requests(port: int, count: int | None = None, seconds: float = 0.0) -> None:
-    """count requests, or as many as seconds allow, over one keep-alive connection."""
+def requests(port: int, count: int | None = None, seconds: float = 0.0,
+             model: str = "simple") -> None:
+    """count requests of model, or as many as seconds allow, over one keep-alive
+    connection."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     end = time.monotonic() + seconds
     done = 0
     while done < count if count is not None else time.monotonic() < end:
-        connection.request("POST", "/v2/models/simple/infer", BODY,
+        connection.request("POST", f"/v2/models/{model}/infer", BODIES[model],
                            {"Content-Type": "application/json"})
         answer = connection.getresponse()
         answer.read()
@@ -60,6 +65,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", choices=("multipy", "floor"), default="multipy")
     parser.add_argument("--tool", choices=("callgrind", "strace"), default="callgrind")
+    parser.add_argument("--model", choices=tuple(BODIES), default="simple")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--warm-up", type=float, default=20, help="seconds of requests first")
     parser.add_argument("--keep", metavar="FILE", help="where to keep callgrind's profile")
@@ -68,13 +74,13 @@ def main() -> None:
     from generate_examples import generate
 
     with tempfile.TemporaryDirectory() as folder:
-        path = generate(folder, ["simple"])["simple"]
+        path = generate(folder, [args.model])[args.model]
         port = free_port()
         out = os.path.join(folder, "callgrind.out")
         command = ([sys.executable, "-m", "multipy.serve", path, "--interpreters", "1",
                     "--port", str(port)] if args.server == "multipy" else
                    [sys.executable, os.path.join(HERE, "floor_app.py"), path, "--name",
-                    "simple", "--workers", "1", "--port", str(port),
+                    args.model, "--workers", "1", "--port", str(port),
                     # torch's intra-op threads as multipy's one interpreter has them
                     "--torch-threads", str(default_torch_threads(1))])
         if args.tool == "callgrind":
@@ -87,17 +93,18 @@ def main() -> None:
                                   env=launch_environment())
         try:
             _wait_ready(port, server, seconds=1200)  # (minutes to start under callgrind)
-            requests(port, seconds=args.warm_up)
+            requests(port, seconds=args.warm_up, model=args.model)
             if args.tool == "callgrind":
                 subprocess.run(["callgrind_control", "-i", "on", str(server.pid)],
                                check=True, capture_output=True)
-                requests(port, args.requests)
+                requests(port, args.requests, model=args.model)
                 for command in (["-i", "off"], ["-d"]):  # the count, dumped to out.1
                     subprocess.run(["callgrind_control", *command, str(server.pid)],
                                    check=True, capture_output=True)
                 deadline = time.monotonic() + 120
                 while not os.path.exists(out + ".1") and time.monotonic() < deadline:
-                    requests(port, 1)  # (a busy server takes the dump command sooner)
+                    # (a busy server takes the dump command sooner)
+                    requests(port, 1, model=args.model)
                     time.sleep(0.5)
                 time.sleep(1)  # written whole
             else:
@@ -105,7 +112,7 @@ def main() -> None:
                 tracer = subprocess.Popen(["strace", "-f", "-c", "-o", summary, "-p",
                                            str(server.pid)], stderr=subprocess.DEVNULL)
                 time.sleep(1)  # attached to every thread
-                requests(port, args.requests)
+                requests(port, args.requests, model=args.model)
                 tracer.send_signal(signal.SIGINT)
                 tracer.wait(60)
         finally:
@@ -120,7 +127,7 @@ def main() -> None:
             if args.keep:
                 shutil.copyfile(dumped, args.keep)
             print(f"{args.server}: {int(totals[0]) / args.requests:,.0f} instructions per "
-                  f"request ({args.requests} requests)")
+                  f"request ({args.requests} requests of {args.model})")
         else:
             calls = {}
             for line in open(summary):

@@ -49,19 +49,19 @@ def load(path: str, module: str, resource: str, storages: dict[str, Any],
          device: str = "cpu", keeper: Any = None) -> Served:
     """The model pickled at (module, resource) of the torch.package archive at path,
     ready to serve on device.  storages: the archive's storage records (record name ->
-    uint8 numpy array lent by the host; on a CUDA device, (address, size) of the host's
-    copy in device memory, which keeper, lent by the host, keeps), which the model's
-    tensors alias instead of reading the file again.  The archive's
+    (offset, size) in the file, which this interpreter maps (``package.mapped``); on a
+    CUDA device, (address, size) of the host's copy in device memory, which keeper, lent
+    by the host, keeps), which the model's tensors alias instead of reading the file.  The archive's
     (module, "example.pkl"), if it has one, is a tuple of example inputs: it names the
     inputs' datatypes and shapes in the metadata, and warms the model up.  Its
     (module, "config.json"), if it has one, declares the inputs (and outputs): see
     ``declared``."""
     import torch
 
-    from .package import importer, load_pickle
+    from .package import importer, load_pickle, mapped
 
     if device == "cpu":
-        shared = {name: torch.from_numpy(array) for name, array in storages.items()}
+        shared = mapped(path, storages)
         location = None
     else:
         shared = {name: _on_device(torch, address, size, device)

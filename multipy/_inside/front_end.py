@@ -245,8 +245,8 @@ class FrontEnd:
         has received is answered, then its connections close."""
         _multipy_bootstrap.note(*_SERVING)
         config = Config(self._app, lifespan="off", access_log=False, log_config=None,
-                                proxy_headers=False,  # nothing here reads the client's address
-                                timeout_graceful_shutdown=self._graceful_timeout)
+                        proxy_headers=False,  # nothing here reads the client's address
+                        timeout_graceful_shutdown=self._graceful_timeout)
         self._server = _Server(config, self._started, self._finish)
         try:
             self._server.run(sockets=[])

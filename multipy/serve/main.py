@@ -599,8 +599,8 @@ def main(argv: list[str] | None = None) -> int:
                               daemon=True, name="multipy-serve-start")
     app = create_app(service, loader.start)
     config = Config(app, host=args.host, port=args.port, lifespan="on",
-                            access_log=False, log_config=logging_config(),
-                            timeout_graceful_shutdown=served.graceful_timeout)
+                    access_log=False, log_config=logging_config(),
+                    timeout_graceful_shutdown=served.graceful_timeout)
     server = _Server(config, fronts, served.limits, listener, supervised)
     server.run()
     if reserved is not None:

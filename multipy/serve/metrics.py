@@ -302,6 +302,7 @@ class Metrics:
             return None
         return "no interpreter can take a call: " + "; ".join(
             f"interpreter {k}: {reason}" for k, reason in enumerate(reasons))
+
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of every metric, summed over the rows, and its
         Content-Type.  prometheus_client is imported at the first call: a process that
@@ -360,8 +361,8 @@ class _Collector:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
-                                                    HistogramMetricFamily)
+        from prometheus_client.metrics_core import (  # (imported by render already)
+            CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)
 
         board, names = self._metrics.board, self._metrics.names
 

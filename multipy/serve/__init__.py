@@ -12,8 +12,8 @@ interpreter), ``progress`` (the start-up bar), ``service`` (a server's options, 
 and start-up), ``on_ray`` (``--ray``: the same application in each replica of a Ray
 Serve deployment, and its driver; imported only then), ``main`` (the command line,
 uvicorn, and the hand-over of connections to the interpreters' front ends).  The host
-never imports torch, nor numpy until it decodes an inference request itself (only
-those on connections that came before the models were ready); the code inside the
+never imports torch, nor numpy until it decodes an inference request itself (in Ray
+Serve's replicas, or while every interpreter is stuck); the code inside the
 interpreters is ``multipy._inside.serving`` and ``multipy._inside.front_end``.  Needs
 the ``serve`` extra: ``pip install 'multipy[serve]'`` (``--ray``: the ``ray`` extra).
 docs/serving.md is the guide.

@@ -93,11 +93,12 @@ def records(path: str) -> dict[str, tuple[int, int]]:
 
 def storages(path: str, spans: dict[str, tuple[int, int]]) -> dict[str, memoryview]:
     """The storage records at spans (as ``records`` gives them) of the archive at path,
-    each a read-only view of one mapping of the file (what ``on_device`` copies)."""
+    each a view of one private (copy-on-write) mapping of the file: what ``on_device``
+    copies, in place (a read-only view would be copied in memory first)."""
     if not spans:
         return {}
     with open(path, "rb") as file:
-        mapping = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
+        mapping = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY))
     return {name: mapping[start:start + size] for name, (start, size) in spans.items()}
 
 

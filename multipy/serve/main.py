@@ -10,8 +10,8 @@ also catches the signals and runs the lifespan.  The models load on a thread of 
 own once the server listens (a model written as a class loads on the first interpreter
 before, so that its code's errors are said before anything connects: Service.prepare):
 until they are ready, the host answers the connections itself (``/v2/health/live`` at
-once, ``/v2/health/ready`` says when loading is done), and it keeps serving those that
-stay open.  SIGTERM and SIGINT stop the server
+once, ``/v2/health/ready`` says when loading is done), one request per connection.
+SIGTERM and SIGINT stop the server
 gracefully: it stops accepting connections, every front end answers every request it
 has received, and the process exits 0 (a second SIGINT forces it).  With
 ``--grpc-port``, the host reserves that port (a socket bound with SO_REUSEPORT that never

@@ -217,7 +217,7 @@ print("RESULT", json.dumps({"seen": seen, "after_copy": after_copy, "after_close
 
 
 def test_a_device_copy_holds_the_bytes_until_it_is_closed_or_its_keeper_dies(python, fake_driver):
-    pytest.importorskip("numpy")  # (the archive's storages are numpy arrays)
+    pytest.importorskip("numpy")  # (the buffers here, and the keeper, are arrays)
     result = _result(python(DEVICE_COPY, env=fake_driver, timeout=HANG))
     assert result["seen"] == {"a": [True, list(range(10))], "empty": [True, []],
                               "b": [True, list(b"weights")]}
@@ -228,6 +228,37 @@ def test_a_device_copy_holds_the_bytes_until_it_is_closed_or_its_keeper_dies(pyt
                                  "(out of memory)")
     assert result["device"] == "cuda:2"
     assert (result["before_drop"], result["after_drop"]) == (2010, 2020)
+
+
+ARCHIVE_ON_DEVICE = """
+import ctypes, json, zipfile
+from multipy.serve import archive
+
+path = PATH
+with zipfile.ZipFile(path, "w") as out:  # as torch writes them, and one it does not
+    out.writestr("model/.data/version", "3")
+    out.writestr("model/.data/0.storage", bytes(range(100)), zipfile.ZIP_STORED)
+    out.writestr("model/.data/1.storage", b"", zipfile.ZIP_STORED)
+    out.writestr("model/.data/2.storage", b"packed" * 50, zipfile.ZIP_DEFLATED)
+spans = archive.records(path)
+places, device, keeper = archive.on_device(archive.storages(path, spans), "cuda:1")
+print("RESULT", json.dumps({"names": sorted(spans), "device": device, "copied": {
+    name: list(ctypes.string_at(address, size)) if size else [] for name, (address, size)
+    in places.items()}}))
+"""
+
+
+def test_an_archives_records_are_found_and_copied_to_the_device_once(python, fake_driver,
+                                                                     tmp_path):
+    """The host finds the uncompressed storage records of an archive (a compressed one
+    is left to each interpreter's importer) and copies them to the device from its
+    mapping of the file."""
+    pytest.importorskip("numpy")  # (the keeper is an array)
+    code = ARCHIVE_ON_DEVICE.replace("PATH", repr(str(tmp_path / "model.pt")))
+    result = _result(python(code, env=fake_driver, timeout=HANG))
+    assert result["names"] == [".data/0.storage", ".data/1.storage"]
+    assert result["device"] == "cuda:1"
+    assert result["copied"] == {".data/0.storage": list(range(100)), ".data/1.storage": []}
 
 
 def test_serve_on_a_cuda_device_needs_a_driver_and_says_which_devices(tmp_path):

@@ -203,14 +203,20 @@ class Text(nn.Module):
                 "joined": [b" ".join(row) for row in text.reshape(len(text), -1)]}
 '''
 
+#: What the host of a server imports only to serve an inference request itself, or
+#: never: torch (the interpreters' alone), numpy (decoding a request's tensors), uvicorn's
+#: command line (click, watchfiles), rich (the progress bar, on a terminal only).
+HOST_NEVER_IMPORTS = ("torch", "numpy", "click", "watchfiles", "rich")
+
 #: The wrapper a server runs as: `multipy serve`'s own entry (the launcher runs the
-#: module the same way), and, at exit, what the host process had imported.
-WRAPPER = '''
+#: module the same way), and, at exit, which of HOST_NEVER_IMPORTS the host process had
+#: imported.
+WRAPPER = f'''
 import atexit, json, os, runpy, sys
 
 def report():
     with open(os.environ["SERVE_TEST_REPORT"], "w") as f:
-        json.dump({"torch": "torch" in sys.modules, "numpy": "numpy" in sys.modules}, f)
+        json.dump({{name: name in sys.modules for name in {HOST_NEVER_IMPORTS!r}}}, f)
 
 atexit.register(report)
 sys.argv[0] = "multipy serve"
@@ -681,7 +687,7 @@ def test_bytes_cross_between_host_and_interpreter(manager, packages):
     from multipy.serve import archive
 
     path = packages["text"]
-    storages = archive.storages(path)
+    storages = archive.records(path)
     for interpreter in manager.all_instances():
         served = interpreter.global_("multipy._inside.serving", "load")(
             path, "model", "model.pkl", storages)
@@ -1526,7 +1532,7 @@ def test_metrics_sum_every_writers_row():
     fronts[0].models["b"].call_began(3)  # a batch of 3, ended
     fronts[0].models["b"].call_ended()
     samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-               for family in text_string_to_metric_families(fronts[1].render().decode())
+               for family in text_string_to_metric_families(fronts[1].render()[0].decode())
                for sample in family.samples}
     assert samples[("multipy_inference_requests_total", (("model", "a"),))] == 3
     assert samples[("multipy_inference_requests_total", (("model", "b"),))] == 0
@@ -1698,30 +1704,79 @@ def test_a_batch_that_cannot_be_split_is_the_models_fault(batching):
 
 # -- memory --
 
-def test_the_weights_alias_the_archive_mapped_once_in_the_host(packages):
+def test_the_weights_alias_the_archive_mapped_from_the_page_cache(packages):
+    """Each interpreter's weights lie in a mapping of the archive's file, at the records'
+    offsets: the page cache's pages, in memory once whatever the interpreters."""
     from multipy.serve import archive
 
     path = packages["python_heavy"]
-    storages = archive.storages(path)
-    spans = [(a.__array_interface__["data"][0], a.nbytes) for a in storages.values()]
+    spans = archive.records(path)
+    assert spans and all(size for _, size in spans.values())
     found = []
     with multipy.InterpreterManager(2) as manager:
         for interpreter in manager.all_instances():
             served = interpreter.global_("multipy._inside.serving", "load")(
-                path, "model", "model.pkl", storages)
+                path, "model", "model.pkl", spans)
             pointers = interpreter.global_("builtins", "eval")(
                 "[p.data_ptr() for p in served.model.parameters()]", {"served": served})
             found.append(pointers.deref())
-    assert found[0] == found[1] and len(found[0]) == 4
-    for pointer in found[0]:  # every weight is in the host's one mapping of the file
-        assert any(start <= pointer < start + size for start, size in spans), pointer
+            maps = [line.split() for line in open("/proc/self/maps")]
+            mappings = [(int(first, 16), int(offset, 16))
+                        for first, offset in ((m[0].split("-")[0], m[2]) for m in maps
+                                              if m[-1] == os.path.realpath(path))]
+            for pointer in found[-1]:  # in a mapping of the file, in a record's span
+                assert any(0 <= pointer - (base - offset + at) < size
+                           for base, offset in mappings
+                           for at, size in spans.values()), pointer
+    assert len(found[0]) == 4 and found[0] != found[1]  # each interpreter's own mapping
+
+
+def test_a_host_whose_front_ends_answer_imports_none_of_what_it_never_uses(packages, tmp_path):
+    """The host answers liveness, readiness and inference (503) while the models load, and
+    the front ends every request once they are ready: it never decodes a request, so it
+    never imports numpy (nor torch, uvicorn's command line or rich: HOST_NEVER_IMPORTS)."""
+    (tmp_path / "serve_wrapper.py").write_text(WRAPPER)
+    port, report = _free_port(), str(tmp_path / "report.json")
+    env = {**{k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
+           "PYTHONUNBUFFERED": "1", "SERVE_TEST_REPORT": report}
+    with open(tmp_path / "server.log", "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "multipy", "run", str(tmp_path / "serve_wrapper.py"),
+             packages["cast"], "--interpreters", "1", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT, env=env)
+    server = Server(process, port, str(tmp_path / "server.log"), report)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    request = {"inputs": [{"name": "x", "shape": [2, 3], "datatype": "FP32",
+                           "data": x.reshape(-1).tolist()}]}
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # as soon as it listens: the models load
+            assert process.poll() is None and time.monotonic() < deadline, server.output()
+            try:
+                status, answer = _infer_json(server, "cast", request)
+                break
+            except OSError:
+                time.sleep(0.02)
+        assert status in (503, 200), answer  # (200: the models were ready already)
+        until(lambda: _request(server, "GET", "/v2/health/ready")[0] == 200, 110)
+        for _ in range(3):
+            status, answer = _infer_json(server, "cast", request)
+            assert status == 200 and answer["outputs"][0]["data"] == x.reshape(-1).tolist()
+        assert _request(server, "GET", "/metrics")[0] == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, server.output()
+    finally:
+        _stop(server)
+    with open(report) as f:
+        imported = json.load(f)
+    assert not any(imported.values()), f"the host imported {imported}"
 
 
 def test_state_that_forward_writes_is_each_interpreters_own_and_never_lent(packages):
     from multipy.serve import archive
 
     path = packages["wrapped"]
-    storages = archive.storages(path)
+    storages = archive.records(path)
     x = np.arange(8, dtype=np.float32).reshape(2, 4) + 1
     buffers, answers = [], []
     with multipy.InterpreterManager(2) as manager:
@@ -2896,4 +2951,5 @@ def test_sigterm_answers_requests_in_flight_and_exits_0(served):
     _sigterm_answers_all(served, requests, 1.2)
     with open(served.report) as f:
         imported = json.load(f)
-    assert imported == {"torch": False, "numpy": True}, "the serving host imported torch"
+    # (numpy: the host decoded the requests it served while every interpreter was stuck)
+    assert not any(imported[name] for name in imported if name != "numpy"), imported

@@ -25,10 +25,11 @@ request's number there and waits; the host reads the request (``control_request`
 tells every front end what changed (``add_model``, ``set_state``) and answers
 (``control_answer``).
 
-Imports uvicorn, Starlette, prometheus_client and numpy (the ``serve`` extra; grpcio and
-protobuf with gRPC), and of multipy only what host and interpreters share of
-``multipy.serve`` (the request path: protocol, batching, metrics, requests, repository,
-inference, app and rpc; and the inbox).
+Imports uvicorn's server without its command line (multipy.serve.uvicorn_server),
+Starlette and numpy (the ``serve`` extra; prometheus_client once ``/metrics`` is
+answered here; grpcio and protobuf with gRPC), and of multipy only what host and
+interpreters share of ``multipy.serve`` (the request path: messages, protocol, batching,
+metrics, requests, repository, inference, app and rpc; and the inbox).
 """
 from __future__ import annotations
 
@@ -44,15 +45,15 @@ import threading
 from typing import Any, Callable
 
 import _multipy_bootstrap
-import uvicorn
 
 from ..serve.app import create_app, logging_config
 from ..serve.connection import Limits, guarded
 from ..serve.inbox import FORCE, receive, send
 from ..serve.metrics import Metrics
-from ..serve.protocol import ProtocolError
+from ..serve.messages import ProtocolError
 from ..serve.repository import READY
 from ..serve.requests import ModelRequests, Started, named
+from ..serve.uvicorn_server import Config, Server
 from .serving import Served
 
 
@@ -243,9 +244,9 @@ class FrontEnd:
         """Serves the connections handed to it until told to stop: every request it
         has received is answered, then its connections close."""
         _multipy_bootstrap.note(*_SERVING)
-        config = uvicorn.Config(self._app, lifespan="off", access_log=False, log_config=None,
-                                proxy_headers=False,  # nothing here reads the client's address
-                                timeout_graceful_shutdown=self._graceful_timeout)
+        config = Config(self._app, lifespan="off", access_log=False, log_config=None,
+                        proxy_headers=False,  # nothing here reads the client's address
+                        timeout_graceful_shutdown=self._graceful_timeout)
         self._server = _Server(config, self._started, self._finish)
         try:
             self._server.run(sockets=[])
@@ -263,7 +264,7 @@ class FrontEnd:
 
     # -- on the loop --
 
-    async def _started(self, server: uvicorn.Server) -> None:
+    async def _started(self, server: Server) -> None:
         self._protocol = guarded(server.config.http_protocol_class, self._limits,
                                  self.metrics.closed_connection)
         if self._grpc_address is not None:
@@ -369,11 +370,11 @@ class FrontEnd:
                          "serve gRPC): %s: %s", type(error).__name__, error)
 
 
-class _Server(uvicorn.Server):
+class _Server(Server):
     """A front end's uvicorn server: no socket of its own; ``await started(self)`` on
     its loop once it runs, and ``await finish()`` once it has stopped."""
 
-    def __init__(self, config: uvicorn.Config, started: Callable[[uvicorn.Server], Any],
+    def __init__(self, config: Config, started: Callable[[Server], Any],
                  finish: Callable[[], Any]) -> None:
         super().__init__(config)
         self._started_hook, self._finish = started, finish

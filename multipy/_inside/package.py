@@ -2,7 +2,8 @@
 
 The host calls these functions through ordinary requests (``global_`` and a call).
 Weights are never copied: an importer reads each storage record from the host's one
-copy (lent as aliases, see _sharing; on a CUDA device, the host's one copy there), and
+copy (lent as aliases, see _sharing; on a CUDA device, the host's one copy there), or
+from the page cache's (``mapped``: multipy serve's archives), and
 a movable object's storages stay in the interpreter that made it and are aliased by the
 others.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import mmap
 import pickle
 import warnings
 from typing import Any
@@ -40,10 +42,24 @@ class _SharedStorageReader:
 
 def importer(path: str, storages: dict[str, torch.Tensor]) -> PackageImporter:
     """A PackageImporter for the archive at path whose storages alias ``storages``
-    (record name -> uint8 tensor over the host's copy)."""
+    (record name -> uint8 tensor over the host's copy, or a mapping of the file)."""
     package_importer = PackageImporter(path)
     package_importer.zip_reader = _SharedStorageReader(package_importer.zip_reader, storages)
     return package_importer
+
+
+def mapped(path: str, spans: dict[str, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    """The storage records at spans (record name -> (offset, size)) of the file at path,
+    as uint8 tensors, each with a storage of its own, over one private (copy-on-write)
+    mapping of it, made here: the page cache's pages, which every interpreter and
+    process that maps the file shares.  The mapping lasts as long as any of them."""
+    if not spans:
+        return {}
+    with open(path, "rb") as file:
+        mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    return {name: torch.frombuffer(mapping, dtype=torch.uint8, count=size, offset=start)
+            if size else torch.empty(0, dtype=torch.uint8)
+            for name, (start, size) in spans.items()}
 
 
 def load_pickle(package_importer: PackageImporter, package: str, resource: str,

@@ -25,7 +25,7 @@ import inspect
 import sys
 from typing import Any
 
-from ..serve.protocol import InvalidInput
+from ..serve.messages import InvalidInput
 from .served_class import ServedClass
 from .serving import declaration
 

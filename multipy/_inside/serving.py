@@ -5,7 +5,9 @@ The serving host never imports torch.  It sends numpy arrays, lent without copie
 the model runs under ``torch.no_grad()``, and its outputs go back as numpy arrays over
 the outputs' own memory, lent the same way.  A model served on a CUDA device has its
 weights in device memory that the host copied there once (multipy.serve.archive.
-on_device), aliased here; its inputs are copied to the device and its outputs back.  BF16 has no numpy dtype: a BF16 tensor
+on_device), aliased here; its inputs are copied to the device and its outputs back.  On
+the CPU, the weights alias this interpreter's mapping of the archive's file (the page
+cache's pages, shared by every interpreter).  BF16 has no numpy dtype: a BF16 tensor
 crosses, both ways, as a uint16 array of its bits (``tensor.view(torch.uint16)``).
 
 BYTES (text, and other data of variable length) has no tensor: a BYTES input reaches the
@@ -49,19 +51,19 @@ def load(path: str, module: str, resource: str, storages: dict[str, Any],
          device: str = "cpu", keeper: Any = None) -> Served:
     """The model pickled at (module, resource) of the torch.package archive at path,
     ready to serve on device.  storages: the archive's storage records (record name ->
-    uint8 numpy array lent by the host; on a CUDA device, (address, size) of the host's
-    copy in device memory, which keeper, lent by the host, keeps), which the model's
-    tensors alias instead of reading the file again.  The archive's
-    (module, "example.pkl"), if it has one, is a tuple of example inputs: it names the
-    inputs' datatypes and shapes in the metadata, and warms the model up.  Its
-    (module, "config.json"), if it has one, declares the inputs (and outputs): see
+    (offset, size) in the file, which this interpreter maps (``package.mapped``); on a
+    CUDA device, (address, size) of the host's copy in device memory, which keeper, lent
+    by the host, keeps), which the model's tensors alias instead of reading the file.
+    The archive's (module, "example.pkl"), if it has one, is a tuple of example inputs:
+    it names the inputs' datatypes and shapes in the metadata, and warms the model up.
+    Its (module, "config.json"), if it has one, declares the inputs (and outputs): see
     ``declared``."""
     import torch
 
-    from .package import importer, load_pickle
+    from .package import importer, load_pickle, mapped
 
     if device == "cpu":
-        shared = {name: torch.from_numpy(array) for name, array in storages.items()}
+        shared = mapped(path, storages)
         location = None
     else:
         shared = {name: _on_device(torch, address, size, device)

@@ -24,9 +24,9 @@ from . import repository
 from .contract import Server
 from .inference import (decode_apart, infer as infer_through, ready_model, server_metadata,
                         statistics)
-from .metrics import CONTENT_TYPE
-from .protocol import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compress,
-                       decode_request, encode_response, error_body, json_object)
+from .messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compress,
+                       error_body, json_object)
+from .uvicorn_server import LOGGING_CONFIG
 
 
 def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Callable:
@@ -107,7 +107,8 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
         return Response(status_code=200)
 
     async def metrics(request: Request) -> Response:
-        return Response(service.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        body, content_type = service.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
 
     async def http_error(request: Request, error: Exception) -> Response:
         assert isinstance(error, HTTPException)
@@ -188,7 +189,10 @@ def _inference_params(path: str) -> dict[str, str] | None:
 class _Inference:
     """The inference endpoint of service, a plain ASGI application (its request's
     ``path_params`` name the model and version): it reads the headers it needs from one
-    dict of them and writes its answer itself."""
+    dict of them and writes its answer itself.  The protocol's decoding and encoding
+    (multipy.serve.protocol, and numpy with it) are imported when it first decodes a
+    request: the host, which decodes one only when it serves a model itself (rare: see
+    multipy.serve.main), need not import them."""
 
     #: the request headers it reads (uvicorn gives their names in lower case)
     _HEADERS = (b"content-length", b"content-encoding", HEADER_LENGTH.lower().encode(),
@@ -196,6 +200,14 @@ class _Inference:
 
     def __init__(self, service: Server) -> None:
         self._service = service
+        self._codec: tuple[Callable, Callable] | None = None  # (imported at the first decode)
+
+    def _imported(self) -> tuple[Callable, Callable]:
+        """(decode_request, encode_response) of multipy.serve.protocol, imported now."""
+        from .protocol import decode_request, encode_response  # (numpy: see the class)
+
+        self._codec = decode_request, encode_response
+        return self._codec
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         service = self._service
@@ -209,11 +221,12 @@ class _Inference:
             body = await _body(receive, length, limit)
             # (a compressed body may expand to the limit)
             return await decode_apart(service, limit if encoding else len(body),
-                                      decode_request, body, header_length, encoding, limit)
+                                      (self._codec or self._imported())[0], body,
+                                      header_length, encoding, limit)
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> tuple[bytes, dict]:
             binary = dict(decoded.outputs or ())
-            body, answer_headers = encode_response(
+            body, answer_headers = self._codec[1](  # (imported: decoded first)
                 name, "1", decoded.id,
                 [(t, binary.get(t.name, decoded.binary_outputs)) for t in outputs])
             return compress(body, answer_headers, accepted), answer_headers
@@ -284,8 +297,6 @@ def logging_config(server_lines: bool = True) -> dict:
     """uvicorn's logging, with multipy.serve's lines formatted as uvicorn's own; without
     server_lines, only the warnings and errors of uvicorn's server (an interpreter's
     front end: the host says once what the server does)."""
-    from uvicorn.config import LOGGING_CONFIG
-
     config = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["multipy.serve"] = {"handlers": ["default"], "level": "INFO",
                                           "propagate": False}

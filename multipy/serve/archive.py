@@ -1,13 +1,16 @@
-"""A torch.package archive, read in the host without torch: checked, and its tensor
-storages mapped once for every interpreter to alias.
+"""A torch.package archive, read in the host without torch (and without numpy):
+checked, and where its tensor storages lie in the file.
 
-The storages are numpy arrays over one private (copy-on-write) mapping of the file:
-their pages are the page cache's, shared by every interpreter that aliases them (and by
-every process that maps the file), and no one writes to them.  torch's archive writer
-stores records uncompressed and aligned to 64 bytes, so each array is a slice of the
-mapping; a compressed record, which torch does not write, is read into memory instead.
-For a model served on a CUDA device, ``on_device`` copies them once to the device's
-memory, through the driver, for every interpreter to alias there.
+torch's archive writer stores records uncompressed and aligned to 64 bytes, so each
+storage is a span of the file (``records``): each interpreter maps the file itself, a
+private (copy-on-write) mapping, and its model's tensors alias those spans
+(multipy._inside.package.mapped).  The pages are the page cache's, shared by every
+interpreter that maps them (and by every process that maps the file), so the weights are
+in memory once whatever the number of interpreters; a page that a model writes to
+becomes its interpreter's own.  A compressed record, which torch does not write, is
+left to each interpreter's importer to read.  For a model served on a CUDA device,
+``on_device`` copies the storages (``storages``) once to the device's memory, through
+the driver, for every interpreter to alias there.
 """
 from __future__ import annotations
 
@@ -17,8 +20,7 @@ import stat
 import struct
 import weakref
 import zipfile
-
-import numpy as np
+from typing import Any
 
 from .. import _cuda
 
@@ -72,35 +74,44 @@ def find(directories: tuple[str, ...], relative: str) -> str | None:
     return None
 
 
-def storages(path: str) -> dict[str, np.ndarray]:
-    """Every storage record of the archive at path: record name (".data/N.storage") ->
-    uint8 array over its bytes."""
-    found: dict[str, np.ndarray] = {}
+def records(path: str) -> dict[str, tuple[int, int]]:
+    """Where each storage record of the archive at path lies in the file: record name
+    (".data/N.storage") -> (offset, size), for every record stored uncompressed (torch
+    writes no other)."""
+    found: dict[str, tuple[int, int]] = {}
     with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
-        infos = [info for info in archive.infolist()
-                 if info.filename.split("/", 1)[-1].startswith(".data/")
-                 and info.filename.endswith(".storage")]
-        if not infos:
-            return found
-        mapping = np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY), np.uint8)
-        for info in infos:
+        for info in archive.infolist():
             name = info.filename.split("/", 1)[-1]
+            if not (name.startswith(".data/") and name.endswith(".storage")) \
+                    or info.compress_type != zipfile.ZIP_STORED:
+                continue
             start = _data_offset(file, info)
-            if info.compress_type == zipfile.ZIP_STORED and start is not None:
-                found[name] = mapping[start:start + info.file_size]
-            else:
-                found[name] = np.frombuffer(bytearray(archive.read(info)), np.uint8)
+            if start is not None:
+                found[name] = (start, info.file_size)
     return found
 
 
-def on_device(storages: dict[str, np.ndarray], device: str
-              ) -> tuple[dict[str, tuple[int, int]], str, np.ndarray]:
+def storages(path: str, spans: dict[str, tuple[int, int]]) -> dict[str, memoryview]:
+    """The storage records at spans (as ``records`` gives them) of the archive at path,
+    each a view of one private (copy-on-write) mapping of the file: what ``on_device``
+    copies, in place (a read-only view would be copied in memory first)."""
+    if not spans:
+        return {}
+    with open(path, "rb") as file:
+        mapping = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY))
+    return {name: mapping[start:start + size] for name, (start, size) in spans.items()}
+
+
+def on_device(storages: dict[str, Any], device: str
+              ) -> tuple[dict[str, tuple[int, int]], str, Any]:
     """The storages copied once to the memory of CUDA device ``device`` ("cuda" or
     "cuda:N"), as ``multipy._inside.serving.load`` takes them: (record name -> (device
     address, size), device, keeper).  keeper is a one-byte array that each interpreter
     keeps an alias of (lent, as arrays are) for as long as its model lives: the device
     memory is freed once the host's keeper and every alias of it are gone, so no model
     outlives its weights.  RuntimeError if the driver refuses."""
+    import numpy as np  # (for a CUDA device only: the keeper is lent, as arrays are)
+
     copy = _cuda.DeviceCopy(storages, int(device.partition(":")[2] or 0))
     keeper = np.zeros(1, np.uint8)
     weakref.finalize(keeper, copy.close).atexit = False  # at exit the process's end frees it

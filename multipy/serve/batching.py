@@ -13,9 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-import numpy as np
-
-from .protocol import Tensor
+from .messages import Tensor
 
 #: Runs the model once: (inputs, the tokens of the requests they hold) -> outputs.
 Run = Callable[[list[Tensor], list[Any]], Awaitable[list[Tensor]]]
@@ -108,6 +106,8 @@ class Batcher:
         if not waiting:
             return
         try:
+            import numpy as np  # (the host makes batchers, but runs batches only as it serves)
+
             total = sum(w.rows for w in waiting)
             inputs = [Tensor(first.name, first.datatype,
                              np.concatenate([w.inputs[i].array for w in waiting]))

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from .contract import FrontEndCalls
 from .inbox import receive
-from .protocol import ProtocolError
+from .messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
 

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from .batching import BatchError
 from .contract import Server
-from .protocol import InferRequest, ProtocolError, Tensor
+from .messages import InferRequest, ProtocolError, Tensor
 from .repository import LOADING, UNAVAILABLE
 from .requests import ModelError, ModelRequests, ServiceTimeout, Timing
 

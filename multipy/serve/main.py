@@ -10,8 +10,8 @@ also catches the signals and runs the lifespan.  The models load on a thread of 
 own once the server listens (a model written as a class loads on the first interpreter
 before, so that its code's errors are said before anything connects: Service.prepare):
 until they are ready, the host answers the connections itself (``/v2/health/live`` at
-once, ``/v2/health/ready`` says when loading is done), and it keeps serving those that
-stay open.  SIGTERM and SIGINT stop the server
+once, ``/v2/health/ready`` says when loading is done), one request per connection.
+SIGTERM and SIGINT stop the server
 gracefully: it stops accepting connections, every front end answers every request it
 has received, and the process exits 0 (a second SIGINT forces it).  With
 ``--grpc-port``, the host reserves that port (a socket bound with SO_REUSEPORT that never
@@ -40,8 +40,6 @@ import threading
 import time
 from typing import Any, Iterator, NoReturn
 
-import uvicorn
-
 from .. import _cuda
 from .._glibc import MAX_NAMESPACES
 from .._launch import make_room
@@ -57,11 +55,12 @@ from .control import Control
 from .inbox import FORCE, STOP, open_inbox, receive, send
 from .link import Link
 from .models import ModelSpec
-from .protocol import MAX_REQUEST_SIZE, ProtocolError
+from .messages import MAX_REQUEST_SIZE, ProtocolError
 from .repository import MODEL_CONTROLS, check_name
 from .service import (GRACEFUL_TIMEOUT, MORE_MODELS, Options, Place, Service,
                       default_interpreters)
 from .supervised import Supervised
+from .uvicorn_server import Config, Server
 
 logger = logging.getLogger("multipy.serve")
 
@@ -198,7 +197,7 @@ def specs(args: argparse.Namespace, parse: argparse.ArgumentParser) -> list[Mode
     return found
 
 
-class _Server(uvicorn.Server):
+class _Server(Server):
     """uvicorn's server, but a graceful stop by SIGTERM or SIGINT ends the process with
     exit status 0 (uvicorn raises the signal again once it has stopped).  It listens
     and hands each connection it accepts to an interpreter's front end (see the module's
@@ -206,7 +205,7 @@ class _Server(uvicorn.Server):
     when it stops.  A process of --processes (supervised) listens on nothing: its
     connections come from the supervisor."""
 
-    def __init__(self, config: uvicorn.Config, fronts: FrontEnds, limits: Limits,
+    def __init__(self, config: Config, fronts: FrontEnds, limits: Limits,
                  listener: socket.socket | None = None,
                  supervised: Supervised | None = None) -> None:
         super().__init__(config)
@@ -599,9 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc, supervised),
                               daemon=True, name="multipy-serve-start")
     app = create_app(service, loader.start)
-    config = uvicorn.Config(app, host=args.host, port=args.port, lifespan="on",
-                            access_log=False, log_config=logging_config(),
-                            timeout_graceful_shutdown=served.graceful_timeout)
+    config = Config(app, host=args.host, port=args.port, lifespan="on",
+                    access_log=False, log_config=logging_config(),
+                    timeout_graceful_shutdown=served.graceful_timeout)
     server = _Server(config, fronts, served.limits, listener, supervised)
     server.run()
     if reserved is not None:
@@ -663,7 +662,7 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _load(service: Service, server: uvicorn.Server, fronts: FrontEnds, grpc: str | None,
+def _load(service: Service, server: Server, fronts: FrontEnds, grpc: str | None,
           supervised: Supervised | None) -> None:
     """Loads the models once the server listens, then starts the interpreters' front
     ends (with gRPC on grpc, "HOST:PORT", if given); stops the server if either fails.

@@ -31,12 +31,6 @@ import os
 import time
 from typing import Any, Iterator, Sequence
 
-from prometheus_client import generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.metrics_core import (CounterMetricFamily, GaugeMetricFamily,
-                                            HistogramMetricFamily)
-from prometheus_client.registry import CollectorRegistry
-
 #: Latency buckets (seconds): from a fast model's millisecond to a slow batch's seconds.
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
             30.0, 60.0)
@@ -48,8 +42,6 @@ _BATCHED = (1, 2, 4, 8, 16, 32, 64, 128)
 STATUSES = (400, 404, 413, 499, 500, 503)
 #: Seconds after which an interpreter in one call counts as stuck, without --timeout.
 STUCK_AFTER = 30.0
-
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 # A row: [connections closed, since when it runs a call (time.monotonic(), 0 if it
 # runs none), 1 + the index of the model whose call its request gave up on (0 if
@@ -237,8 +229,7 @@ class Metrics:
         self.models: dict[str, ModelSeries] = {}
         for name in models:
             self.add(name)
-        self._registry = CollectorRegistry(auto_describe=False)
-        self._registry.register(_Collector(self))
+        self._registry: Any = None  # render's, made at its first call
 
     def add(self, name: str) -> None:
         """Gives model name the next slot (its series, at 0), unless it has one; every
@@ -311,9 +302,19 @@ class Metrics:
             return None
         return "no interpreter can take a call: " + "; ".join(
             f"interpreter {k}: {reason}" for k, reason in enumerate(reasons))
-    def render(self) -> bytes:
-        """The Prometheus text exposition of every metric, summed over the rows."""
-        return generate_latest(self._registry)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of every metric, summed over the rows, and its
+        Content-Type.  prometheus_client is imported at the first call: a process that
+        only counts (on the board) never imports it."""
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+        from prometheus_client.registry import CollectorRegistry
+
+        if self._registry is None:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(_Collector(self))
+            self._registry = registry
+        return generate_latest(self._registry), CONTENT_TYPE_LATEST
 
     def statistics(self, names: list[str]) -> dict[str, Any]:
         """The statistics extension's answer (Triton's, which tritonclient's
@@ -360,6 +361,9 @@ class _Collector:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Any]:
+        from prometheus_client.metrics_core import (  # (imported by render already)
+            CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)
+
         board, names = self._metrics.board, self._metrics.names
 
         def total(k: int, offset: int) -> float:

@@ -4,9 +4,10 @@ the manager.
 
 The host never imports torch.  Each interpreter loads the archive itself with
 ``multipy._inside.serving.load`` (its own PackageImporter), its tensors aliasing the
-archive's storages that the host mapped once (multipy.serve.archive), so the weights are
-in memory once whatever the number of interpreters; on a CUDA device, in device memory
-once, copied there by the host through the driver (``archive.on_device``).  Once every
+archive's storages in its own mapping of the file, where the host found them
+(multipy.serve.archive): the page cache's pages, so the weights are in memory once
+whatever the number of interpreters; on a CUDA device, in device memory once, copied
+there by the host through the driver (``archive.on_device``).  Once every
 model is ready, each interpreter's front end answers requests with its own copy (multipy._inside.front_end);
 the host itself calls a model only for Ray Serve's replicas and for connections that
 arrived while the interpreters started (``ServedModel.infer``).
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InterpreterError
 from ..replicated import ReplicatedObj
 from . import archive, model_class
-from .protocol import ProtocolError
+from .messages import ProtocolError
 from .requests import ModelError, ModelRequests, Started
 
 if TYPE_CHECKING:
@@ -93,11 +94,11 @@ class ServedModel(ModelRequests):
         if spec.kind == "class":
             return interpreter.global_(_INSIDE_CLASS, "load")(spec.path, spec.module,
                                                               spec.resource, spec.name)
-        with self._mapping:  # interpreters load in parallel: the archive is mapped once
+        with self._mapping:  # interpreters load in parallel: the archive is read once
             if self._storages is None:
-                storages = archive.storages(self.spec.path)
-                self._storages = (storages,) if self.device == "cpu" else \
-                    archive.on_device(storages, self.device)
+                spans = archive.records(self.spec.path)
+                self._storages = (spans,) if self.device == "cpu" else \
+                    archive.on_device(archive.storages(self.spec.path, spans), self.device)
         load = interpreter.global_(_INSIDE, "load")
         return load(self.spec.path, self.spec.module, self.spec.resource, *self._storages)
 

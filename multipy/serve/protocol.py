@@ -1,6 +1,7 @@
 """The Open Inference Protocol (KServe's v2 protocol, which Triton speaks too) over
 HTTP/REST: inference requests and responses as JSON tensors, with the binary tensor data
-extension.  numpy only; nothing here knows about models or interpreters.
+extension.  numpy only; nothing here knows about models or interpreters.  The requests
+and errors themselves are multipy.serve.messages', which needs no numpy.
 
 A tensor's data is a numpy array of its shape.  BF16 has no numpy dtype: its arrays hold
 the bits, as uint16 (what the interpreters turn into bfloat16 tensors), and JSON carries
@@ -20,25 +21,20 @@ body is JSON, whatever its Content-Type.  Outputs asked for with
 """
 from __future__ import annotations
 
-import gzip
 import json
 import math
 import struct
-import zlib
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
-#: The header that says where the JSON of a body with binary data ends.
-HEADER_LENGTH = "Inference-Header-Content-Length"
+from .messages import (HEADER_LENGTH, MAX_REQUEST_SIZE, InferRequest, ProtocolError, Tensor,
+                       decompressed, json_object)
+
 #: The most dimensions a tensor may have (numpy's own limit, and other servers').
 MAX_RANK = 64
 #: The most elements a tensor may claim: more than any body could carry (2**48).
 MAX_ELEMENTS = 1 << 48
-#: The most bytes a request may have, by default (multipy serve --max-request-size), or
-#: a compressed one expand to: 413 past it.
-MAX_REQUEST_SIZE = 64 << 20
 
 #: Each numeric datatype's numpy dtype (little-endian; BF16: its bits).
 DTYPES: dict[str, np.dtype] = {
@@ -56,51 +52,8 @@ DATATYPES = (*DTYPES, BYTES)
 #: The bytes of a BYTES element's length, in binary data (little-endian).
 LENGTH_PREFIX = 4
 _LENGTH = struct.Struct("<I")
-#: The first bytes of JSON's byte order marks: text that begins with none of them, and
-#: has no NUL in its first four bytes, is UTF-8 (as json.detect_encoding says)
-_NOT_UTF8 = (b"\xef", b"\xfe", b"\xff")
 #: JSON without spaces, as answers are written
 _COMPACT = json.JSONEncoder(separators=(",", ":"))
-
-
-class ProtocolError(Exception):
-    """A request that the protocol refuses: answered with {"error": message} and status
-    (400, the client's fault, unless said otherwise)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class InvalidInput(ProtocolError):
-    """Raised by a model's own code for a request it cannot take: answered with status
-    400 and the message (``from multipy.serve import InvalidInput``)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, 400)
-
-
-class Tensor(NamedTuple):
-    """A named tensor of the protocol: its datatype and its data as an array of its shape
-    (a tuple: ``zip(*tensors)`` gives their names, datatypes and arrays)."""
-
-    name: str
-    datatype: str
-    array: np.ndarray
-
-
-@dataclass
-class InferRequest:
-    """A decoded inference request."""
-
-    inputs: list[Tensor]
-    #: The outputs asked for, in order, each with whether it goes back as binary data;
-    #: None: every output the model gives.
-    outputs: list[tuple[str, bool]] | None
-    #: Whether outputs not asked for by name go back as binary data.
-    binary_outputs: bool = False
-    id: str | None = None
-    parameters: dict[str, Any] = field(default_factory=dict)
 
 
 def decode_request(body: bytes, header_length: str | None = None,
@@ -112,7 +65,7 @@ def decode_request(body: bytes, header_length: str | None = None,
     ProtocolError if it is not a well-formed inference request (413 if it expands past
     max_size)."""
     if content_encoding is not None:
-        body = _decompressed(body, content_encoding, max_size)
+        body = decompressed(body, content_encoding, max_size)
     if header_length is None:
         json_part, binary = body, memoryview(b"")
     else:
@@ -126,21 +79,6 @@ def decode_request(body: bytes, header_length: str | None = None,
                                 f"{len(body)} bytes")
         json_part, binary = body[:length], memoryview(body)[length:]
     return parse_request(json_object(json_part), binary)
-
-
-def json_object(text: bytes) -> dict:
-    """The JSON object that text holds; ProtocolError if it is not well-formed JSON, or
-    not an object."""
-    head = text[:4]
-    try:  # (UTF-8, as json.loads finds it, decoded here without its search)
-        found = json.loads(text.decode("utf-8", "surrogatepass")
-                           if b"\0" not in head and head[:1] not in _NOT_UTF8 else text)
-    except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
-        # an integer literal over Python's digit limit, nesting deeper than the stack
-        raise ProtocolError(f"malformed JSON in the request: {error}") from None
-    if not isinstance(found, dict):
-        raise ProtocolError("the request must be a JSON object")
-    return found
 
 
 def parse_request(request: Any, binary: memoryview) -> InferRequest:
@@ -181,27 +119,6 @@ def parse_request(request: Any, binary: memoryview) -> InferRequest:
     return InferRequest(tensors, outputs,
                         _flag(parameters, "binary_data_output") if parameters else False,
                         request_id, parameters)
-
-
-def _decompressed(body: bytes, encoding: str | None, max_size: int) -> bytes:
-    """body, expanded in a stream that stops past max_size bytes (413): a small body may
-    expand to gigabytes."""
-    kind = (encoding or "identity").strip().lower()
-    if kind == "identity":
-        return body
-    if kind not in ("gzip", "deflate"):
-        raise ProtocolError(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
-    stream = zlib.decompressobj(zlib.MAX_WBITS | 16 if kind == "gzip" else zlib.MAX_WBITS)
-    try:
-        expanded = stream.decompress(body, max_size + 1)
-    except zlib.error as error:
-        raise ProtocolError(f"the body is not valid {kind} data: {error}") from None
-    if len(expanded) > max_size:
-        raise ProtocolError(f"the body expands to more than {max_size} bytes, the most this "
-                            f"server takes (--max-request-size)", 413)
-    if not stream.eof:
-        raise ProtocolError(f"the body is not valid {kind} data: it ends early")
-    return expanded
 
 
 def _object(value: Any, what: str) -> dict:
@@ -562,24 +479,3 @@ def tensor_bytes(tensor: Tensor) -> bytes:
     if tensor.datatype == BYTES:
         return to_length_prefixed(tensor.array)
     return np.ascontiguousarray(tensor.array, DTYPES[tensor.datatype]).tobytes()
-
-
-def compress(body: bytes, headers: dict[str, str], accept_encoding: str | None) -> bytes:
-    """body compressed as the client accepts (gzip or deflate, as tritonclient asks for
-    with response_compression_algorithm); headers gets Content-Encoding then."""
-    named = (accept_encoding or "").lower()
-    if "gzip" not in named and "deflate" not in named:  # (none, or identity: at once)
-        return body
-    accepted = {part.split(";")[0].strip() for part in named.split(",")}
-    if "gzip" in accepted:
-        headers["Content-Encoding"] = "gzip"
-        return gzip.compress(body, compresslevel=1)
-    if "deflate" in accepted:
-        headers["Content-Encoding"] = "deflate"
-        return zlib.compress(body, 1)
-    return body
-
-
-def error_body(message: str) -> bytes:
-    """The protocol's error answer: {"error": message}."""
-    return json.dumps({"error": message}).encode()

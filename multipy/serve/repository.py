@@ -17,7 +17,7 @@ import re
 from typing import Any, Mapping
 
 from .contract import Server
-from .protocol import ProtocolError
+from .messages import ProtocolError
 
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
 #: --model-control's choices: "none" (the models given at start, for good) or "explicit"

@@ -12,7 +12,7 @@ from typing import Any, Collection, Mapping
 
 from .batching import Batcher
 from .metrics import ModelSeries
-from .protocol import InferRequest, ProtocolError, Tensor
+from .messages import InferRequest, ProtocolError, Tensor
 
 
 class ModelError(Exception):

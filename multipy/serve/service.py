@@ -28,7 +28,7 @@ from .connection import Limits
 from .metrics import STUCK_AFTER, Metrics
 from .models import ModelSpec, ServedModel, Turns
 from .progress import Progress
-from .protocol import MAX_REQUEST_SIZE, ProtocolError
+from .messages import MAX_REQUEST_SIZE, ProtocolError
 from .repository import LOADING, READY, REASON_CHARACTERS, UNAVAILABLE
 from .requests import named
 

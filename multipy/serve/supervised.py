@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from .control import do
 from .link import Link
-from .protocol import ProtocolError
+from .messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
 

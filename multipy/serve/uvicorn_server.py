@@ -1,0 +1,59 @@
+"""uvicorn's server, ``Config`` and ``Server`` (and its ``LOGGING_CONFIG``), without its
+command line.
+
+Importing any of uvicorn's modules runs its package's ``__init__``, which imports
+``uvicorn.main``: its command line, with click, watchfiles and the supervisors'
+multiprocessing (about 2 MiB of a process's memory, in the host and in every
+interpreter's front end), none of which a server started from code uses.  This module
+imports uvicorn's package without running that ``__init__`` (the package's module made
+from its spec, as the import system makes it, and registered), then the modules of the
+server that it needs.  The package then has ``Config`` and ``Server``, which uvicorn's
+own modules import from it; the first use of any other of its names (``uvicorn.run``,
+``uvicorn.__version__``: code of others', Ray Serve's say) runs the real ``__init__``
+then, so that such code finds the package whole.  Where uvicorn's package is imported
+already, it is used as it is.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import ModuleType
+from typing import Any
+
+
+def _package() -> ModuleType:
+    """uvicorn's package, registered in sys.modules; its ``__init__`` not run, unless
+    someone imported it before."""
+    found = sys.modules.get("uvicorn")
+    if found is not None:
+        return found
+    spec = importlib.util.find_spec("uvicorn")
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError("No module named 'uvicorn'", name="uvicorn")
+    package = importlib.util.module_from_spec(spec)
+    ran = []
+
+    def whole(name: str) -> Any:
+        """A name of the package that is not set yet: the real ``__init__`` runs first
+        (once)."""
+        if not ran:
+            ran.append(True)
+            spec.loader.exec_module(package)
+        try:
+            return vars(package)[name]
+        except KeyError:
+            raise AttributeError(f"module 'uvicorn' has no attribute {name!r}") from None
+
+    package.__getattr__ = whole  # type: ignore[attr-defined]
+    sys.modules["uvicorn"] = package
+    return package
+
+
+_uvicorn = _package()
+
+from uvicorn.config import LOGGING_CONFIG, Config  # noqa: E402
+from uvicorn.server import Server  # noqa: E402
+
+_uvicorn.Config, _uvicorn.Server = Config, Server  # as its __init__ sets them
+
+__all__ = ["Config", "LOGGING_CONFIG", "Server"]

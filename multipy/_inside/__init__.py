@@ -278,7 +278,6 @@ class _Interpreter:
         sends back the host tokens that aliases here gave back after: a cancel's
         exception loses neither."""
         aliased: list[int] | None = []  # the host's tokens aliased until the request is read
-        lent = None  # what the reply lends, if it lends: taken back if it fails
         try:
             if body[0] != _sharing.PICKLED:
                 args = marshal.loads(body)
@@ -319,27 +318,40 @@ class _Interpreter:
             if op in _NEW_OBJECT:
                 number = next(self._ids)
                 self.objects[number] = result
-                status, number, payload = OK, number, b""
-            elif result is None:
-                status, number, payload = OK, 0, _NONE
-            elif (payload := _sharing.plain(result)) is not None:
-                status, number = OK, 0
-            else:
-                lent = _sharing.Lent(self.exports)
-                flat = _sharing.lend_result(result, lent)
-                if flat is not None and (payload := _sharing.plain(flat)) is not None:
-                    status, number = LENT, 0
-                else:  # not flat, or something in it met twice (pickle keeps it shared)
-                    lent.take_back()
-                    status, number, payload = OK, 0, _sharing.LendingPickler(lent).dumps(result)
-            return status, number, payload
+                return OK, number, b""
+            return self.value_reply(result)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
-            if lent is not None:
-                lent.take_back()
-            if _sharing.cuda_aliases:  # what the call wrote before it raised
-                with contextlib.suppress(Exception):
-                    _sharing.order_after_call()
-            return ERROR, 0, _error_record(exc, None if aliased is None else tuple(aliased))
+            return self.failed(exc, None if aliased is None else tuple(aliased))
+
+    def value_reply(self, result) -> tuple:
+        """The reply that carries a call's result back as a value: (OK, 0, payload) with
+        it plain or pickled, or (LENT, 0, payload) with its tensors and arrays lent.
+        Whatever this raises, nothing stays lent."""
+        if result is None:
+            return OK, 0, _NONE
+        payload = _sharing.plain(result)
+        if payload is not None:
+            return OK, 0, payload
+        lent = _sharing.Lent(self.exports)
+        try:
+            flat = _sharing.lend_result(result, lent)
+            if flat is not None and (payload := _sharing.plain(flat)) is not None:
+                return LENT, 0, payload
+            # not flat, or something in it met twice (pickle keeps it shared)
+            lent.take_back()
+            return OK, 0, _sharing.LendingPickler(lent).dumps(result)
+        except BaseException:
+            lent.take_back()
+            raise
+
+    def failed(self, exc: BaseException, aliased: tuple[int, ...] | None) -> tuple:
+        """The ERROR reply for exc, raised by a request once read (aliased None) or
+        while it was read (the host's tokens aliased so far); what the call wrote to
+        CUDA aliases first ordered before the host's next use."""
+        if _sharing.cuda_aliases:
+            with contextlib.suppress(Exception):
+                _sharing.order_after_call()
+        return ERROR, 0, _error_record(exc, aliased)
 
     def _crash_name(self, op: int, handle: int, args: tuple) -> bytes:
         """The name of what a request acts on, for the fatal-signal report; made once
@@ -471,8 +483,9 @@ def forget_paths(paths: list[str]) -> None:
 
 
 def main(status_fd: int, host_main: tuple[str, str | None] | None = None) -> tuple:
-    """Sets this interpreter up; returns the handler the C entry calls and the tables
-    where the C entry applies releases (handles, lent tokens, names).  host_main: the
+    """Sets this interpreter up; returns the handler the C entry calls, the tables
+    where the C entry applies releases (handles, lent tokens, names), and what its fast
+    path reads (None with MULTIPY_CALL_PATH=python).  host_main: the
     host's main script, (path, module name if run with -m), if it has one.  On failure
     the traceback goes to status_fd, where the host reads why the interpreter did not
     start."""
@@ -481,7 +494,11 @@ def main(status_fd: int, host_main: tuple[str, str | None] | None = None) -> tup
         global _current, _host_main
         _host_main = host_main
         _current = _Interpreter()
-        return _current.handle, _current.objects, _current.exports.objects, _current._names
+        fast_path = None
+        if _protocol.C_CALL_PATH:  # what the C fast path reads (_bootstrap.c, fast_call)
+            fast_path = (_current, _current._thread, _current.exports.counter, _sharing)
+        return (_current.handle, _current.objects, _current.exports.objects, _current._names,
+                fast_path)
     except BaseException:
         os.write(status_fd, traceback.format_exc().encode())
         raise

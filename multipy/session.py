@@ -5,18 +5,26 @@ object inside one; every call into an interpreter goes through ``Interpreter.req
 from __future__ import annotations
 
 import contextlib
+import functools
 import marshal
 import pickle
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
-from . import _glibc, _pool, _protocol, _sharing
+from . import _glibc, _host, _pool, _protocol, _sharing
 from ._protocol import CALL, CALL_LENT, CALL_VALUE, DEREF, GETATTR, GLOBAL, HASATTR
 from ._runtime import Runtime, exports
 from .errors import InterpreterError, InterpreterLimitError, RemoteTraceback, WrongInterpreterError
 
 if TYPE_CHECKING:
     from ._runtime import _Job
+
+
+#: Whether calls of values take the C path (multipy._protocol.C_CALL_PATH).
+_C_CALL_PATH = _protocol.C_CALL_PATH
+if _C_CALL_PATH:
+    _host.use_call_path(functools.partial(_sharing.Lent, exports), _sharing.describe,
+                        _sharing.alias)
 
 
 class _ThreadSettings(threading.local):
@@ -74,7 +82,7 @@ class Obj:
 
     def call_value(self, method: str | None, args: tuple = (), kwargs: dict | None = None) -> Any:
         """Calls the object (or its method) and returns the result as a host value."""
-        return self._interpreter.request(CALL_VALUE, self, method, args, kwargs or {})
+        return self._interpreter.call_value(self, method, args, kwargs or {})
 
     def start_call_value(self, method: str | None, args: tuple = (),
                          kwargs: dict | None = None) -> _Job:
@@ -164,6 +172,7 @@ class Interpreter:
         self.index = index
         self.manager = manager
         self._runtime = runtime
+        self._entry = runtime.entry
         self._epoch = runtime.epoch  # this manager's requests carry it
         self._closed = False
         self._sessions = 0  # open sessions: the load balancer's measure of load
@@ -241,11 +250,20 @@ class Interpreter:
         op, handle, body, lent = self._encode(op, target, args)
         # Ctrl-C may raise in the host before _finish reads the reply: then the entry
         # gives back what the request lent and the interpreter did not alias
-        reply = self._runtime.call(op, handle, self._epoch, body, 0,
-                                   lent.unread if lent is not None else None)
+        reply = self._runtime.call(op, handle, self._epoch, body, 0, lent)
         if reply[1]:  # a new object: the common case, first
             return Obj(self, reply[1])
         return self._finish(reply, lent)
+
+    def call_value(self, target: Obj, method: str | None, args: tuple, kwargs: dict) -> Any:
+        """``request(CALL_VALUE, target, method, args, kwargs)``, which the C entry makes
+        itself (Entry.call_value) for a call on this thread of an object of this
+        interpreter, unless MULTIPY_CALL_PATH=python."""
+        if (_C_CALL_PATH and _thread.timeout is None and not self._closed
+                and target._interpreter is self):
+            return self._entry.call_value(self, target, target._handle, self._epoch, method,
+                                          args, kwargs)
+        return self.request(CALL_VALUE, target, method, args, kwargs)
 
     def start(self, op: int, target: Obj | None, *args: Any) -> _Job:
         """Starts one operation as ``request`` does, but on a worker thread, and returns

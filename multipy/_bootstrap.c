@@ -386,14 +386,8 @@ static PyObject *value_reply(struct runtime *rt, PyObject *result)
         Py_XDECREF(value);
     }
     Py_XDECREF(record);
-    if (!reply && loan.tokens) { /* take back what was lent, keeping the exception */
-        PyObject *type, *value, *traceback;
-        PyErr_Fetch(&type, &value, &traceback);
-        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(loan.tokens); i++)
-            if (PyDict_DelItem(loan.objects, PyList_GET_ITEM(loan.tokens, i)) < 0)
-                PyErr_Clear();
-        PyErr_Restore(type, value, traceback);
-    }
+    if (!reply && loan.tokens)
+        take_back(NULL, &loan);
     loan_close(&loan);
     return reply;
 }

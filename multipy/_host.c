@@ -177,21 +177,24 @@ static void drop_released(PyObject *exports, const uint64_t *tokens, size_t coun
 }
 
 static PyObject *unread_name; /* "unread", interned */
+static PyObject *lent_of(struct loan *loan);
 
 /* A reply that will not be read (its caller was interrupted): what it made or lent in
- * the interpreter goes back with the next call, and lent.unread(status, payload), if
- * lent is given (a multipy._sharing.Lent), takes back what the request lent and the
+ * the interpreter goes back with the next call, and the request's Lent (lent, or made
+ * from loan; none if neither) takes back with unread(status, payload) what the
  * interpreter did not alias.  Keeps the exception being raised. */
 static void give_back(Entry *self, int status, uint64_t handle, PyObject *payload,
-                      PyObject *lent)
+                      PyObject *lent, struct loan *loan)
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     if (status != MULTIPY_OK && status != MULTIPY_LENT) {
-        PyObject *number = lent ? PyLong_FromLong(status) : NULL;
-        PyObject *done = number ? PyObject_CallMethodObjArgs(lent, unread_name, number, payload,
-                                                             NULL)
+        PyObject *owner = lent ? Py_NewRef(lent) : loan ? lent_of(loan) : NULL;
+        PyObject *number = owner ? PyLong_FromLong(status) : NULL;
+        PyObject *done = number ? PyObject_CallMethodObjArgs(owner, unread_name, number,
+                                                             payload, NULL)
                                 : NULL;
+        Py_XDECREF(owner);
         Py_XDECREF(number);
         Py_XDECREF(done);
         PyErr_Clear();
@@ -237,8 +240,10 @@ static int read_number(PyObject *value, uint64_t *out)
 
 /* Runs request in the interpreter on this thread, without the host's GIL: the reply
  * (status, handle, payload), or NULL with an exception; see Entry.call, whose lent
- * this is (NULL for none). */
-static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *lent)
+ * this is (NULL for none), or loan, what the request lent without a Lent (NULL for
+ * none). */
+static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *lent,
+                       struct loan *loan)
 {
     if (self->closed)
         return Py_BuildValue("(iKy)", MULTIPY_CLOSED, 0ULL, "");
@@ -301,7 +306,7 @@ static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *l
     if (!payload)
         return NULL;
     if (on_main && PyErr_CheckSignals() < 0) { /* Ctrl-C: nobody will read this reply */
-        give_back(self, reply.status, reply.handle, payload, lent);
+        give_back(self, reply.status, reply.handle, payload, lent, loan);
         Py_DECREF(payload);
         return NULL;
     }
@@ -339,46 +344,60 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     request.op = (int)op;
-    return enter(self, &request, nargs == 6 && args[5] != Py_None ? args[5] : NULL);
+    return enter(self, &request, nargs == 6 && args[5] != Py_None ? args[5] : NULL, NULL);
 }
 
 /* -- the common call of a value, in C (docs/design.md, "The call path") -- */
 
-/* What it lends and aliases with, given once by multipy.session (use_call_path): lent()
- * makes a multipy._sharing.Lent of the host's exports, describe and alias are
- * _sharing's for what is not a torch tensor.  lent is NULL until then. */
+/* What it lends and aliases with, given once by multipy.session (use_call_path): the
+ * host's exports (a multipy._sharing.Exports), its objects and counter, the Lent type
+ * (made only for the Python that reads unusual replies), and _sharing's alias for what
+ * is not a torch tensor.  lent_type is NULL until then. */
 static struct {
-    PyObject *lent, *describe, *alias;
-    PyObject *call_value_op;                /* CALL_VALUE, as an int */
-    PyObject *request, *finish, *give_back; /* Interpreter's methods, by name (interned) */
+    PyObject *lent_type, *exports, *objects, *counter, *alias;
+    PyObject *call_value_op;                        /* CALL_VALUE, as an int */
+    PyObject *request, *finish, *give_back, *tokens; /* names, interned */
 } call_path;
 
 static PyObject *use_call_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
     if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "use_call_path(lent, describe, alias)");
+        PyErr_SetString(PyExc_TypeError, "use_call_path(Lent, exports, alias)");
         return NULL;
     }
-    if (call_path.lent) /* once: other threads may be calling the functions kept */
+    if (call_path.lent_type) /* once: other threads may be calling the functions kept */
         Py_RETURN_NONE;
-    if (!(call_path.call_value_op = PyLong_FromLong(MULTIPY_CALL_VALUE))
+    if (!(call_path.objects = PyObject_GetAttrString(args[1], "objects"))
+        || !(call_path.counter = PyObject_GetAttrString(args[1], "counter"))
+        || !(call_path.call_value_op = PyLong_FromLong(MULTIPY_CALL_VALUE))
         || !(call_path.request = PyUnicode_InternFromString("request"))
         || !(call_path.finish = PyUnicode_InternFromString("_finish"))
-        || !(call_path.give_back = PyUnicode_InternFromString("_give_back")))
+        || !(call_path.give_back = PyUnicode_InternFromString("_give_back"))
+        || !(call_path.tokens = PyUnicode_InternFromString("tokens")))
         return NULL;
-    call_path.describe = Py_NewRef(args[1]);
+    call_path.exports = Py_NewRef(args[1]);
     call_path.alias = Py_NewRef(args[2]);
-    call_path.lent = Py_NewRef(args[0]); /* last: the others are ready */
+    call_path.lent_type = Py_NewRef(args[0]); /* last: the others are ready */
     Py_RETURN_NONE;
 }
 
+/* A multipy._sharing.Lent of what loan lent (NULL with an exception). */
+static PyObject *lent_of(struct loan *loan)
+{
+    PyObject *lent = PyObject_CallOneArg(call_path.lent_type, call_path.exports);
+    if (lent && PyObject_SetAttr(lent, call_path.tokens, loan->tokens) < 0)
+        Py_CLEAR(lent);
+    return lent;
+}
+
 /* The body of a CALL_VALUE of method with values and kwargs as Interpreter._encode
- * makes it: plain (*op stays CALL_VALUE), or, with no keyword arguments, the tensors
- * among values lent (*op CALL_LENT, *lent what they are lent under).  None, nothing
- * lent, when it must be pickled; NULL with an exception, nothing lent. */
+ * makes it: plain (*op stays CALL_VALUE), or, with no keyword arguments, the torch
+ * tensors among scalars in values lent into loan (*op CALL_LENT; open, the caller
+ * closes it).  None, nothing lent, when Interpreter.request must make it (a pickle,
+ * numpy arrays, CUDA tensors); NULL with an exception, nothing lent. */
 static PyObject *encode_call(PyObject *method, PyObject *values, PyObject *kwargs,
-                             PyObject **lent, int *op)
+                             struct loan *loan, int *op)
 {
     PyObject *message = PyTuple_Pack(3, method, values, kwargs);
     PyObject *body = message ? plain(NULL, message) : NULL;
@@ -386,13 +405,13 @@ static PyObject *encode_call(PyObject *method, PyObject *values, PyObject *kwarg
     if (body != Py_None || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs))
         return body;
     Py_DECREF(body);
-    PyObject *flat = NULL;
-    if ((*lent = PyObject_CallNoArgs(call_path.lent))) {
-        PyObject *lend_args[3] = {values, *lent, call_path.describe};
-        flat = lend_flat(NULL, lend_args, 3); /* None or NULL: it took back what it lent */
-    }
-    if (!flat || flat == Py_None) {
-        Py_CLEAR(*lent);
+    if (!(loan->tokens = PyList_New(0)))
+        return NULL;
+    loan->objects = Py_NewRef(call_path.objects);
+    loan->counter = Py_NewRef(call_path.counter);
+    PyObject *flat = lend_values(values, loan, NULL, NULL);
+    if (!flat || flat == Py_None) { /* it took back what it lent */
+        loan_close(loan);
         return flat;
     }
     message = PyTuple_Pack(4, method, PyTuple_GET_ITEM(flat, 0), PyTuple_GET_ITEM(flat, 1),
@@ -401,9 +420,9 @@ static PyObject *encode_call(PyObject *method, PyObject *values, PyObject *kwarg
     body = message ? plain(NULL, message) : NULL;
     Py_XDECREF(message);
     if (!body || body == Py_None) { /* a tuple or long text met twice: pickle keeps it so */
-        if (take_back(*lent) < 0)
+        if (take_back(NULL, loan) < 0)
             Py_CLEAR(body);
-        Py_CLEAR(*lent);
+        loan_close(loan);
         return body;
     }
     *op = MULTIPY_CALL_LENT;
@@ -449,8 +468,10 @@ static PyObject *alias_reply(Entry *self, PyObject *interpreter, PyObject *messa
 }
 
 /* The value of a CALL_VALUE's reply as Interpreter._finish gives it: read here when it
- * is plain or lent, by interpreter._finish(reply, lent or None) otherwise. */
-static PyObject *read_reply(Entry *self, PyObject *interpreter, PyObject *reply, PyObject *lent)
+ * is plain or lent, else by interpreter._finish(reply, the Lent of what loan lent, or
+ * None). */
+static PyObject *read_reply(Entry *self, PyObject *interpreter, PyObject *reply,
+                            struct loan *loan)
 {
     long status = PyLong_AsLong(PyTuple_GET_ITEM(reply, 0));
     PyObject *payload = PyTuple_GET_ITEM(reply, 2);
@@ -471,8 +492,12 @@ static PyObject *read_reply(Entry *self, PyObject *interpreter, PyObject *reply,
         Py_XDECREF(message); /* _finish reads it again, and says what is wrong */
         PyErr_Clear();
     }
-    return PyObject_CallMethodObjArgs(interpreter, call_path.finish, reply,
-                                      lent ? lent : Py_None, NULL);
+    PyObject *lent = loan->tokens ? lent_of(loan) : Py_NewRef(Py_None);
+    PyObject *value = lent ? PyObject_CallMethodObjArgs(interpreter, call_path.finish, reply,
+                                                        lent, NULL)
+                           : NULL;
+    Py_XDECREF(lent);
+    return value;
 }
 
 PyDoc_STRVAR(Entry_call_value_doc,
@@ -486,7 +511,7 @@ PyDoc_STRVAR(Entry_call_value_doc,
 
 static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7 || !call_path.lent) {
+    if (nargs != 7 || !call_path.lent_type) {
         PyErr_SetString(PyExc_TypeError, "call_value(interpreter, target, handle, epoch, "
                                          "method, args, kwargs), after use_call_path");
         return NULL;
@@ -495,7 +520,8 @@ static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t
     struct multipy_request request = {.op = MULTIPY_CALL_VALUE};
     if (read_number(args[2], &request.handle) < 0 || read_number(args[3], &request.epoch) < 0)
         return NULL;
-    PyObject *lent = NULL, *body = encode_call(method, values, kwargs, &lent, &request.op);
+    struct loan loan = {NULL, NULL, NULL}; /* what the request lends, if it does */
+    PyObject *body = encode_call(method, values, kwargs, &loan, &request.op);
     if (body == Py_None) {
         Py_DECREF(body);
         return PyObject_CallMethodObjArgs(interpreter, call_path.request,
@@ -506,11 +532,11 @@ static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t
         return NULL;
     request.body = PyBytes_AS_STRING(body);
     request.size = (size_t)PyBytes_GET_SIZE(body);
-    PyObject *reply = enter(self, &request, lent);
+    PyObject *reply = enter(self, &request, NULL, loan.tokens ? &loan : NULL);
     Py_DECREF(body);
-    PyObject *value = reply ? read_reply(self, interpreter, reply, lent) : NULL;
+    PyObject *value = reply ? read_reply(self, interpreter, reply, &loan) : NULL;
     Py_XDECREF(reply);
-    Py_XDECREF(lent);
+    loan_close(&loan);
     return value;
 }
 
@@ -723,7 +749,7 @@ static PyMethodDef module_methods[] = {
     PLAIN_METHOD,
     LEND_METHODS,
     {"use_call_path", (PyCFunction)(void (*)(void))use_call_path, METH_FASTCALL,
-     "use_call_path(lent, describe, alias): what Entry.call_value lends and aliases with "
+     "use_call_path(Lent, exports, alias): what Entry.call_value lends and aliases with "
      "(see multipy.session)."},
     {"set_main_thread", set_main_thread, METH_O,
      "set_main_thread(ident): the thread whose calls interrupt_main() cancels."},

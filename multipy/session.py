@@ -5,7 +5,6 @@ object inside one; every call into an interpreter goes through ``Interpreter.req
 from __future__ import annotations
 
 import contextlib
-import functools
 import marshal
 import pickle
 import threading
@@ -23,8 +22,7 @@ if TYPE_CHECKING:
 #: Whether calls of values take the C path (multipy._protocol.C_CALL_PATH).
 _C_CALL_PATH = _protocol.C_CALL_PATH
 if _C_CALL_PATH:
-    _host.use_call_path(functools.partial(_sharing.Lent, exports), _sharing.describe,
-                        _sharing.alias)
+    _host.use_call_path(_sharing.Lent, exports, _sharing.alias)
 
 
 class _ThreadSettings(threading.local):
@@ -81,8 +79,14 @@ class Obj:
         return self._interpreter.request(CALL, self, args, kwargs)
 
     def call_value(self, method: str | None, args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Calls the object (or its method) and returns the result as a host value."""
-        return self._interpreter.call_value(self, method, args, kwargs or {})
+        """Calls the object (or its method) and returns the result as a host value.  The
+        C entry makes the call itself (Entry.call_value) on this thread, unless
+        MULTIPY_CALL_PATH=python or under ``multipy.timeout``."""
+        interpreter = self._interpreter
+        if _C_CALL_PATH and _thread.timeout is None and not interpreter._closed:
+            return interpreter._entry.call_value(interpreter, self, self._handle,
+                                                 interpreter._epoch, method, args, kwargs or {})
+        return interpreter.request(CALL_VALUE, self, method, args, kwargs or {})
 
     def start_call_value(self, method: str | None, args: tuple = (),
                          kwargs: dict | None = None) -> _Job:
@@ -254,16 +258,6 @@ class Interpreter:
         if reply[1]:  # a new object: the common case, first
             return Obj(self, reply[1])
         return self._finish(reply, lent)
-
-    def call_value(self, target: Obj, method: str | None, args: tuple, kwargs: dict) -> Any:
-        """``request(CALL_VALUE, target, method, args, kwargs)``, which the C entry makes
-        itself (Entry.call_value) for a call on this thread of an object of this
-        interpreter, unless MULTIPY_CALL_PATH=python."""
-        if (_C_CALL_PATH and _thread.timeout is None and not self._closed
-                and target._interpreter is self):
-            return self._entry.call_value(self, target, target._handle, self._epoch, method,
-                                          args, kwargs)
-        return self.request(CALL_VALUE, target, method, args, kwargs)
 
     def start(self, op: int, target: Obj | None, *args: Any) -> _Job:
         """Starts one operation as ``request`` does, but on a worker thread, and returns

@@ -78,6 +78,7 @@ static __thread PyThreadState *own_state;         /* this thread's state here */
 static __thread char *buffer;                     /* the reply, until the host has copied it */
 static __thread size_t capacity;
 static __thread struct multipy_record *record;    /* this thread's line in the crash report */
+static __thread PyObject *thread_torch;           /* the torch settings it was given, or NULL */
 static PyObject *cancelled_type;                  /* raised in a call by a timeout */
 static struct runtime *runtime_here; /* this namespace's (the library is loaded once in each) */
 /* Tokens of host tensors that aliases here no longer use (_dlpack.h). */
@@ -217,6 +218,19 @@ static PyObject *cancel(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return PyBool_FromLong(cancel_call(runtime_here, thread, serial, cancelled_type));
 }
 
+static PyObject *get_thread_torch(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return Py_NewRef(thread_torch ? thread_torch : Py_None);
+}
+
+static PyObject *set_thread_torch(PyObject *module, PyObject *settings)
+{
+    (void)module;
+    Py_XSETREF(thread_torch, settings == Py_None ? NULL : Py_NewRef(settings));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     LENT_ADDRESS_METHOD,
     PLAIN_METHOD,
@@ -235,6 +249,11 @@ static PyMethodDef methods[] = {
      "bytecode in the call that thread runs as number serial (call); False if it runs "
      "none, and then that call does not run if it starts later.  A cancel that comes as "
      "the call ends is cleared there: it never reaches what the thread runs next"},
+    {"thread_torch", get_thread_torch, METH_NOARGS,
+     "thread_torch() -> the torch settings object this thread was given last "
+     "(set_thread_torch), or None: multipy._inside's, kept here for its fast path"},
+    {"set_thread_torch", set_thread_torch, METH_O,
+     "set_thread_torch(settings): see thread_torch; a host thread's goes when it exits"},
     {"thread_states", thread_states, METH_NOARGS,
      "thread_states() -> int: how many thread states this interpreter has"},
     {NULL, NULL, 0, NULL},
@@ -267,24 +286,21 @@ static PyObject *init_module(void)
  * interpreter is NULL when it is off (MULTIPY_CALL_PATH=python). */
 static struct {
     PyObject *interpreter; /* the _Interpreter: its epoch and torch_settings */
-    PyObject *thread;      /* its _thread: the torch settings this thread runs with */
     PyObject *counter;     /* the tokens of what it lends (its exports' counter) */
     PyObject *sharing;     /* multipy._sharing: cuda_aliases */
     PyObject *value_reply, *failed, *apply_torch_settings, *order_after_call, *alias;
-    PyObject *epoch, *torch, *torch_settings, *cuda_aliases; /* names, interned */
+    PyObject *epoch, *torch_settings, *cuda_aliases; /* names, interned */
     PyObject *zero;        /* the host: the source of what a request lends */
 } fast;
 
-/* Reads the fast path's parts, (interpreter, its _thread, its tokens, _sharing), or
- * leaves it off for None; 0, or -1 with an exception. */
+/* Reads the fast path's parts, (interpreter, its tokens, _sharing), or leaves it off
+ * for None; 0, or -1 with an exception. */
 static int fast_path_start(PyObject *parts)
 {
     if (parts == Py_None)
         return 0;
-    if (!PyArg_ParseTuple(parts, "OOOO", &fast.interpreter, &fast.thread, &fast.counter,
-                          &fast.sharing))
+    if (!PyArg_ParseTuple(parts, "OOO", &fast.interpreter, &fast.counter, &fast.sharing))
         return -1;
-    Py_INCREF(fast.thread);
     Py_INCREF(fast.counter);
     Py_INCREF(fast.sharing);
     if (!(fast.value_reply = PyObject_GetAttrString(fast.interpreter, "value_reply"))
@@ -294,7 +310,6 @@ static int fast_path_start(PyObject *parts)
         || !(fast.order_after_call = PyObject_GetAttrString(fast.sharing, "order_after_call"))
         || !(fast.alias = PyObject_GetAttrString(fast.sharing, "alias"))
         || !(fast.epoch = PyUnicode_InternFromString("epoch"))
-        || !(fast.torch = PyUnicode_InternFromString("torch"))
         || !(fast.torch_settings = PyUnicode_InternFromString("torch_settings"))
         || !(fast.cuda_aliases = PyUnicode_InternFromString("cuda_aliases"))
         || !(fast.zero = PyLong_FromLong(0))) {
@@ -306,13 +321,11 @@ static int fast_path_start(PyObject *parts)
 }
 
 /* Whether this thread runs with the interpreter's torch settings (the handler's
- * `self._thread.torch is self.torch_settings`): 1, 0, or -1 with an exception. */
+ * `thread_torch() is self.torch_settings`): 1, 0, or -1 with an exception. */
 static int settings_applied(void)
 {
-    PyObject *mine = PyObject_GetAttr(fast.thread, fast.torch);
-    PyObject *wanted = mine ? PyObject_GetAttr(fast.interpreter, fast.torch_settings) : NULL;
-    int same = wanted ? mine == wanted : -1;
-    Py_XDECREF(mine);
+    PyObject *wanted = PyObject_GetAttr(fast.interpreter, fast.torch_settings);
+    int same = wanted ? (thread_torch ? thread_torch : Py_None) == wanted : -1;
     Py_XDECREF(wanted);
     return same;
 }
@@ -812,6 +825,7 @@ void multipy_forget(void *runtime)
     if (admit(rt)) {
         if (own_state) {
             PyEval_RestoreThread(own_state);
+            Py_CLEAR(thread_torch);
             PyGILState_Release(PyGILState_UNLOCKED); /* the last one: deletes the state */
         }
         multipy_keys_thread_exit(); /* after the state, as when a thread of its own exits */

@@ -167,13 +167,6 @@ def _object(objects: dict[int, object], number: int):
                           f"released, or the manager it came from closed") from None
 
 
-class _ThreadTorch(threading.local):
-    """Per thread: the torch settings it was given (see apply_torch_settings); a class
-    default, so that reading it never raises (getattr with a default would, inside)."""
-
-    torch: tuple[int, bool] | None = None
-
-
 class _Interpreter:
     """This interpreter as the host sees it: its objects and the requests it runs."""
 
@@ -190,8 +183,9 @@ class _Interpreter:
         #: (intra-op threads, grad enabled, a CUDA stream of this interpreter's own) for
         #: torch, set by the manager; torch keeps all three per thread, so each thread
         #: gets them on its first call once torch is in (and again once CUDA starts)
+        #: (which settings object each thread was given: _multipy_bootstrap.thread_torch,
+        #: kept in C for the fast path)
         self.torch_settings: tuple[int, bool, bool] | None = None
-        self._thread = _ThreadTorch()
         self._streams: dict[int, Any] = {}  # CUDA device -> this interpreter's stream
         self._awaiting_cuda = False
         _sharing.settle_thread = self.apply_torch_settings
@@ -229,7 +223,7 @@ class _Interpreter:
         """Gives the calling thread the manager's torch settings, once torch is imported
         and until they change.  A few attribute reads when there is nothing to do."""
         settings = self.torch_settings
-        if settings is None or self._thread.torch is settings:
+        if settings is None or _multipy_bootstrap.thread_torch() is settings:
             return
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "set_grad_enabled"):  # not (yet) imported
@@ -240,7 +234,7 @@ class _Interpreter:
         torch.set_grad_enabled(grad)
         if streams:
             self._use_stream(torch.cuda)
-        self._thread.torch = settings
+        _multipy_bootstrap.set_thread_torch(settings)
 
     def _use_stream(self, cuda: Any) -> None:
         """Makes this interpreter's CUDA stream on the current device the calling thread's
@@ -301,7 +295,7 @@ class _Interpreter:
                     target = _object(self.objects, handle)  # raises what to say
             name = self._names.get(handle if op != GLOBAL else args)
             _multipy_bootstrap.note(_OP_TEXTS[op], name or self._crash_name(op, handle, args))
-            if self._thread.torch is not self.torch_settings:  # (the method's first check)
+            if _multipy_bootstrap.thread_torch() is not self.torch_settings:  # (its first check)
                 self.apply_torch_settings()
             if op == CALL:
                 result = target(*args[0], **args[1])
@@ -313,7 +307,7 @@ class _Interpreter:
                 result = self._ops[op](target, *args)
             if _sharing.cuda_aliases:  # CUDA tensors came in: the caller sees this call's writes
                 _sharing.order_after_call()
-            if self._thread.torch is not self.torch_settings:  # the call may have imported torch
+            if _multipy_bootstrap.thread_torch() is not self.torch_settings:  # the call may have imported torch
                 self.apply_torch_settings()
             if op in _NEW_OBJECT:
                 number = next(self._ids)
@@ -496,7 +490,7 @@ def main(status_fd: int, host_main: tuple[str, str | None] | None = None) -> tup
         _current = _Interpreter()
         fast_path = None
         if _protocol.C_CALL_PATH:  # what the C fast path reads (_bootstrap.c, fast_call)
-            fast_path = (_current, _current._thread, _current.exports.counter, _sharing)
+            fast_path = (_current, _current.exports.counter, _sharing)
         return (_current.handle, _current.objects, _current.exports.objects, _current._names,
                 fast_path)
     except BaseException:

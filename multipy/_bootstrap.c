@@ -290,7 +290,8 @@ static struct {
     PyObject *sharing;     /* multipy._sharing: cuda_aliases */
     PyObject *value_reply, *failed, *apply_torch_settings, *order_after_call, *alias;
     PyObject *epoch, *torch_settings, *cuda_aliases; /* names, interned */
-    PyObject *zero;        /* the host: the source of what a request lends */
+    PyObject *zero;        /* 0: the host (the source of what a request lends), a position */
+    PyObject *lent_status; /* LENT, a reply's status */
 } fast;
 
 /* Reads the fast path's parts, (interpreter, its tokens, _sharing), or leaves it off
@@ -312,7 +313,8 @@ static int fast_path_start(PyObject *parts)
         || !(fast.epoch = PyUnicode_InternFromString("epoch"))
         || !(fast.torch_settings = PyUnicode_InternFromString("torch_settings"))
         || !(fast.cuda_aliases = PyUnicode_InternFromString("cuda_aliases"))
-        || !(fast.zero = PyLong_FromLong(0))) {
+        || !(fast.zero = PyLong_FromLong(0))
+        || !(fast.lent_status = PyLong_FromLong(MULTIPY_LENT))) {
         fast.interpreter = NULL;
         return -1;
     }
@@ -392,11 +394,16 @@ static PyObject *value_reply(struct runtime *rt, PyObject *result)
     if (record == Py_None) { /* not lent (a CUDA tensor, a lazy view): value_reply says how */
         reply = PyObject_CallOneArg(fast.value_reply, result);
     } else if (record) { /* (values, positions, single) as lend_result makes them */
-        PyObject *value = Py_BuildValue("((O)(i)O)", record, 0, Py_True);
+        PyObject *values = PyTuple_Pack(1, record), *positions = PyTuple_Pack(1, fast.zero);
+        PyObject *value = values && positions ? PyTuple_Pack(3, values, positions, Py_True)
+                                              : NULL;
         PyObject *payload = value ? PyMarshal_WriteObjectToString(value, PLAIN_MARSHAL_VERSION)
                                   : NULL;
-        reply = payload ? Py_BuildValue("(iiN)", MULTIPY_LENT, 0, payload) : NULL;
+        reply = payload ? PyTuple_Pack(3, fast.lent_status, fast.zero, payload) : NULL;
+        Py_XDECREF(values);
+        Py_XDECREF(positions);
         Py_XDECREF(value);
+        Py_XDECREF(payload);
     }
     Py_XDECREF(record);
     if (!reply && loan.tokens)
@@ -456,8 +463,9 @@ static int fast_call(struct runtime *rt, const struct multipy_request *request,
     PyObject *args = name && PyBytes_Check(name) && settings_applied() == 1
                      ? PyMarshal_ReadObjectFromString(request->body, (Py_ssize_t)request->size)
                      : NULL;
-    if (!args || !PyTuple_CheckExact(args) || PyTuple_GET_SIZE(args) != 4
-        || !(PyTuple_GET_ITEM(args, 0) == Py_None || PyUnicode_CheckExact(PyTuple_GET_ITEM(args, 0)))
+    PyObject *method = args && PyTuple_CheckExact(args) && PyTuple_GET_SIZE(args) == 4
+                       ? PyTuple_GET_ITEM(args, 0) : NULL;
+    if (!method || !(method == Py_None || PyUnicode_CheckExact(method))
         || !PyTuple_CheckExact(PyTuple_GET_ITEM(args, 1))
         || !PyTuple_CheckExact(PyTuple_GET_ITEM(args, 2))
         || !PyDict_CheckExact(PyTuple_GET_ITEM(args, 3))) {

@@ -307,8 +307,8 @@ class _Interpreter:
                 result = self._ops[op](target, *args)
             if _sharing.cuda_aliases:  # CUDA tensors came in: the caller sees this call's writes
                 _sharing.order_after_call()
-            if _multipy_bootstrap.thread_torch() is not self.torch_settings:  # the call may have imported torch
-                self.apply_torch_settings()
+            if _multipy_bootstrap.thread_torch() is not self.torch_settings:  # the call may
+                self.apply_torch_settings()  # have imported torch
             if op in _NEW_OBJECT:
                 number = next(self._ids)
                 self.objects[number] = result

@@ -504,10 +504,11 @@ PyDoc_STRVAR(Entry_call_value_doc,
 "call_value(interpreter, target, handle: int, epoch: int, method, args, kwargs) -> value\n\n"
 "interpreter.request(CALL_VALUE, target, method, args, kwargs) (multipy.session), made\n"
 "here (target's handle, interpreter's epoch) when its arguments are plain, or scalars and\n"
-"tensors with no keyword arguments, and its reply read here when it is plain or lent.\n"
-"The rest, by the same methods of interpreter as request's: request itself for what is\n"
-"pickled, _finish for any other reply, _give_back for a lent one not read whole.\n"
-"Only after use_call_path; on this thread, without multipy.timeout.");
+"CPU torch tensors with no keyword arguments, and its reply read here when it is plain or\n"
+"lent.  The rest by the same methods of interpreter as request's: request itself for any\n"
+"other arguments (nothing lent here), _finish for any other reply, _give_back for a lent\n"
+"one not aliased whole.  Only after use_call_path; on this thread, without\n"
+"multipy.timeout.");
 
 static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t nargs)
 {

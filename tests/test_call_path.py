@@ -40,7 +40,17 @@ def tools():
             "    def forward(self, x):\n"
             "        return x + 1, x.sum().item()\n"
             "    def twice(self, x):\n"
-            "        return x * 2\n"))
+            "        return x * 2\n"
+            "from multipy import _sharing\n"
+            "handled = []\n"
+            "def count_handled_calls():\n"
+            "    alias_flat = _sharing.alias_flat  # the handler's, not the fast path's\n"
+            "    def counted(*args):\n"
+            "        handled.append(1)\n"
+            "        return alias_flat(*args)\n"
+            "    _sharing.alias_flat = counted\n"
+            "def handled_calls():\n"
+            "    return len(handled)\n"))
         with m[0].acquire_session() as s:
             yield m, s
 
@@ -62,6 +72,23 @@ def test_calls_of_values_give_the_same_answers_on_either_path(tools):
     assert torch.equal(scale.call_value(None, (x,), {"by": 3}), x * 3)  # keyword arguments
     assert scale.call_value(None, (4,)) == 8  # plain both ways
     assert scale.call_value(None, ([1],)) == [1, 1]
+
+
+def test_the_common_call_takes_the_path_the_environment_says(tools, monkeypatch):
+    _, s = tools
+    model = s.global_("call_path_tools", "Model")()
+    x = torch.ones(2)
+    model.call_value(None, (x,))  # the first call of an object names it: the handler's
+    s.global_("call_path_tools", "count_handled_calls")()
+    requests = []
+    request = session_module.Interpreter.request
+    monkeypatch.setattr(session_module.Interpreter, "request",
+                        lambda *args: requests.append(args[1]) or request(*args))
+    for _ in range(3):
+        model.call_value(None, (x,))
+    made = len(requests)  # before the calls below, which are requests
+    handled = s.global_("call_path_tools", "handled_calls").call_value(None)
+    assert (made, handled) == ((0, 0) if ON_C_PATH else (3, 3))
 
 
 def test_an_error_after_tensors_came_in_gives_back_what_was_lent(tools):

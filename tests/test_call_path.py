@@ -116,6 +116,7 @@ def test_a_replicated_object_s_calls_take_the_call_path(tools, tmp_path):
 
 
 @pytest.mark.skipif(not ON_C_PATH, reason="the reference run itself")
+@pytest.mark.timeout(1500)  # a few minutes on a busy 2-core machine
 def test_the_reference_path_passes_the_call_path_tests():
     result = subprocess.run(
         [sys.executable, "-m", "multipy", "run", "-m", "pytest", "-q", "-x", "-p",

@@ -1,6 +1,8 @@
 """Interpreters as a manager hands them out, sessions on them, and Obj, a handle to an
 object inside one; every call into an interpreter goes through ``Interpreter.request``
-(or ``Interpreter.start``, which runs it on a worker thread for an asynchronous caller).
+(or ``Interpreter.start``, which runs it on a worker thread for an asynchronous caller),
+but the common call of a value, which ``Obj.call_value`` hands to the C entry's
+``call_value`` (docs/design.md, "The common call in C").
 """
 from __future__ import annotations
 
@@ -246,8 +248,9 @@ class Interpreter:
 
     def request(self, op: int, target: Obj | None, *args: Any) -> Any:
         """Runs one operation of multipy._protocol in the interpreter, on this thread (on
-        a worker under ``multipy.timeout``); the one path of every call.  Raises what
-        the operation raised inside, InterpreterClosedError, or TimeoutError."""
+        a worker under ``multipy.timeout``); the path of every call but Obj.call_value's
+        common case, which takes this path in C.  Raises what the operation raised
+        inside, InterpreterClosedError, or TimeoutError."""
         seconds = _thread.timeout
         if seconds is not None:
             return self.start(op, target, *args).wait(seconds)

@@ -106,7 +106,7 @@ def test_an_error_after_tensors_came_in_gives_back_what_was_lent(tools):
     assert len(host_exports) == before
 
 
-def test_a_replicated_object_s_calls_take_the_call_path(tools, tmp_path):
+def test_a_replicated_object_s_calls_take_the_call_path(tools):
     m, s = tools
     replicated = m.create_movable(s.global_("call_path_tools", "Model")(), s)
     x = torch.ones(3)

@@ -78,6 +78,7 @@ static __thread PyThreadState *own_state;         /* this thread's state here */
 static __thread char *buffer;                     /* the reply, until the host has copied it */
 static __thread size_t capacity;
 static __thread struct multipy_record *record;    /* this thread's line in the crash report */
+static __thread PyObject *thread_torch;           /* the torch settings it was given, or NULL */
 static PyObject *cancelled_type;                  /* raised in a call by a timeout */
 static struct runtime *runtime_here; /* this namespace's (the library is loaded once in each) */
 /* Tokens of host tensors that aliases here no longer use (_dlpack.h). */
@@ -217,6 +218,19 @@ static PyObject *cancel(PyObject *module, PyObject *const *args, Py_ssize_t narg
     return PyBool_FromLong(cancel_call(runtime_here, thread, serial, cancelled_type));
 }
 
+static PyObject *get_thread_torch(PyObject *module, PyObject *unused)
+{
+    (void)module, (void)unused;
+    return Py_NewRef(thread_torch ? thread_torch : Py_None);
+}
+
+static PyObject *set_thread_torch(PyObject *module, PyObject *settings)
+{
+    (void)module;
+    Py_XSETREF(thread_torch, settings == Py_None ? NULL : Py_NewRef(settings));
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     LENT_ADDRESS_METHOD,
     PLAIN_METHOD,
@@ -235,6 +249,11 @@ static PyMethodDef methods[] = {
      "bytecode in the call that thread runs as number serial (call); False if it runs "
      "none, and then that call does not run if it starts later.  A cancel that comes as "
      "the call ends is cleared there: it never reaches what the thread runs next"},
+    {"thread_torch", get_thread_torch, METH_NOARGS,
+     "thread_torch() -> the torch settings object this thread was given last "
+     "(set_thread_torch), or None: multipy._inside's, kept here for its fast path"},
+    {"set_thread_torch", set_thread_torch, METH_O,
+     "set_thread_torch(settings): see thread_torch; a host thread's goes when it exits"},
     {"thread_states", thread_states, METH_NOARGS,
      "thread_states() -> int: how many thread states this interpreter has"},
     {NULL, NULL, 0, NULL},
@@ -259,6 +278,212 @@ static PyObject *init_module(void)
         return NULL;
     }
     return module;
+}
+
+/* -- the fast path of the common call (docs/design.md, "The call path") -- */
+
+/* What the fast path reads of the handler's side (multipy._inside.main's fast_path);
+ * interpreter is NULL when it is off (MULTIPY_CALL_PATH=python). */
+static struct {
+    PyObject *interpreter; /* the _Interpreter: its epoch and torch_settings */
+    PyObject *counter;     /* the tokens of what it lends (its exports' counter) */
+    PyObject *sharing;     /* multipy._sharing: cuda_aliases */
+    PyObject *value_reply, *failed, *apply_torch_settings, *order_after_call, *alias;
+    PyObject *epoch, *torch_settings, *cuda_aliases; /* names, interned */
+    PyObject *zero;        /* 0: the host (the source of what a request lends), a position */
+    PyObject *lent_status; /* LENT, a reply's status */
+} fast;
+
+/* Reads the fast path's parts, (interpreter, its tokens, _sharing), or leaves it off
+ * for None; 0, or -1 with an exception. */
+static int fast_path_start(PyObject *parts)
+{
+    if (parts == Py_None)
+        return 0;
+    if (!PyArg_ParseTuple(parts, "OOO", &fast.interpreter, &fast.counter, &fast.sharing))
+        return -1;
+    Py_INCREF(fast.counter);
+    Py_INCREF(fast.sharing);
+    if (!(fast.value_reply = PyObject_GetAttrString(fast.interpreter, "value_reply"))
+        || !(fast.failed = PyObject_GetAttrString(fast.interpreter, "failed"))
+        || !(fast.apply_torch_settings = PyObject_GetAttrString(fast.interpreter,
+                                                                "apply_torch_settings"))
+        || !(fast.order_after_call = PyObject_GetAttrString(fast.sharing, "order_after_call"))
+        || !(fast.alias = PyObject_GetAttrString(fast.sharing, "alias"))
+        || !(fast.epoch = PyUnicode_InternFromString("epoch"))
+        || !(fast.torch_settings = PyUnicode_InternFromString("torch_settings"))
+        || !(fast.cuda_aliases = PyUnicode_InternFromString("cuda_aliases"))
+        || !(fast.zero = PyLong_FromLong(0))
+        || !(fast.lent_status = PyLong_FromLong(MULTIPY_LENT))) {
+        fast.interpreter = NULL;
+        return -1;
+    }
+    Py_INCREF(fast.interpreter); /* last: the fast path is on */
+    return 0;
+}
+
+/* Whether this thread runs with the interpreter's torch settings (the handler's
+ * `thread_torch() is self.torch_settings`): 1, 0, or -1 with an exception. */
+static int settings_applied(void)
+{
+    PyObject *wanted = PyObject_GetAttr(fast.interpreter, fast.torch_settings);
+    int same = wanted ? (thread_torch ? thread_torch : Py_None) == wanted : -1;
+    Py_XDECREF(wanted);
+    return same;
+}
+
+/* Whether requests of epoch are this interpreter's (not of a manager that closed). */
+static int current_epoch(uint64_t epoch)
+{
+    PyObject *now = PyObject_GetAttr(fast.interpreter, fast.epoch);
+    int same = now && PyLong_AsUnsignedLongLong(now) == epoch && !PyErr_Occurred();
+    Py_XDECREF(now);
+    PyErr_Clear();
+    return same;
+}
+
+/* The ERROR reply for the exception being raised (the handler's `failed`): aliased, the
+ * host's tokens aliased so far if the request was not read whole, else NULL.  NULL with
+ * an exception if even that failed (then the entry replies BROKEN). */
+static PyObject *fail(PyObject *aliased)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (traceback)
+        PyException_SetTraceback(value, traceback);
+    PyObject *tokens = aliased ? PyList_AsTuple(aliased) : Py_NewRef(Py_None);
+    PyObject *reply = tokens ? PyObject_CallFunctionObjArgs(fast.failed, value, tokens, NULL)
+                             : NULL;
+    Py_XDECREF(tokens);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(traceback);
+    return reply;
+}
+
+/* After the call, as the handler does: what it wrote to CUDA aliases ordered before the
+ * host's next use, and this thread's torch settings applied if the call imported torch
+ * or changed them; 0, or -1 with an exception. */
+static int after_call(void)
+{
+    PyObject *cuda = PyObject_GetAttr(fast.sharing, fast.cuda_aliases);
+    int ordering = cuda ? PyObject_IsTrue(cuda) : -1;
+    Py_XDECREF(cuda);
+    PyObject *done = ordering > 0 ? PyObject_CallNoArgs(fast.order_after_call) : NULL;
+    if (ordering < 0 || (ordering && !done))
+        return -1;
+    Py_XDECREF(done);
+    int applied = settings_applied();
+    done = applied == 0 ? PyObject_CallNoArgs(fast.apply_torch_settings) : NULL;
+    if (applied < 0 || (!applied && !done))
+        return -1;
+    Py_XDECREF(done);
+    return 0;
+}
+
+/* The reply for a call's result: a CPU torch tensor lent here (the common case, as the
+ * handler's value_reply would lend it), anything else by value_reply.  NULL with an
+ * exception, nothing lent. */
+static PyObject *value_reply(struct runtime *rt, PyObject *result)
+{
+    if (!torch_api.tensor || (PyObject *)Py_TYPE(result) != torch_api.tensor)
+        return PyObject_CallOneArg(fast.value_reply, result);
+    struct loan loan = {PyList_New(0), Py_NewRef(rt->lent), Py_NewRef(fast.counter)};
+    PyObject *record = loan.tokens ? lend_torch(result, &loan) : NULL, *reply = NULL;
+    if (record == Py_None) { /* not lent (a CUDA tensor, a lazy view): value_reply says how */
+        reply = PyObject_CallOneArg(fast.value_reply, result);
+    } else if (record) { /* (values, positions, single) as lend_result makes them */
+        PyObject *values = PyTuple_Pack(1, record), *positions = PyTuple_Pack(1, fast.zero);
+        PyObject *value = values && positions ? PyTuple_Pack(3, values, positions, Py_True)
+                                              : NULL;
+        PyObject *payload = value ? PyMarshal_WriteObjectToString(value, PLAIN_MARSHAL_VERSION)
+                                  : NULL;
+        reply = payload ? PyTuple_Pack(3, fast.lent_status, fast.zero, payload) : NULL;
+        Py_XDECREF(values);
+        Py_XDECREF(positions);
+        Py_XDECREF(value);
+        Py_XDECREF(payload);
+    }
+    Py_XDECREF(record);
+    if (!reply && loan.tokens)
+        take_back(NULL, &loan);
+    loan_close(&loan);
+    return reply;
+}
+
+/* Calls target (or its method) with the request's values, its lent tensors aliased:
+ * the reply, the error reply included; NULL with an exception if even that failed. */
+static PyObject *call_lent(struct runtime *rt, PyObject *target, PyObject *request)
+{
+    PyObject *method = PyTuple_GET_ITEM(request, 0), *kwargs = PyTuple_GET_ITEM(request, 3);
+    PyObject *aliased = PyList_New(0), *reply;
+    PyObject *alias_args[5] = {PyTuple_GET_ITEM(request, 1), PyTuple_GET_ITEM(request, 2),
+                               fast.zero, aliased, fast.alias};
+    PyObject *args = aliased ? alias_flat(NULL, alias_args, 5) : NULL;
+    if (!args) {
+        reply = aliased ? fail(aliased) : NULL;
+        Py_XDECREF(aliased);
+        return reply;
+    }
+    Py_DECREF(aliased); /* read whole: the host takes back nothing now */
+    PyObject *callable = method == Py_None ? Py_NewRef(target) : PyObject_GetAttr(target, method);
+    PyObject *result = NULL;
+    if (callable && PyDict_GET_SIZE(kwargs) == 0) {
+        result = PyObject_Vectorcall(callable, PySequence_Fast_ITEMS(args),
+                                     PyList_GET_SIZE(args), NULL);
+    } else if (callable) {
+        PyObject *positional = PyList_AsTuple(args);
+        result = positional ? PyObject_Call(callable, positional, kwargs) : NULL;
+        Py_XDECREF(positional);
+    }
+    Py_XDECREF(callable);
+    Py_DECREF(args);
+    reply = result && after_call() == 0 ? value_reply(rt, result) : NULL;
+    Py_XDECREF(result);
+    return reply ? reply : fail(NULL);
+}
+
+/* Runs request here, without the handler, if it is the common call: CALL_LENT of a
+ * known object, by marshal, in this interpreter's epoch, on a thread that runs with its
+ * torch settings (the handler's own path, step by step).  1 with *reply set as the
+ * handler would set it (NULL with an exception where the handler would raise); 0,
+ * having run nothing, for the handler to run it. */
+static int fast_call(struct runtime *rt, const struct multipy_request *request,
+                     PyObject **reply)
+{
+    if (!fast.interpreter || request->op != MULTIPY_CALL_LENT || !request->handle
+        || !request->size || (unsigned char)request->body[0] == MULTIPY_PICKLED
+        || !current_epoch(request->epoch))
+        return 0;
+    PyObject *key = PyLong_FromUnsignedLongLong(request->handle);
+    PyObject *target = key ? PyDict_GetItemWithError(rt->objects, key) : NULL;
+    PyObject *name = target ? PyDict_GetItemWithError(rt->names, key) : NULL;
+    Py_XDECREF(key);
+    PyObject *args = name && PyBytes_Check(name) && settings_applied() == 1
+                     ? PyMarshal_ReadObjectFromString(request->body, (Py_ssize_t)request->size)
+                     : NULL;
+    PyObject *method = args && PyTuple_CheckExact(args) && PyTuple_GET_SIZE(args) == 4
+                       ? PyTuple_GET_ITEM(args, 0) : NULL;
+    if (!method || !(method == Py_None || PyUnicode_CheckExact(method))
+        || !PyTuple_CheckExact(PyTuple_GET_ITEM(args, 1))
+        || !PyTuple_CheckExact(PyTuple_GET_ITEM(args, 2))
+        || !PyDict_CheckExact(PyTuple_GET_ITEM(args, 3))) {
+        Py_XDECREF(args); /* the handler reads it again, and says what is wrong */
+        PyErr_Clear();
+        return 0;
+    }
+    Py_INCREF(target); /* the call may drop them from their tables */
+    Py_INCREF(name);
+    if (record) {
+        record->op = "call";
+        record->target = PyBytes_AS_STRING(name);
+    }
+    *reply = call_lent(rt, target, args);
+    Py_DECREF(target);
+    Py_DECREF(name);
+    Py_DECREF(args);
+    return 1;
 }
 
 /* -- the interpreter's own thread -- */
@@ -288,17 +513,20 @@ static void *interpreter_thread(void *arg)
                 status.err_msg ? status.err_msg : "failed");
         return NULL;
     }
-    PyObject *main_module = PyImport_AddModule("__main__");
+    PyObject *main_module = PyImport_AddModule("__main__"), *fast_path = NULL;
     if (PyRun_SimpleString(rt->code) != 0
         || !(rt->handler = PyObject_GetAttrString(main_module, "handler"))
         || !(rt->objects = PyObject_GetAttrString(main_module, "objects"))
         || !(rt->lent = PyObject_GetAttrString(main_module, "lent"))
-        || !(rt->names = PyObject_GetAttrString(main_module, "names"))) {
+        || !(rt->names = PyObject_GetAttrString(main_module, "names"))
+        || !(fast_path = PyObject_GetAttrString(main_module, "fast_path"))
+        || fast_path_start(fast_path) < 0) {
         PyErr_Clear();
         dprintf(rt->status_fd, "the interpreter's entry code failed (traceback on stderr)");
         Py_FinalizeEx();
         return NULL;
     }
+    Py_DECREF(fast_path);
     rt->ctype_b = *__ctype_b_loc();
     rt->ctype_tolower = *__ctype_tolower_loc();
     rt->ctype_toupper = *__ctype_toupper_loc();
@@ -550,7 +778,7 @@ int multipy_enter(void *runtime, const struct multipy_request *request,
     apply_releases(rt, request->releases, request->n_releases);
 
     PyObject *result = NULL;
-    if (!call.cancelled) {
+    if (!call.cancelled && !fast_call(rt, request, &result)) {
         PyObject *view = NULL;
         result = run_handler(rt, request, &view);
         release_view(view);
@@ -605,6 +833,7 @@ void multipy_forget(void *runtime)
     if (admit(rt)) {
         if (own_state) {
             PyEval_RestoreThread(own_state);
+            Py_CLEAR(thread_torch);
             PyGILState_Release(PyGILState_UNLOCKED); /* the last one: deletes the state */
         }
         multipy_keys_thread_exit(); /* after the state, as when a thread of its own exits */

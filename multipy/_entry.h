@@ -22,6 +22,10 @@ enum {
     MULTIPY_LENT = 5,   /* payload: the value, with the tensors in it lent, by marshal */
 };
 
+/* The operations the C fast paths make and read (multipy/_protocol.py has them all). */
+enum { MULTIPY_CALL_VALUE = 2, MULTIPY_CALL_LENT = 7 };
+#define MULTIPY_PICKLED 0x80 /* a body's first byte when it is a pickle, not a marshal */
+
 /* What a cancel raises in the call (multipy/_protocol.py has the same numbers). */
 enum { MULTIPY_CANCEL_TIMEOUT = 0, MULTIPY_CANCEL_INTERRUPT = 1 };
 

@@ -176,17 +176,26 @@ static void drop_released(PyObject *exports, const uint64_t *tokens, size_t coun
     }
 }
 
+static PyObject *unread_name; /* "unread", interned */
+static PyObject *lent_of(struct loan *loan);
+
 /* A reply that will not be read (its caller was interrupted): what it made or lent in
- * the interpreter goes back with the next call, and unread(status, payload), if given,
- * takes back what the request lent and the interpreter did not alias.  Keeps the
- * exception being raised. */
+ * the interpreter goes back with the next call, and the request's Lent (lent, or made
+ * from loan; none if neither) takes back with unread(status, payload) what the
+ * interpreter did not alias.  Keeps the exception being raised. */
 static void give_back(Entry *self, int status, uint64_t handle, PyObject *payload,
-                      PyObject *unread)
+                      PyObject *lent, struct loan *loan)
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
     if (status != MULTIPY_OK && status != MULTIPY_LENT) {
-        PyObject *done = unread ? PyObject_CallFunction(unread, "iO", status, payload) : NULL;
+        PyObject *owner = lent ? Py_NewRef(lent) : loan ? lent_of(loan) : NULL;
+        PyObject *number = owner ? PyLong_FromLong(status) : NULL;
+        PyObject *done = number ? PyObject_CallMethodObjArgs(owner, unread_name, number,
+                                                             payload, NULL)
+                                : NULL;
+        Py_XDECREF(owner);
+        Py_XDECREF(number);
         Py_XDECREF(done);
         PyErr_Clear();
     } else if (handle) {
@@ -229,42 +238,17 @@ static int read_number(PyObject *value, uint64_t *out)
     return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
 }
 
-PyDoc_STRVAR(Entry_call_doc,
-"call(op: int, handle: int, epoch: int, body: bytes, serial: int = 0, unread=None)\n"
-"-> (status, handle, payload)\n\n"
-"Runs a request (multipy._protocol) in the interpreter on this thread, without the host's\n"
-"GIL (serial 0: a new number).  Takes every number out of the releases list and sends\n"
-"them along; removes from the exports dict the tokens the interpreter gave back.  On the\n"
-"main thread, interrupt_main() cancels the call; if Ctrl-C then raises before the reply\n"
-"is returned, unread(status, payload) runs for a reply that did not run the request.");
-
-static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs)
+/* Runs request in the interpreter on this thread, without the host's GIL: the reply
+ * (status, handle, payload), or NULL with an exception; see Entry.call, whose lent
+ * this is (NULL for none), or loan, what the request lent without a Lent (NULL for
+ * none). */
+static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *lent,
+                       struct loan *loan)
 {
-    if (nargs < 4 || nargs > 6 || !PyBytes_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "call(op: int, handle: int, epoch: int, body: bytes, "
-                                         "serial: int = 0, unread=None)");
-        return NULL;
-    }
-    struct multipy_request request = {
-        .body = PyBytes_AS_STRING(args[3]),
-        .size = (size_t)PyBytes_GET_SIZE(args[3]),
-    };
-    long op = PyLong_AsLong(args[0]);
-    if ((op == -1 && PyErr_Occurred()) || read_number(args[1], &request.handle) < 0
-        || read_number(args[2], &request.epoch) < 0
-        || (nargs >= 5 && read_number(args[4], &request.serial) < 0))
-        return NULL;
-    if (op < 0 || op > INT_MAX) {
-        PyErr_SetString(PyExc_ValueError, "no such operation");
-        return NULL;
-    }
-    request.op = (int)op;
-    PyObject *unread = nargs == 6 && args[5] != Py_None ? args[5] : NULL;
-    uint64_t serial = request.serial;
     if (self->closed)
         return Py_BuildValue("(iKy)", MULTIPY_CLOSED, 0ULL, "");
-    if (!serial)
-        serial = request.serial = ++serials;
+    if (!request->serial)
+        request->serial = ++serials;
     int on_main = (unsigned long)pthread_self() == main_thread;
     struct multipy_record *record;
     if (prepare(self->ordinal, &record) < 0)
@@ -282,8 +266,8 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     if (listed && PyList_SetSlice(releases, 0, listed, NULL) < 0)
         PyErr_Clear();
     n = (size_t)listed + queue_take(queue, numbers + listed, n - (size_t)listed);
-    request.releases = numbers;
-    request.n_releases = n;
+    request->releases = numbers;
+    request->n_releases = n;
 
     if (record) {
         record->op = record->target = NULL;
@@ -293,10 +277,10 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     int entered;
     if (on_main) {
         main_call.entry = self;
-        main_call.serial = serial;
+        main_call.serial = request->serial;
     }
     Py_BEGIN_ALLOW_THREADS
-    entered = self->enter(self->runtime, &request, record, &reply);
+    entered = self->enter(self->runtime, request, record, &reply);
     Py_END_ALLOW_THREADS
     if (on_main)
         main_call.entry = NULL;
@@ -322,11 +306,239 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
     if (!payload)
         return NULL;
     if (on_main && PyErr_CheckSignals() < 0) { /* Ctrl-C: nobody will read this reply */
-        give_back(self, reply.status, reply.handle, payload, unread);
+        give_back(self, reply.status, reply.handle, payload, lent, loan);
         Py_DECREF(payload);
         return NULL;
     }
     return reply_tuple(reply.status, reply.handle, payload);
+}
+
+PyDoc_STRVAR(Entry_call_doc,
+"call(op: int, handle: int, epoch: int, body: bytes, serial: int = 0, lent=None)\n"
+"-> (status, handle, payload)\n\n"
+"Runs a request (multipy._protocol) in the interpreter on this thread, without the host's\n"
+"GIL (serial 0: a new number).  Takes every number out of the releases list and sends\n"
+"them along; removes from the exports dict the tokens the interpreter gave back.  On the\n"
+"main thread, interrupt_main() cancels the call; if Ctrl-C then raises before the reply\n"
+"is returned, lent.unread(status, payload) runs for a reply that did not run the request\n"
+"(lent: the multipy._sharing.Lent of what the request lent).");
+
+static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 4 || nargs > 6 || !PyBytes_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "call(op: int, handle: int, epoch: int, body: bytes, "
+                                         "serial: int = 0, lent=None)");
+        return NULL;
+    }
+    struct multipy_request request = {
+        .body = PyBytes_AS_STRING(args[3]),
+        .size = (size_t)PyBytes_GET_SIZE(args[3]),
+    };
+    long op = PyLong_AsLong(args[0]);
+    if ((op == -1 && PyErr_Occurred()) || read_number(args[1], &request.handle) < 0
+        || read_number(args[2], &request.epoch) < 0
+        || (nargs >= 5 && read_number(args[4], &request.serial) < 0))
+        return NULL;
+    if (op < 0 || op > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "no such operation");
+        return NULL;
+    }
+    request.op = (int)op;
+    return enter(self, &request, nargs == 6 && args[5] != Py_None ? args[5] : NULL, NULL);
+}
+
+/* -- the common call of a value, in C (docs/design.md, "The call path") -- */
+
+/* What it lends and aliases with, given once by multipy.session (use_call_path): the
+ * host's exports (a multipy._sharing.Exports), its objects and counter, the Lent type
+ * (made only for the Python that reads unusual replies), and _sharing's alias for what
+ * is not a torch tensor.  lent_type is NULL until then. */
+static struct {
+    PyObject *lent_type, *exports, *objects, *counter, *alias;
+    PyObject *call_value_op;                        /* CALL_VALUE, as an int */
+    PyObject *request, *finish, *give_back, *tokens; /* names, interned */
+} call_path;
+
+static PyObject *use_call_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "use_call_path(Lent, exports, alias)");
+        return NULL;
+    }
+    if (call_path.lent_type) /* once: other threads may be calling the functions kept */
+        Py_RETURN_NONE;
+    if (!(call_path.objects = PyObject_GetAttrString(args[1], "objects"))
+        || !(call_path.counter = PyObject_GetAttrString(args[1], "counter"))
+        || !(call_path.call_value_op = PyLong_FromLong(MULTIPY_CALL_VALUE))
+        || !(call_path.request = PyUnicode_InternFromString("request"))
+        || !(call_path.finish = PyUnicode_InternFromString("_finish"))
+        || !(call_path.give_back = PyUnicode_InternFromString("_give_back"))
+        || !(call_path.tokens = PyUnicode_InternFromString("tokens")))
+        return NULL;
+    call_path.exports = Py_NewRef(args[1]);
+    call_path.alias = Py_NewRef(args[2]);
+    call_path.lent_type = Py_NewRef(args[0]); /* last: the others are ready */
+    Py_RETURN_NONE;
+}
+
+/* A multipy._sharing.Lent of what loan lent (NULL with an exception). */
+static PyObject *lent_of(struct loan *loan)
+{
+    PyObject *lent = PyObject_CallOneArg(call_path.lent_type, call_path.exports);
+    if (lent && PyObject_SetAttr(lent, call_path.tokens, loan->tokens) < 0)
+        Py_CLEAR(lent);
+    return lent;
+}
+
+/* The body of a CALL_VALUE of method with values and kwargs as Interpreter._encode
+ * makes it: plain (*op stays CALL_VALUE), or, with no keyword arguments, the torch
+ * tensors among scalars in values lent into loan (*op CALL_LENT; open, the caller
+ * closes it).  None, nothing lent, when Interpreter.request must make it (a pickle,
+ * numpy arrays, CUDA tensors); NULL with an exception, nothing lent. */
+static PyObject *encode_call(PyObject *method, PyObject *values, PyObject *kwargs,
+                             struct loan *loan, int *op)
+{
+    PyObject *message = PyTuple_Pack(3, method, values, kwargs);
+    PyObject *body = message ? plain(NULL, message) : NULL;
+    Py_XDECREF(message);
+    if (body != Py_None || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs))
+        return body;
+    Py_DECREF(body);
+    if (!(loan->tokens = PyList_New(0)))
+        return NULL;
+    loan->objects = Py_NewRef(call_path.objects);
+    loan->counter = Py_NewRef(call_path.counter);
+    PyObject *flat = lend_values(values, loan, NULL, NULL);
+    if (!flat || flat == Py_None) { /* it took back what it lent */
+        loan_close(loan);
+        return flat;
+    }
+    message = PyTuple_Pack(4, method, PyTuple_GET_ITEM(flat, 0), PyTuple_GET_ITEM(flat, 1),
+                           kwargs);
+    Py_DECREF(flat);
+    body = message ? plain(NULL, message) : NULL;
+    Py_XDECREF(message);
+    if (!body || body == Py_None) { /* a tuple or long text met twice: pickle keeps it so */
+        if (take_back(NULL, loan) < 0)
+            Py_CLEAR(body);
+        loan_close(loan);
+        return body;
+    }
+    *op = MULTIPY_CALL_LENT;
+    return body;
+}
+
+/* The value of a LENT reply's message (values, positions, single), as
+ * Interpreter._finish reads it: the aliases of what the interpreter lent in their
+ * places; if they cannot all be made, interpreter._give_back(payload, status, aliased). */
+static PyObject *alias_reply(Entry *self, PyObject *interpreter, PyObject *message,
+                             PyObject *reply)
+{
+    PyObject *aliased = PyList_New(0), *source = PyLong_FromLong(self->ordinal), *values = NULL;
+    if (aliased && source) {
+        PyObject *alias_args[5] = {PyTuple_GET_ITEM(message, 0), PyTuple_GET_ITEM(message, 1),
+                                   source, aliased, call_path.alias};
+        values = alias_flat(NULL, alias_args, 5);
+        if (!values) { /* Ctrl-C, say: what was not aliased goes back */
+            PyObject *type, *value, *traceback;
+            PyErr_Fetch(&type, &value, &traceback);
+            PyObject *done = PyObject_CallMethodObjArgs(
+                interpreter, call_path.give_back, PyTuple_GET_ITEM(reply, 2),
+                PyTuple_GET_ITEM(reply, 0), aliased, NULL);
+            if (done) {
+                Py_DECREF(done);
+                PyErr_Restore(type, value, traceback);
+            } else { /* as in Python, the exception giving back raised replaces it */
+                Py_XDECREF(type);
+                Py_XDECREF(value);
+                Py_XDECREF(traceback);
+            }
+        }
+    }
+    Py_XDECREF(aliased);
+    Py_XDECREF(source);
+    if (!values)
+        return NULL;
+    int single = PyObject_IsTrue(PyTuple_GET_ITEM(message, 2));
+    PyObject *value = single < 0 ? NULL : single ? PySequence_GetItem(values, 0)
+                                                 : PyList_AsTuple(values);
+    Py_DECREF(values);
+    return value;
+}
+
+/* The value of a CALL_VALUE's reply as Interpreter._finish gives it: read here when it
+ * is plain or lent, else by interpreter._finish(reply, the Lent of what loan lent, or
+ * None). */
+static PyObject *read_reply(Entry *self, PyObject *interpreter, PyObject *reply,
+                            struct loan *loan)
+{
+    long status = PyLong_AsLong(PyTuple_GET_ITEM(reply, 0));
+    PyObject *payload = PyTuple_GET_ITEM(reply, 2);
+    const char *data = PyBytes_AS_STRING(payload);
+    Py_ssize_t size = PyBytes_GET_SIZE(payload);
+    int plain_value = size && (unsigned char)data[0] != MULTIPY_PICKLED;
+    if (status == MULTIPY_OK && plain_value && !PyObject_IsTrue(PyTuple_GET_ITEM(reply, 1)))
+        return PyMarshal_ReadObjectFromString(data, size);
+    if (status == MULTIPY_LENT && plain_value) {
+        PyObject *message = PyMarshal_ReadObjectFromString(data, size);
+        if (message && PyTuple_CheckExact(message) && PyTuple_GET_SIZE(message) == 3
+            && PyTuple_CheckExact(PyTuple_GET_ITEM(message, 0))
+            && PyTuple_CheckExact(PyTuple_GET_ITEM(message, 1))) {
+            PyObject *value = alias_reply(self, interpreter, message, reply);
+            Py_DECREF(message);
+            return value;
+        }
+        Py_XDECREF(message); /* _finish reads it again, and says what is wrong */
+        PyErr_Clear();
+    }
+    PyObject *lent = loan->tokens ? lent_of(loan) : Py_NewRef(Py_None);
+    PyObject *value = lent ? PyObject_CallMethodObjArgs(interpreter, call_path.finish, reply,
+                                                        lent, NULL)
+                           : NULL;
+    Py_XDECREF(lent);
+    return value;
+}
+
+PyDoc_STRVAR(Entry_call_value_doc,
+"call_value(interpreter, target, handle: int, epoch: int, method, args, kwargs) -> value\n\n"
+"interpreter.request(CALL_VALUE, target, method, args, kwargs) (multipy.session), made\n"
+"here (target's handle, interpreter's epoch) when its arguments are plain, or scalars and\n"
+"CPU torch tensors with no keyword arguments, and its reply read here when it is plain or\n"
+"lent.  The rest by the same methods of interpreter as request's: request itself for any\n"
+"other arguments (nothing lent here), _finish for any other reply, _give_back for a lent\n"
+"one not aliased whole.  Only after use_call_path; on this thread, without\n"
+"multipy.timeout.");
+
+static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !call_path.lent_type) {
+        PyErr_SetString(PyExc_TypeError, "call_value(interpreter, target, handle, epoch, "
+                                         "method, args, kwargs), after use_call_path");
+        return NULL;
+    }
+    PyObject *interpreter = args[0], *method = args[4], *values = args[5], *kwargs = args[6];
+    struct multipy_request request = {.op = MULTIPY_CALL_VALUE};
+    if (read_number(args[2], &request.handle) < 0 || read_number(args[3], &request.epoch) < 0)
+        return NULL;
+    struct loan loan = {NULL, NULL, NULL}; /* what the request lends, if it does */
+    PyObject *body = encode_call(method, values, kwargs, &loan, &request.op);
+    if (body == Py_None) {
+        Py_DECREF(body);
+        return PyObject_CallMethodObjArgs(interpreter, call_path.request,
+                                          call_path.call_value_op, args[1], method, values,
+                                          kwargs, NULL);
+    }
+    if (!body)
+        return NULL;
+    request.body = PyBytes_AS_STRING(body);
+    request.size = (size_t)PyBytes_GET_SIZE(body);
+    PyObject *reply = enter(self, &request, NULL, loan.tokens ? &loan : NULL);
+    Py_DECREF(body);
+    PyObject *value = reply ? read_reply(self, interpreter, reply, &loan) : NULL;
+    Py_XDECREF(reply);
+    loan_close(&loan);
+    return value;
 }
 
 /* Cancels call serial of thread in entry's interpreter, without the host's GIL (it waits
@@ -376,6 +588,8 @@ static PyMethodDef Entry_methods[] = {
     {"close", (PyCFunction)Entry_close, METH_NOARGS,
      "From now on call() answers CLOSED without entering (a forked child's interpreters)."},
     {"call", (PyCFunction)(void (*)(void))Entry_call, METH_FASTCALL, Entry_call_doc},
+    {"call_value", (PyCFunction)(void (*)(void))Entry_call_value, METH_FASTCALL,
+     Entry_call_value_doc},
     {"cancel", (PyCFunction)Entry_cancel, METH_VARARGS, Entry_cancel_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -535,6 +749,9 @@ static PyMethodDef module_methods[] = {
     LENT_ADDRESS_METHOD,
     PLAIN_METHOD,
     LEND_METHODS,
+    {"use_call_path", (PyCFunction)(void (*)(void))use_call_path, METH_FASTCALL,
+     "use_call_path(Lent, exports, alias): what Entry.call_value lends and aliases with "
+     "(see multipy.session)."},
     {"set_main_thread", set_main_thread, METH_O,
      "set_main_thread(ident): the thread whose calls interrupt_main() cancels."},
     {"next_serial", next_serial, METH_NOARGS, "A new call number."},
@@ -568,7 +785,8 @@ static void reset_queues_in_child(void)
 
 PyMODINIT_FUNC PyInit__host(void)
 {
-    if (PyType_Ready(&EntryType) < 0 || pthread_atfork(NULL, NULL, reset_queues_in_child))
+    if (PyType_Ready(&EntryType) < 0 || pthread_atfork(NULL, NULL, reset_queues_in_child)
+        || !(unread_name = PyUnicode_InternFromString("unread")))
         return NULL;
     PyObject *module = PyModule_Create(&module_def);
     if (!module)

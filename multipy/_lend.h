@@ -180,14 +180,24 @@ static PyObject *copy_items(PyObject *const *items, Py_ssize_t count)
     return copy;
 }
 
-/* Gives back what lent holds (lent.take_back()), keeping any exception raised before
- * (the first is the one to report); -1 if it raised (Ctrl-C, say) and none had been. */
-static int take_back(PyObject *lent)
+/* Gives back what one message lent: lent.take_back() if lent is given, else every token
+ * of loan (open), as Lent.take_back would.  Keeps any exception raised before (the first
+ * is the one to report); -1 if it raised (Ctrl-C, say) and none had been. */
+static int take_back(PyObject *lent, struct loan *loan)
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    PyObject *done = PyObject_CallMethod(lent, "take_back", NULL);
-    Py_XDECREF(done);
+    PyObject *done = NULL;
+    if (lent) {
+        done = PyObject_CallMethod(lent, "take_back", NULL);
+        Py_XDECREF(done);
+    } else {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(loan->tokens); i++)
+            if (PyDict_DelItem(loan->objects, PyList_GET_ITEM(loan->tokens, i)) < 0)
+                PyErr_Clear(); /* given back already */
+        done = PyList_SetSlice(loan->tokens, 0, PyList_GET_SIZE(loan->tokens), NULL) == 0
+               ? Py_None : NULL;
+    }
     if (!type)
         return done ? 0 : -1;
     PyErr_Clear();
@@ -195,22 +205,18 @@ static int take_back(PyObject *lent)
     return 0;
 }
 
-/* lend_flat(values, lent, describe) -> (values, positions) | None: see
- * multipy._sharing.lend_flat, whose fast path this is; describe(value, lent) lends
- * what is not a torch tensor (or returns None). */
-static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* What lend_flat does, with torch tensors lent into loan: opened from lent at the first
+ * if it is not open (its tokens NULL; the caller closes it).  describe(value, lent)
+ * lends what is not a torch tensor; without lent and describe, only torch tensors are
+ * lent (anything else makes it None).  Whatever it raises, and if None, nothing stays
+ * lent. */
+static PyObject *lend_values(PyObject *values_in, struct loan *loan, PyObject *lent,
+                             PyObject *describe)
 {
-    (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "lend_flat(values, lent, describe)");
-        return NULL;
-    }
-    PyObject *lent = args[1], *describe = args[2];
     /* values as they came (a list could change while describe runs), and a copy where
      * records take the places of what is lent */
-    PyObject *values = PySequence_Tuple(args[0]), *flat = NULL, *met = NULL;
+    PyObject *values = PySequence_Tuple(values_in), *flat = NULL, *met = NULL;
     PyObject *positions = PyList_New(0);
-    struct loan loan = {NULL, NULL, NULL}; /* opened at the first torch tensor */
     if (!values || !positions
         || !(flat = copy_items(PySequence_Fast_ITEMS(values), PyTuple_GET_SIZE(values))))
         goto failed;
@@ -227,17 +233,17 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
         else if (PyErr_Occurred())
             record = NULL;
         else if (torch_api.tensor && (PyObject *)Py_TYPE(value) == torch_api.tensor)
-            record = loan.tokens || loan_open(&loan, lent) == 0 ? lend_torch(value, &loan) : NULL;
+            record = loan->tokens || loan_open(loan, lent) == 0 ? lend_torch(value, loan) : NULL;
         else
-            record = PyObject_CallFunctionObjArgs(describe, value, lent, NULL);
+            record = describe ? PyObject_CallFunctionObjArgs(describe, value, lent, NULL)
+                              : Py_NewRef(Py_None);
         if (record == Py_None) { /* not lent: this value is pickled, and so is the rest */
             Py_DECREF(key);
             Py_DECREF(values);
             Py_DECREF(flat);
             Py_DECREF(positions);
             Py_DECREF(met);
-            loan_close(&loan);
-            if (take_back(lent) < 0) {
+            if (take_back(lent, loan) < 0) {
                 Py_DECREF(record);
                 return NULL;
             }
@@ -258,7 +264,6 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_DECREF(values);
     Py_XDECREF(met);
     values = met = NULL;
-    loan_close(&loan);
     PyObject *places = PyList_AsTuple(positions);
     Py_DECREF(positions);
     if (!places) {
@@ -269,16 +274,31 @@ static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t n
     Py_DECREF(flat);
     Py_DECREF(places);
     if (!result)
-        take_back(lent);
+        take_back(lent, loan);
     return result;
 failed:
-    loan_close(&loan);
-    take_back(lent);
+    take_back(lent, loan);
     Py_XDECREF(met);
     Py_XDECREF(values);
     Py_XDECREF(flat);
     Py_XDECREF(positions);
     return NULL;
+}
+
+/* lend_flat(values, lent, describe) -> (values, positions) | None: see
+ * multipy._sharing.lend_flat, whose fast path this is; describe(value, lent) lends
+ * what is not a torch tensor (or returns None). */
+static PyObject *lend_flat(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "lend_flat(values, lent, describe)");
+        return NULL;
+    }
+    struct loan loan = {NULL, NULL, NULL}; /* opened at the first torch tensor */
+    PyObject *result = lend_values(args[0], &loan, args[1], args[2]);
+    loan_close(&loan);
+    return result;
 }
 
 /* The torch tensor over the memory a torch record (kind, token, address) describes,

@@ -11,7 +11,14 @@ mirror.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
+
+#: The call path: "c", the common call's fast path in C on both sides (the default), or
+#: "python", the reference path, every request by the Python code alone; read once, at
+#: import, from the environment variable MULTIPY_CALL_PATH (docs/design.md, "The call
+#: path").  Interpreters read the host's environment, so both sides agree.
+C_CALL_PATH = os.environ.get("MULTIPY_CALL_PATH", "c") != "python"
 
 # -- operations: what a request asks the interpreter to do --
 GLOBAL = 0      #: args (module, name): import module, follow the dotted name; a new object

@@ -28,7 +28,7 @@ import sys
 sys.path[:] = {path!r}
 sys.argv[:] = {argv!r}
 from multipy._inside import main
-handler, objects, lent, names = main({status_fd}, {host_main!r})
+handler, objects, lent, names, fast_path = main({status_fd}, {host_main!r})
 del main
 """
 

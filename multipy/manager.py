@@ -118,14 +118,15 @@ class InterpreterManager:
         object.  Raises what acquire_one raises."""
         deadline = None
         while True:
-            self._lock.acquire()  # not `with`: half the cost, and this runs for every call
+            # Most calls: the thread's last pick is free, taken under its own lock alone
+            # (occupy_if_idle checks and counts at once; the manager's lock orders passes)
+            if not self._closed:
+                last = self._interpreters[self._thread.cursor % self._limit]
+                if last.occupy_if_idle():
+                    return last
+            self._lock.acquire()  # not `with`: half the cost
             try:
-                chosen = None
-                if not self._closed:
-                    last = self._interpreters[self._thread.cursor % self._limit]
-                    if last.occupy_if_idle():  # the thread's last pick is free: most calls
-                        return last
-                    chosen = self._pick()
+                chosen = None if self._closed else self._pick()
                 if chosen is not None:
                     self._thread.cursor = chosen.index
                     return chosen.occupy()

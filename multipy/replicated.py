@@ -17,40 +17,43 @@ class PerInterpreter:
 
     def __init__(self, make: Callable[[Interpreter], Obj]) -> None:
         self._make = make
-        self._values: dict[Interpreter, Obj] = {}
+        #: the values made so far, by interpreter: read it, never change it
+        self.made: dict[Interpreter, Obj] = {}
         self._making: dict[Interpreter, threading.Lock] = {}
         self._lock = threading.Lock()
 
     def get(self, interpreter: Interpreter) -> Obj:
-        value = self._values.get(interpreter)  # made already: the path of every call
+        """The value for interpreter, made now if it is not yet (``made`` has it if it
+        is)."""
+        value = self.made.get(interpreter)  # made already: the path of every call
         if value is not None:
             return value
         with self._lock:
-            value = self._values.get(interpreter)
+            value = self.made.get(interpreter)
             if value is not None:
                 return value
             making = self._making.setdefault(interpreter, threading.Lock())
         with making:  # one maker per interpreter; the others wait for its value
             with self._lock:
-                value = self._values.get(interpreter)
+                value = self.made.get(interpreter)
             if value is None:
                 value = self._make(interpreter)
                 with self._lock:
-                    self._values[interpreter] = value
+                    self.made[interpreter] = value
         return value
 
     def drop(self, interpreter: Interpreter | None = None) -> None:
         with self._lock:
             if interpreter is None:
-                self._values.clear()
+                self.made.clear()
             else:
-                self._values.pop(interpreter, None)
+                self.made.pop(interpreter, None)
 
     def __contains__(self, interpreter: Interpreter) -> bool:
-        return interpreter in self._values
+        return interpreter in self.made
 
     def __len__(self) -> int:
-        return len(self._values)
+        return len(self.made)
 
 
 class ReplicatedObj:
@@ -84,7 +87,10 @@ class ReplicatedObj:
     def _call(self, method: str | None, args: tuple, kwargs: dict) -> Any:
         interpreter = self._manager.occupy_one()  # no session: the path of every call
         try:
-            return self._instances.get(interpreter).call_value(method, args, kwargs)
+            instance = self._instances.made.get(interpreter)  # get()'s common case, inline
+            if instance is None:
+                instance = self._instances.get(interpreter)
+            return instance.call_value(method, args, kwargs)
         finally:
             interpreter.hand_back()
 

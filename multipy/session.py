@@ -1,6 +1,8 @@
 """Interpreters as a manager hands them out, sessions on them, and Obj, a handle to an
 object inside one; every call into an interpreter goes through ``Interpreter.request``
-(or ``Interpreter.start``, which runs it on a worker thread for an asynchronous caller).
+(or ``Interpreter.start``, which runs it on a worker thread for an asynchronous caller),
+but the common call of a value, which ``Obj.call_value`` hands to the C entry's
+``call_value`` (docs/design.md, "The common call in C").
 """
 from __future__ import annotations
 
@@ -10,13 +12,19 @@ import pickle
 import threading
 from typing import TYPE_CHECKING, Any, Iterator
 
-from . import _glibc, _pool, _protocol, _sharing
+from . import _glibc, _host, _pool, _protocol, _sharing
 from ._protocol import CALL, CALL_LENT, CALL_VALUE, DEREF, GETATTR, GLOBAL, HASATTR
 from ._runtime import Runtime, exports
 from .errors import InterpreterError, InterpreterLimitError, RemoteTraceback, WrongInterpreterError
 
 if TYPE_CHECKING:
     from ._runtime import _Job
+
+
+#: Whether calls of values take the C path (multipy._protocol.C_CALL_PATH).
+_C_CALL_PATH = _protocol.C_CALL_PATH
+if _C_CALL_PATH:
+    _host.use_call_path(_sharing.Lent, exports, _sharing.alias)
 
 
 class _ThreadSettings(threading.local):
@@ -73,8 +81,14 @@ class Obj:
         return self._interpreter.request(CALL, self, args, kwargs)
 
     def call_value(self, method: str | None, args: tuple = (), kwargs: dict | None = None) -> Any:
-        """Calls the object (or its method) and returns the result as a host value."""
-        return self._interpreter.request(CALL_VALUE, self, method, args, kwargs or {})
+        """Calls the object (or its method) and returns the result as a host value.  The
+        C entry makes the call itself (Entry.call_value) on this thread, unless
+        MULTIPY_CALL_PATH=python or under ``multipy.timeout``."""
+        interpreter = self._interpreter
+        if _C_CALL_PATH and _thread.timeout is None and not interpreter._closed:
+            return interpreter._entry.call_value(interpreter, self, self._handle,
+                                                 interpreter._epoch, method, args, kwargs or {})
+        return interpreter.request(CALL_VALUE, self, method, args, kwargs or {})
 
     def start_call_value(self, method: str | None, args: tuple = (),
                          kwargs: dict | None = None) -> _Job:
@@ -164,6 +178,7 @@ class Interpreter:
         self.index = index
         self.manager = manager
         self._runtime = runtime
+        self._entry = runtime.entry
         self._epoch = runtime.epoch  # this manager's requests carry it
         self._closed = False
         self._sessions = 0  # open sessions: the load balancer's measure of load
@@ -233,16 +248,16 @@ class Interpreter:
 
     def request(self, op: int, target: Obj | None, *args: Any) -> Any:
         """Runs one operation of multipy._protocol in the interpreter, on this thread (on
-        a worker under ``multipy.timeout``); the one path of every call.  Raises what
-        the operation raised inside, InterpreterClosedError, or TimeoutError."""
+        a worker under ``multipy.timeout``); the path of every call but Obj.call_value's
+        common case, which takes this path in C.  Raises what the operation raised
+        inside, InterpreterClosedError, or TimeoutError."""
         seconds = _thread.timeout
         if seconds is not None:
             return self.start(op, target, *args).wait(seconds)
         op, handle, body, lent = self._encode(op, target, args)
         # Ctrl-C may raise in the host before _finish reads the reply: then the entry
         # gives back what the request lent and the interpreter did not alias
-        reply = self._runtime.call(op, handle, self._epoch, body, 0,
-                                   lent.unread if lent is not None else None)
+        reply = self._runtime.call(op, handle, self._epoch, body, 0, lent)
         if reply[1]:  # a new object: the common case, first
             return Obj(self, reply[1])
         return self._finish(reply, lent)

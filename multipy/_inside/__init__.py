@@ -167,13 +167,6 @@ def _object(objects: dict[int, object], number: int):
                           f"released, or the manager it came from closed") from None
 
 
-class _ThreadTorch(threading.local):
-    """Per thread: the torch settings it was given (see apply_torch_settings); a class
-    default, so that reading it never raises (getattr with a default would, inside)."""
-
-    torch: tuple[int, bool] | None = None
-
-
 class _Interpreter:
     """This interpreter as the host sees it: its objects and the requests it runs."""
 
@@ -190,8 +183,9 @@ class _Interpreter:
         #: (intra-op threads, grad enabled, a CUDA stream of this interpreter's own) for
         #: torch, set by the manager; torch keeps all three per thread, so each thread
         #: gets them on its first call once torch is in (and again once CUDA starts)
+        #: (which settings object each thread was given: _multipy_bootstrap.thread_torch,
+        #: kept in C for the fast path)
         self.torch_settings: tuple[int, bool, bool] | None = None
-        self._thread = _ThreadTorch()
         self._streams: dict[int, Any] = {}  # CUDA device -> this interpreter's stream
         self._awaiting_cuda = False
         _sharing.settle_thread = self.apply_torch_settings
@@ -229,7 +223,7 @@ class _Interpreter:
         """Gives the calling thread the manager's torch settings, once torch is imported
         and until they change.  A few attribute reads when there is nothing to do."""
         settings = self.torch_settings
-        if settings is None or self._thread.torch is settings:
+        if settings is None or _multipy_bootstrap.thread_torch() is settings:
             return
         torch = sys.modules.get("torch")
         if torch is None or not hasattr(torch, "set_grad_enabled"):  # not (yet) imported
@@ -240,7 +234,7 @@ class _Interpreter:
         torch.set_grad_enabled(grad)
         if streams:
             self._use_stream(torch.cuda)
-        self._thread.torch = settings
+        _multipy_bootstrap.set_thread_torch(settings)
 
     def _use_stream(self, cuda: Any) -> None:
         """Makes this interpreter's CUDA stream on the current device the calling thread's
@@ -278,7 +272,6 @@ class _Interpreter:
         sends back the host tokens that aliases here gave back after: a cancel's
         exception loses neither."""
         aliased: list[int] | None = []  # the host's tokens aliased until the request is read
-        lent = None  # what the reply lends, if it lends: taken back if it fails
         try:
             if body[0] != _sharing.PICKLED:
                 args = marshal.loads(body)
@@ -302,7 +295,7 @@ class _Interpreter:
                     target = _object(self.objects, handle)  # raises what to say
             name = self._names.get(handle if op != GLOBAL else args)
             _multipy_bootstrap.note(_OP_TEXTS[op], name or self._crash_name(op, handle, args))
-            if self._thread.torch is not self.torch_settings:  # (the method's first check)
+            if _multipy_bootstrap.thread_torch() is not self.torch_settings:  # (its first check)
                 self.apply_torch_settings()
             if op == CALL:
                 result = target(*args[0], **args[1])
@@ -314,32 +307,45 @@ class _Interpreter:
                 result = self._ops[op](target, *args)
             if _sharing.cuda_aliases:  # CUDA tensors came in: the caller sees this call's writes
                 _sharing.order_after_call()
-            if self._thread.torch is not self.torch_settings:  # the call may have imported torch
-                self.apply_torch_settings()
+            if _multipy_bootstrap.thread_torch() is not self.torch_settings:  # the call may
+                self.apply_torch_settings()  # have imported torch
             if op in _NEW_OBJECT:
                 number = next(self._ids)
                 self.objects[number] = result
-                status, number, payload = OK, number, b""
-            elif result is None:
-                status, number, payload = OK, 0, _NONE
-            elif (payload := _sharing.plain(result)) is not None:
-                status, number = OK, 0
-            else:
-                lent = _sharing.Lent(self.exports)
-                flat = _sharing.lend_result(result, lent)
-                if flat is not None and (payload := _sharing.plain(flat)) is not None:
-                    status, number = LENT, 0
-                else:  # not flat, or something in it met twice (pickle keeps it shared)
-                    lent.take_back()
-                    status, number, payload = OK, 0, _sharing.LendingPickler(lent).dumps(result)
-            return status, number, payload
+                return OK, number, b""
+            return self.value_reply(result)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: they end a call, not the interpreter
-            if lent is not None:
-                lent.take_back()
-            if _sharing.cuda_aliases:  # what the call wrote before it raised
-                with contextlib.suppress(Exception):
-                    _sharing.order_after_call()
-            return ERROR, 0, _error_record(exc, None if aliased is None else tuple(aliased))
+            return self.failed(exc, None if aliased is None else tuple(aliased))
+
+    def value_reply(self, result) -> tuple:
+        """The reply that carries a call's result back as a value: (OK, 0, payload) with
+        it plain or pickled, or (LENT, 0, payload) with its tensors and arrays lent.
+        Whatever this raises, nothing stays lent."""
+        if result is None:
+            return OK, 0, _NONE
+        payload = _sharing.plain(result)
+        if payload is not None:
+            return OK, 0, payload
+        lent = _sharing.Lent(self.exports)
+        try:
+            flat = _sharing.lend_result(result, lent)
+            if flat is not None and (payload := _sharing.plain(flat)) is not None:
+                return LENT, 0, payload
+            # not flat, or something in it met twice (pickle keeps it shared)
+            lent.take_back()
+            return OK, 0, _sharing.LendingPickler(lent).dumps(result)
+        except BaseException:
+            lent.take_back()
+            raise
+
+    def failed(self, exc: BaseException, aliased: tuple[int, ...] | None) -> tuple:
+        """The ERROR reply for exc, raised by a request once read (aliased None) or
+        while it was read (the host's tokens aliased so far); what the call wrote to
+        CUDA aliases first ordered before the host's next use."""
+        if _sharing.cuda_aliases:
+            with contextlib.suppress(Exception):
+                _sharing.order_after_call()
+        return ERROR, 0, _error_record(exc, aliased)
 
     def _crash_name(self, op: int, handle: int, args: tuple) -> bytes:
         """The name of what a request acts on, for the fatal-signal report; made once
@@ -471,8 +477,9 @@ def forget_paths(paths: list[str]) -> None:
 
 
 def main(status_fd: int, host_main: tuple[str, str | None] | None = None) -> tuple:
-    """Sets this interpreter up; returns the handler the C entry calls and the tables
-    where the C entry applies releases (handles, lent tokens, names).  host_main: the
+    """Sets this interpreter up; returns the handler the C entry calls, the tables
+    where the C entry applies releases (handles, lent tokens, names), and what its fast
+    path reads (None with MULTIPY_CALL_PATH=python).  host_main: the
     host's main script, (path, module name if run with -m), if it has one.  On failure
     the traceback goes to status_fd, where the host reads why the interpreter did not
     start."""
@@ -481,7 +488,11 @@ def main(status_fd: int, host_main: tuple[str, str | None] | None = None) -> tup
         global _current, _host_main
         _host_main = host_main
         _current = _Interpreter()
-        return _current.handle, _current.objects, _current.exports.objects, _current._names
+        fast_path = None
+        if _protocol.C_CALL_PATH:  # what the C fast path reads (_bootstrap.c, fast_call)
+            fast_path = (_current, _current.exports.counter, _sharing)
+        return (_current.handle, _current.objects, _current.exports.objects, _current._names,
+                fast_path)
     except BaseException:
         os.write(status_fd, traceback.format_exc().encode())
         raise

@@ -1,0 +1,126 @@
+"""The call path in C (multipy/_host.c, Entry.call_value; multipy/_bootstrap.c,
+fast_call) and the Python reference path (MULTIPY_CALL_PATH=python) give the same
+answers: the call-path tests run again, in a process of their own, on the reference path.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import multipy  # noqa: E402
+from multipy import session as session_module  # noqa: E402
+from multipy._runtime import exports as host_exports  # noqa: E402
+
+ON_C_PATH = os.environ.get("MULTIPY_CALL_PATH", "c") != "python"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+#: The tests whose calls take the call path in every way it can end, run again on the
+#: reference path: values and tensors each way, errors, faults, Ctrl-C and timeouts,
+#: asyncio, the load balancer's layer.
+REFERENCE_RUN = ["test_call_path.py", "test_entry.py", "test_interpreters.py", "test_torch.py",
+                 "test_errors.py", "test_faults.py", "test_lifecycle.py", "test_async.py"]
+
+
+@pytest.fixture(scope="module")
+def tools():
+    with multipy.InterpreterManager(1) as m:
+        m.register_module_source("call_path_tools", (
+            "import torch\n"
+            "def fail_after(t):\n"
+            "    t.add_(1)\n"
+            "    raise ValueError(f'failed with {t.tolist()}')\n"
+            "def scale(t, by=2):\n"
+            "    return t * by\n"
+            "class Model(torch.nn.Module):\n"
+            "    def forward(self, x):\n"
+            "        return x + 1, x.sum().item()\n"
+            "    def twice(self, x):\n"
+            "        return x * 2\n"
+            "from multipy import _sharing\n"
+            "handled = []\n"
+            "def count_handled_calls():\n"
+            "    alias_flat = _sharing.alias_flat  # the handler's, not the fast path's\n"
+            "    def counted(*args):\n"
+            "        handled.append(1)\n"
+            "        return alias_flat(*args)\n"
+            "    _sharing.alias_flat = counted\n"
+            "def handled_calls():\n"
+            "    return len(handled)\n"))
+        with m[0].acquire_session() as s:
+            yield m, s
+
+
+def test_the_call_path_follows_the_environment(tools):
+    _, s = tools
+    assert session_module._C_CALL_PATH is ON_C_PATH
+    assert s.global_("multipy._protocol", "C_CALL_PATH").deref() is ON_C_PATH
+
+
+def test_calls_of_values_give_the_same_answers_on_either_path(tools):
+    _, s = tools
+    model = s.global_("call_path_tools", "Model")()
+    x = torch.arange(6.0).reshape(2, 3)
+    plus_one, total = model.call_value(None, (x,))
+    assert torch.equal(plus_one, x + 1) and total == 15.0
+    assert torch.equal(model.call_value("twice", (x,)), x * 2)
+    scale = s.global_("call_path_tools", "scale")
+    assert torch.equal(scale.call_value(None, (x,), {"by": 3}), x * 3)  # keyword arguments
+    assert scale.call_value(None, (4,)) == 8  # plain both ways
+    assert scale.call_value(None, ([1],)) == [1, 1]
+
+
+def test_the_common_call_takes_the_path_the_environment_says(tools, monkeypatch):
+    _, s = tools
+    model = s.global_("call_path_tools", "Model")()
+    x = torch.ones(2)
+    model.call_value(None, (x,))  # the first call of an object names it: the handler's
+    s.global_("call_path_tools", "count_handled_calls")()
+    requests = []
+    request = session_module.Interpreter.request
+    monkeypatch.setattr(session_module.Interpreter, "request",
+                        lambda *args: requests.append(args[1]) or request(*args))
+    for _ in range(3):
+        model.call_value(None, (x,))
+    made = len(requests)  # before the calls below, which are requests
+    handled = s.global_("call_path_tools", "handled_calls").call_value(None)
+    assert (made, handled) == ((0, 0) if ON_C_PATH else (3, 3))
+
+
+def test_an_error_after_tensors_came_in_gives_back_what_was_lent(tools):
+    m, s = tools
+    fail_after = s.global_("call_path_tools", "fail_after")
+    x = torch.zeros(2)
+    before = len(host_exports)
+    with pytest.raises(ValueError, match=r"failed with \[1.0, 1.0\]") as raised:
+        fail_after.call_value(None, (x,))
+    assert x.tolist() == [1.0, 1.0]  # the call ran once, on the host's memory
+    assert "fail_after" in str(raised.value.__cause__)  # the remote traceback
+    with m[0].acquire_session() as again:
+        again.global_("gc", "collect")()
+        again.global_("builtins", "abs")(-1)  # brings back the released tokens
+    assert len(host_exports) == before
+
+
+def test_a_replicated_object_s_calls_take_the_call_path(tools):
+    m, s = tools
+    replicated = m.create_movable(s.global_("call_path_tools", "Model")(), s)
+    x = torch.ones(3)
+    plus_one, total = replicated(x)
+    assert torch.equal(plus_one, x + 1) and total == 3.0
+    assert torch.equal(replicated.call_method("twice", x), x * 2)
+
+
+@pytest.mark.skipif(not ON_C_PATH, reason="the reference run itself")
+@pytest.mark.timeout(1500)  # a few minutes on a busy 2-core machine
+def test_the_reference_path_passes_the_call_path_tests():
+    result = subprocess.run(
+        [sys.executable, "-m", "multipy", "run", "-m", "pytest", "-q", "-x", "-p",
+         "no:cacheprovider", *(os.path.join(HERE, name) for name in REFERENCE_RUN)],
+        capture_output=True, text=True, timeout=1200,
+        env={**os.environ, "MULTIPY_CALL_PATH": "python"})
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

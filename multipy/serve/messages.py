@@ -23,6 +23,8 @@ MAX_REQUEST_SIZE = 64 << 20
 #: The first bytes of JSON's byte order marks: text that begins with none of them, and
 #: has no NUL in its first four bytes, is UTF-8 (as json.detect_encoding says)
 _NOT_UTF8 = (b"\xef", b"\xfe", b"\xff")
+#: What json.loads reads text with, when given no options
+_DECODER = json.JSONDecoder()
 
 
 class ProtocolError(Exception):
@@ -69,9 +71,10 @@ def json_object(text: bytes) -> dict:
     """The JSON object that text holds; ProtocolError if it is not well-formed JSON, or
     not an object."""
     head = text[:4]
-    try:  # (UTF-8, as json.loads finds it, decoded here without its search)
-        found = json.loads(text.decode("utf-8", "surrogatepass")
-                           if b"\0" not in head and head[:1] not in _NOT_UTF8 else text)
+    try:  # (UTF-8, as json.loads finds it, decoded here without its search, and read by
+        # the decoder that json.loads gives text to)
+        found = _DECODER.decode(text.decode("utf-8", "surrogatepass")) \
+            if b"\0" not in head and head[:1] not in _NOT_UTF8 else json.loads(text)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
         # an integer literal over Python's digit limit, nesting deeper than the stack
         raise ProtocolError(f"malformed JSON in the request: {error}") from None

@@ -52,7 +52,7 @@ from ..serve.inbox import FORCE, receive, send
 from ..serve.metrics import Metrics
 from ..serve.messages import ProtocolError
 from ..serve.repository import READY
-from ..serve.requests import ModelRequests, Started, named
+from ..serve.requests import NO_ID, ModelRequests, Started, named
 from ..serve.uvicorn_server import Config, Server
 from .serving import Served
 
@@ -414,6 +414,8 @@ class _Model(ModelRequests):
         self._served, self._worker = served, worker
         self._asynchronous = getattr(served, "asynchronous", False)  # a class's async predict
         self._noted = f"model {name!r}, "  # what a crash report names, before the requests
+        #: the crash report's note while a call of one request without an id runs (most)
+        self._anonymous = (b"inference", (self._noted + NO_ID).encode())
 
     @property
     def cancellable(self) -> bool:
@@ -423,7 +425,9 @@ class _Model(ModelRequests):
                    arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
         if self._worker is None:  # here, blocking the loop
             # what a crash report names while it runs (kept alive until then)
-            running = (b"inference", (self._noted + started.requests()).encode())
+            requests = started.requests()
+            running = self._anonymous if requests is NO_ID else \
+                (b"inference", (self._noted + requests).encode())
             _multipy_bootstrap.note(*running)
             try:
                 with started:

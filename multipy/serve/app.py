@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from itertools import repeat
 from typing import Any, AsyncIterator, Callable, Mapping
 
 from starlette.applications import Starlette
@@ -194,10 +195,6 @@ class _Inference:
     request: the host, which decodes one only when it serves a model itself (rare: see
     multipy.serve.main), need not import them."""
 
-    #: the request headers it reads (uvicorn gives their names in lower case)
-    _HEADERS = (b"content-length", b"content-encoding", HEADER_LENGTH.lower().encode(),
-                b"accept-encoding")
-
     def __init__(self, service: Server) -> None:
         self._service = service
         self._codec: tuple[Callable, Callable] | None = None  # (imported at the first decode)
@@ -212,9 +209,18 @@ class _Inference:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         service = self._service
         named = dict(reversed(scope["headers"])).get  # (the first of a name, as Starlette's)
-        length, encoding, header_length, accepted = [
-            None if value is None else value.decode("latin-1")
-            for value in map(named, self._HEADERS)]
+        # (most requests have a Content-Length, some an Accept-Encoding, few the others)
+        length, encoding, header_length, accepted = (
+            named(b"content-length"), named(b"content-encoding"), named(_HEADER_LENGTH),
+            named(b"accept-encoding"))
+        if length is not None:
+            length = length.decode("latin-1")
+        if accepted is not None:
+            accepted = accepted.decode("latin-1")
+        if encoding is not None:
+            encoding = encoding.decode("latin-1")
+        if header_length is not None:
+            header_length = header_length.decode("latin-1")
 
         async def decode() -> InferRequest:
             limit = service.max_request_size
@@ -225,10 +231,13 @@ class _Inference:
                                       header_length, encoding, limit)
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> tuple[bytes, dict]:
-            binary = dict(decoded.outputs or ())
+            if decoded.outputs is None:  # each output as the request's parameters say
+                chosen = zip(outputs, repeat(decoded.binary_outputs))
+            else:
+                binary = dict(decoded.outputs)
+                chosen = [(t, binary.get(t.name, decoded.binary_outputs)) for t in outputs]
             body, answer_headers = self._codec[1](  # (imported: decoded first)
-                name, "1", decoded.id,
-                [(t, binary.get(t.name, decoded.binary_outputs)) for t in outputs])
+                name, "1", decoded.id, chosen)
             return compress(body, answer_headers, accepted), answer_headers
 
         async def gone() -> None:
@@ -249,15 +258,19 @@ class _Inference:
         await _answer(send, 200, body, answer_headers)
 
 
-#: the headers of a JSON answer
+#: the headers of a JSON answer, and the one of them as ASGI gives it
 _JSON = {"Content-Type": "application/json"}
+_JSON_RAW = (b"content-type", b"application/json")
+#: the request header that says where a body's JSON ends, as uvicorn names it (in lower
+#: case, as every name it gives)
+_HEADER_LENGTH = HEADER_LENGTH.lower().encode()
 
 
 async def _answer(send: Callable, status: int, body: bytes, headers: Mapping[str, str]) -> None:
     """Sends an answer of status with body and headers (and its Content-Length), as a
     Starlette Response sends it."""
-    raw = [(key.lower().encode("latin-1"), value.encode("latin-1"))
-           for key, value in headers.items()]
+    raw = [_JSON_RAW] if headers == _JSON else [
+        (key.lower().encode("latin-1"), value.encode("latin-1")) for key, value in headers.items()]
     raw.append((b"content-length", str(len(body)).encode("latin-1")))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
@@ -288,9 +301,9 @@ async def _body(receive: Callable, declared: str | None, limit: int) -> bytes:
         if size > limit:
             raise ProtocolError(f"the request has more than the {limit} bytes this server "
                                 f"takes (--max-request-size)", 413)
-        chunks.append(chunk)
         if not message.get("more_body", False):
-            return b"".join(chunks) if len(chunks) > 1 else chunk
+            return b"".join((*chunks, chunk)) if chunks else chunk  # (most: in one piece)
+        chunks.append(chunk)
 
 
 def logging_config(server_lines: bool = True) -> dict:

@@ -23,6 +23,26 @@ MAX_REQUEST_SIZE = 64 << 20
 #: The first bytes of JSON's byte order marks: text that begins with none of them, and
 #: has no NUL in its first four bytes, is UTF-8 (as json.detect_encoding says)
 _NOT_UTF8 = (b"\xef", b"\xfe", b"\xff")
+#: What json.loads reads a str with, when given no options, and its scanner (C's, where
+#: json has its C part), which reads one JSON value from a given index
+_DECODER = json.JSONDecoder()
+_SCAN = _DECODER.scan_once
+#: JSON's whitespace
+_WHITESPACE = " \t\n\r"
+
+
+def _loads(document: str) -> Any:
+    """json.loads(document): the scanner's value of the document less its whitespace
+    around, or, for a document that is not one JSON value, json.loads's own error
+    (JSONDecodeError; RecursionError for one nested deeper than the stack)."""
+    value = document.strip(_WHITESPACE)
+    try:
+        found, end = _SCAN(value, 0)
+    except (StopIteration, ValueError):  # (where, said by json.loads below)
+        end = -1
+    if end != len(value):
+        return _DECODER.decode(document)
+    return found
 
 
 class ProtocolError(Exception):
@@ -70,8 +90,8 @@ def json_object(text: bytes) -> dict:
     not an object."""
     head = text[:4]
     try:  # (UTF-8, as json.loads finds it, decoded here without its search)
-        found = json.loads(text.decode("utf-8", "surrogatepass")
-                           if b"\0" not in head and head[:1] not in _NOT_UTF8 else text)
+        found = _loads(text.decode("utf-8", "surrogatepass")) \
+            if b"\0" not in head and head[:1] not in _NOT_UTF8 else json.loads(text)
     except (ValueError, RecursionError) as error:  # JSONDecodeError, UnicodeDecodeError,
         # an integer literal over Python's digit limit, nesting deeper than the stack
         raise ProtocolError(f"malformed JSON in the request: {error}") from None

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any
 
 import numpy as np
@@ -52,8 +53,23 @@ DATATYPES = (*DTYPES, BYTES)
 #: The bytes of a BYTES element's length, in binary data (little-endian).
 LENGTH_PREFIX = 4
 _LENGTH = struct.Struct("<I")
+
+
+def _compact_json() -> Any:
+    """json.dumps(value, separators=(",", ":")) as a function of value: json's C encoder,
+    made once (json.dumps makes one for every call, in Python), where json has one;
+    without a check for circular references, which the answers, built here, never
+    hold."""
+    encoder = json.JSONEncoder(separators=(",", ":"))
+    if c_make_encoder is None:  # (json without its C part)
+        return encoder.encode
+    encode = c_make_encoder(None, encoder.default, encode_basestring_ascii, None, ":", ",",
+                            False, False, True)
+    return lambda value: "".join(encode(value, 0))
+
+
 #: JSON without spaces, as answers are written
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
+_compact = _compact_json()
 
 
 def decode_request(body: bytes, header_length: str | None = None,
@@ -92,7 +108,7 @@ def parse_request(request: Any, binary: memoryview) -> InferRequest:
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise ProtocolError('the request must have "inputs": a non-empty list of tensors')
-    parameters = _object(request.get("parameters"), "the request's parameters")
+    parameters = _object(request.get("parameters"), "the request")
     offset = 0
     tensors = []
     for position, spec in enumerate(inputs):
@@ -121,11 +137,14 @@ def parse_request(request: Any, binary: memoryview) -> InferRequest:
                         request_id, parameters)
 
 
-def _object(value: Any, what: str) -> dict:
+def _object(value: Any, owner: str, name: str | None = None) -> dict:
+    """value, the "parameters" of owner (the request, or input or output name): {} if
+    None; ProtocolError unless it is a JSON object."""
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ProtocolError(f"{what} must be a JSON object")
+        owner = owner if name is None else f"{owner} {name!r}"
+        raise ProtocolError(f"{owner}'s parameters must be a JSON object")
     return value
 
 
@@ -139,7 +158,7 @@ def _flag(parameters: dict, name: str) -> bool:
 def _requested(spec: Any, request_parameters: dict) -> tuple[str, bool]:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
         raise ProtocolError('each requested output must be an object with a "name"')
-    parameters = _object(spec.get("parameters"), f"output {spec['name']!r}'s parameters")
+    parameters = _object(spec.get("parameters"), "output", spec["name"])
     if "classification" in parameters:
         raise ProtocolError("the classification extension is not supported")
     binary = _flag(parameters, "binary_data") if "binary_data" in parameters else \
@@ -163,7 +182,13 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
                             f"the datatypes are {', '.join(DATATYPES)}")
     shape = spec.get("shape")
     count = _count(name, shape)
-    parameters = _object(spec.get("parameters"), f"input {name!r}'s parameters")
+    parameters = spec.get("parameters")
+    if parameters is None:  # (most inputs: their data in the JSON)
+        if "data" not in spec:
+            raise ProtocolError(f'input {name!r} has no "data" (nor binary_data_size)')
+        return Tensor(name, datatype, from_json(name, datatype, shape, spec["data"], count)), \
+            offset
+    parameters = _object(parameters, "input", name)
     if "shared_memory_region" in parameters:
         raise ProtocolError(f"input {name!r}: the shared-memory extension is not supported")
     size = parameters.get("binary_data_size")
@@ -186,7 +211,7 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
         return Tensor(name, datatype, array), offset + size
     if "data" not in spec:
         raise ProtocolError(f'input {name!r} has no "data" (nor binary_data_size)')
-    return Tensor(name, datatype, from_json(name, datatype, shape, spec["data"])), offset
+    return Tensor(name, datatype, from_json(name, datatype, shape, spec["data"], count)), offset
 
 
 def from_length_prefixed(name: str, shape: list[int], data: memoryview) -> np.ndarray:
@@ -301,6 +326,8 @@ def _leaf_types(data: Any, limit: int) -> set[type] | None:
 #: The Python types of JSON values that numeric data may hold.
 _NUMBERS = frozenset({int, float, bool})
 _FLOAT = frozenset({float})
+#: The datatypes of numpy's floats (BF16's arrays hold its bits).
+_FLOATS = frozenset({"FP16", "FP32", "FP64"})
 #: Each numeric datatype's kinds of numpy arrays that its JSON data may be read as, and
 #: what an error calls them.
 _ALLOWED = {datatype: ("b", "true or false") if datatype == "BOOL" else
@@ -308,15 +335,17 @@ _ALLOWED = {datatype: ("b", "true or false") if datatype == "BOOL" else
             ("iuf", "numbers") for datatype, dtype in DTYPES.items()}
 
 
-def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarray:
-    """The array of JSON tensor data (flat or nested, row-major) of a datatype and shape;
-    ProtocolError if the values do not fit the datatype or their count the shape.  The
-    values' types and count are checked before any array is built.  BYTES data are
-    strings, UTF-8 encoded into the array's bytes, or bytes (gRPC's bytes_contents),
-    the array's as they are."""
+def from_json(name: str, datatype: str, shape: list[int], data: Any,
+              count: int | None = None) -> np.ndarray:
+    """The array of JSON tensor data (flat or nested, row-major) of a datatype and shape
+    (of count elements, if given); ProtocolError if the values do not fit the datatype
+    or their count the shape.  The values' types and count are checked before any array
+    is built.  BYTES data are strings, UTF-8 encoded into the array's bytes, or bytes
+    (gRPC's bytes_contents), the array's as they are."""
     if datatype == BYTES:
         return _bytes_from_json(name, shape, data)
-    count = math.prod(shape)
+    if count is None:
+        count = math.prod(shape)
     dtype = DTYPES[datatype]
     allowed, wanted = _ALLOWED[datatype]
     types = _leaf_types(data, count)
@@ -327,7 +356,7 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
         wrong = sorted(t.__name__ for t in types - _NUMBERS)[0]
         raise ProtocolError(f"input {name!r}: {datatype} data must be {wanted}; got a {wrong}")
     # floats for a float datatype: read as its dtype at once, as astype would give them
-    exact = allowed == "iuf" and datatype != "BF16" and types <= _FLOAT
+    exact = datatype in _FLOATS and types <= _FLOAT
     try:
         values = np.array(data if isinstance(data, list) else [data],
                           dtype=dtype if exact else None)
@@ -352,7 +381,7 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> np.ndarr
         if values.min() < info.min or values.max() > info.max:
             raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range "
                                 f"[{info.min}, {info.max}]")
-    return values.astype(dtype, copy=False).reshape(shape)
+    return (values if exact else values.astype(dtype, copy=False)).reshape(shape)
 
 
 def _bytes_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
@@ -452,7 +481,7 @@ def encode_response(model_name: str, model_version: str | None, request_id: str 
     if request_id is not None:
         answer["id"] = request_id
     answer["outputs"] = described
-    header = _COMPACT.encode(answer).encode()
+    header = _compact(answer).encode()
     if not chunks:
         return header, {"Content-Type": "application/json"}
     return header + b"".join(chunks), {"Content-Type": "application/octet-stream",

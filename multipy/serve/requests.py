@@ -106,25 +106,22 @@ class ModelRequests(abc.ABC):
         the timeout (the call is cancelled)."""
         if self._declared is not None:
             self._check(request.inputs)
-        if self._timeout is None:
-            outputs = await self._queued(request, timing)
-        else:
-            try:
-                outputs = await asyncio.wait_for(self._queued(request, timing), self._timeout)
-            except asyncio.TimeoutError:
-                raise ServiceTimeout(
-                    f"model {self.name!r} did not answer within {self._timeout} s "
-                    f"(--timeout); the call was cancelled") from None
-        return self._select(outputs, request)
-
-    async def _queued(self, request: InferRequest, timing: Timing) -> list[Tensor]:
         place = _Place(self._series.queued, request.id, timing)
         try:
-            if self._batcher is not None:
-                return await self._batcher.submit(request.inputs, place)
-            return await self._call(request.inputs, [place], request)
+            work = self._call(request.inputs, [place], request) if self._batcher is None \
+                else self._batcher.submit(request.inputs, place)
+            if self._timeout is None:
+                outputs = await work
+            else:
+                try:
+                    outputs = await asyncio.wait_for(work, self._timeout)
+                except asyncio.TimeoutError:
+                    raise ServiceTimeout(
+                        f"model {self.name!r} did not answer within {self._timeout} s "
+                        f"(--timeout); the call was cancelled") from None
         finally:
             place.leave()
+        return outputs if request.outputs is None else self._select(outputs, request)
 
     async def _call(self, inputs: list[Tensor], places: list[_Place],
                     request: InferRequest | None = None) -> list[Tensor]:
@@ -181,8 +178,8 @@ class ModelRequests(abc.ABC):
                                 f"{declared[missing[0]]['shape']})")
 
     def _select(self, outputs: list[Tensor], request: InferRequest) -> list[Tensor]:
-        if request.outputs is None:
-            return outputs
+        """The outputs that request names, in its order; ProtocolError for one that the
+        model does not give."""
         given = {t.name: t for t in outputs}
         missing = [name for name, _ in request.outputs if name not in given]
         if missing:
@@ -194,6 +191,10 @@ class ModelRequests(abc.ABC):
         """Runs what waits in the batcher now and waits for it (at shutdown)."""
         if self._batcher is not None:
             await self._batcher.drain()
+
+
+#: How a crash report names the one request of a call, when it has no id.
+NO_ID = "request (no id)"
 
 
 class Started:
@@ -208,10 +209,11 @@ class Started:
         self._began = 0
 
     def requests(self) -> str:
-        """The requests the call answers, as a crash report names them."""
+        """The requests the call answers, as a crash report names them (NO_ID itself for
+        one request without an id)."""
         if len(self._places) == 1:
             place = self._places[0]
-            return "request (no id)" if place.id is None else f"request {place.id!r}"
+            return NO_ID if place.id is None else f"request {place.id!r}"
         names = [f"{place.id!r}" if place.id is not None else "(no id)"
                  for place in self._places]
         return f"a batch of {len(names)} requests: {', '.join(names)}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -28,19 +29,18 @@ _NOT_UTF8 = (b"\xef", b"\xfe", b"\xff")
 _DECODER = json.JSONDecoder()
 _SCAN = _DECODER.scan_once
 #: JSON's whitespace
-_WHITESPACE = " \t\n\r"
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
 def _loads(document: str) -> Any:
-    """json.loads(document): the scanner's value of the document less its whitespace
-    around, or, for a document that is not one JSON value, json.loads's own error
-    (JSONDecodeError; RecursionError for one nested deeper than the stack)."""
-    value = document.strip(_WHITESPACE)
+    """json.loads(document): the scanner's value between the document's whitespace, or,
+    for a document that is not one JSON value, json.loads's own error (JSONDecodeError;
+    RecursionError for one nested deeper than the stack)."""
     try:
-        found, end = _SCAN(value, 0)
+        found, end = _SCAN(document, _WHITESPACE.match(document).end())
     except (StopIteration, ValueError):  # (where, said by json.loads below)
         end = -1
-    if end != len(value):
+    if end < 0 or _WHITESPACE.match(document, end).end() != len(document):
         return _DECODER.decode(document)
     return found
 

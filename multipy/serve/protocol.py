@@ -25,7 +25,7 @@ import json
 import math
 import struct
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -454,7 +454,7 @@ def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
 
 
 def encode_response(model_name: str, model_version: str | None, request_id: str | None,
-                    outputs: list[tuple[Tensor, bool]]) -> tuple[bytes, dict[str, str]]:
+                    outputs: Iterable[tuple[Tensor, bool]]) -> tuple[bytes, dict[str, str]]:
     """The body and headers of the answer to an inference request: outputs, each with
     whether it goes as binary data (then the body is the JSON, then their bytes, and the
     headers say where the JSON ends).  ProtocolError if a BYTES output to go as JSON

@@ -97,15 +97,16 @@ static void loan_close(struct loan *loan)
  * token, address), None if the tensor is not lent (a lazy conjugate or negative view,
  * which DLPack would not describe; not in host memory; one DLPack refuses), or NULL
  * with an exception.  The tensor crosses detached, a view of its own, so that set_() on
- * it cannot free the memory that is lent. */
-static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
+ * it cannot free the memory that is lent; unless sole: the caller's reference is the
+ * only one, so that nothing else can re-point it. */
+static PyObject *lend_torch(PyObject *tensor, struct loan *loan, int sole)
 {
     int lazy = tensor_says(torch_api.is_conj, tensor);
     if (lazy == 0)
         lazy = tensor_says(torch_api.is_neg, tensor);
     if (lazy)
         return lazy < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *view = PyObject_CallOneArg(torch_api.detach, tensor);
+    PyObject *view = sole ? Py_NewRef(tensor) : PyObject_CallOneArg(torch_api.detach, tensor);
     PyObject *capsule = view ? PyObject_CallOneArg(torch_api.to_dlpack, view) : NULL;
     Py_XDECREF(view);
     if (!capsule) {
@@ -145,7 +146,7 @@ static PyObject *lend_tensor(PyObject *module, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     struct loan loan = {NULL, NULL, NULL};
-    PyObject *record = loan_open(&loan, args[1]) == 0 ? lend_torch(args[0], &loan) : NULL;
+    PyObject *record = loan_open(&loan, args[1]) == 0 ? lend_torch(args[0], &loan, 0) : NULL;
     loan_close(&loan);
     return record;
 }
@@ -233,7 +234,7 @@ static PyObject *lend_values(PyObject *values_in, struct loan *loan, PyObject *l
         else if (PyErr_Occurred())
             record = NULL;
         else if (torch_api.tensor && (PyObject *)Py_TYPE(value) == torch_api.tensor)
-            record = loan->tokens || loan_open(loan, lent) == 0 ? lend_torch(value, loan) : NULL;
+            record = loan->tokens || loan_open(loan, lent) == 0 ? lend_torch(value, loan, 0) : NULL;
         else
             record = describe ? PyObject_CallFunctionObjArgs(describe, value, lent, NULL)
                               : Py_NewRef(Py_None);

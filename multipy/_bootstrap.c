@@ -383,15 +383,14 @@ static int after_call(void)
 }
 
 /* The reply for a call's result: a CPU torch tensor lent here in a TENSOR reply (the
- * common case), anything else by the handler's value_reply.  A result that nothing
- * else holds crosses as it is, not detached: nothing can re-point it.  NULL with an
- * exception, nothing lent. */
+ * common case), anything else by the handler's value_reply.  NULL with an exception,
+ * nothing lent. */
 static PyObject *value_reply(struct runtime *rt, PyObject *result)
 {
     if (!torch_api.tensor || (PyObject *)Py_TYPE(result) != torch_api.tensor)
         return PyObject_CallOneArg(fast.value_reply, result);
     struct loan loan = {PyList_New(0), Py_NewRef(rt->lent), Py_NewRef(fast.counter)};
-    PyObject *record = loan.tokens ? lend_torch(result, &loan, Py_REFCNT(result) == 1) : NULL;
+    PyObject *record = loan.tokens ? lend_torch(result, &loan) : NULL;
     PyObject *reply = NULL;
     if (record == Py_None) { /* not lent (a CUDA tensor, a lazy view): value_reply says how */
         reply = PyObject_CallOneArg(fast.value_reply, result);

@@ -291,7 +291,7 @@ static struct {
     PyObject *value_reply, *failed, *apply_torch_settings, *order_after_call, *alias;
     PyObject *epoch, *torch_settings, *cuda_aliases; /* names, interned */
     PyObject *zero;        /* 0: the host (the source of what a request lends), a position */
-    PyObject *lent_status; /* LENT, a reply's status */
+    PyObject *tensor_status; /* TENSOR, a reply's status */
 } fast;
 
 /* Reads the fast path's parts, (interpreter, its tokens, _sharing), or leaves it off
@@ -314,7 +314,7 @@ static int fast_path_start(PyObject *parts)
         || !(fast.torch_settings = PyUnicode_InternFromString("torch_settings"))
         || !(fast.cuda_aliases = PyUnicode_InternFromString("cuda_aliases"))
         || !(fast.zero = PyLong_FromLong(0))
-        || !(fast.lent_status = PyLong_FromLong(MULTIPY_LENT))) {
+        || !(fast.tensor_status = PyLong_FromLong(MULTIPY_TENSOR))) {
         fast.interpreter = NULL;
         return -1;
     }
@@ -382,27 +382,25 @@ static int after_call(void)
     return 0;
 }
 
-/* The reply for a call's result: a CPU torch tensor lent here (the common case, as the
- * handler's value_reply would lend it), anything else by value_reply.  NULL with an
- * exception, nothing lent. */
+/* The reply for a call's result: a CPU torch tensor lent here in a TENSOR reply (the
+ * common case), anything else by the handler's value_reply.  NULL with an exception,
+ * nothing lent. */
 static PyObject *value_reply(struct runtime *rt, PyObject *result)
 {
     if (!torch_api.tensor || (PyObject *)Py_TYPE(result) != torch_api.tensor)
         return PyObject_CallOneArg(fast.value_reply, result);
     struct loan loan = {PyList_New(0), Py_NewRef(rt->lent), Py_NewRef(fast.counter)};
-    PyObject *record = loan.tokens ? lend_torch(result, &loan) : NULL, *reply = NULL;
+    PyObject *record = loan.tokens ? lend_torch(result, &loan) : NULL;
+    PyObject *reply = NULL;
     if (record == Py_None) { /* not lent (a CUDA tensor, a lazy view): value_reply says how */
         reply = PyObject_CallOneArg(fast.value_reply, result);
-    } else if (record) { /* (values, positions, single) as lend_result makes them */
-        PyObject *values = PyTuple_Pack(1, record), *positions = PyTuple_Pack(1, fast.zero);
-        PyObject *value = values && positions ? PyTuple_Pack(3, values, positions, Py_True)
-                                              : NULL;
-        PyObject *payload = value ? PyMarshal_WriteObjectToString(value, PLAIN_MARSHAL_VERSION)
-                                  : NULL;
-        reply = payload ? PyTuple_Pack(3, fast.lent_status, fast.zero, payload) : NULL;
-        Py_XDECREF(values);
-        Py_XDECREF(positions);
-        Py_XDECREF(value);
+    } else if (record) {
+        struct multipy_lent_tensor lent = {
+            PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(record, 1)),
+            (uint64_t)(uintptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(record, 2))};
+        PyObject *payload = PyErr_Occurred() ? NULL
+                            : PyBytes_FromStringAndSize((const char *)&lent, sizeof lent);
+        reply = payload ? PyTuple_Pack(3, fast.tensor_status, fast.zero, payload) : NULL;
         Py_XDECREF(payload);
     }
     Py_XDECREF(record);

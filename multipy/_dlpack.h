@@ -155,23 +155,13 @@ static PyObject *lent_address(PyObject *module, PyObject *capsule)
      "lent_address(capsule) -> int: the DLManagedTensor in a dltensor capsule, 0 if its " \
      "memory is neither host nor CUDA device memory."}
 
-/* The capsule of alias_capsule(address, token, source, versioned=False) (_lend.h),
- * for this side's torch.from_dlpack (or numpy's, versioned): the owner's tensor or
- * array at address, whose token goes to `queue` once this side is done. */
-static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,
-                                    struct release_queue *queue)
+/* The capsule for this side's torch.from_dlpack (or numpy's, versioned) of the owner's
+ * tensor or array whose DLManagedTensor is at owner, whose token goes to `queue` once
+ * this side is done with it (or once the capsule is dropped unused).  NULL with an
+ * exception: then nothing is queued, and the owner takes the token back. */
+static PyObject *capsule_of(DLManagedTensor *owner, uint64_t token, int versioned,
+                            struct release_queue *queue)
 {
-    if (nargs < 2) {
-        PyErr_SetString(PyExc_TypeError, "alias_capsule(address, token, ...)");
-        return NULL;
-    }
-    int versioned = nargs >= 4 ? PyObject_IsTrue(args[3]) : 0;
-    if (versioned < 0)
-        return NULL;
-    DLManagedTensor *owner = PyLong_AsVoidPtr(args[0]);
-    uint64_t token = PyLong_AsUnsignedLongLong(args[1]);
-    if (PyErr_Occurred())
-        return NULL;
     if (!owner) {
         PyErr_SetString(PyExc_ValueError, "no tensor at address 0");
         return NULL;
@@ -199,6 +189,25 @@ static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,
     if (!capsule)
         free(alias); /* the token was never queued: the owner takes it back */
     return capsule;
+}
+
+/* The capsule of alias_capsule(address, token, source, versioned=False) (_lend.h):
+ * capsule_of, its arguments Python objects. */
+static PyObject *make_alias_capsule(PyObject *const *args, Py_ssize_t nargs,
+                                    struct release_queue *queue)
+{
+    if (nargs < 2) {
+        PyErr_SetString(PyExc_TypeError, "alias_capsule(address, token, ...)");
+        return NULL;
+    }
+    int versioned = nargs >= 4 ? PyObject_IsTrue(args[3]) : 0;
+    if (versioned < 0)
+        return NULL;
+    DLManagedTensor *owner = PyLong_AsVoidPtr(args[0]);
+    uint64_t token = PyLong_AsUnsignedLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    return capsule_of(owner, token, versioned, queue);
 }
 
 #endif

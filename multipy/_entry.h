@@ -20,6 +20,15 @@ enum {
     MULTIPY_BROKEN = 3, /* multipy's own code inside raised; payload: "type: message" */
     MULTIPY_CANCELLED = 4, /* cancelled before it started: nothing ran */
     MULTIPY_LENT = 5,   /* payload: the value, with the tensors in it lent, by marshal */
+    MULTIPY_TENSOR = 6, /* payload: the value, one CPU torch tensor lent: its token and its
+                           DLManagedTensor's address (struct multipy_lent_tensor) */
+};
+
+/* The payload of a TENSOR reply: the one record of a lent torch tensor (its kind is
+ * torch), in this machine's byte order ("=QQ" to Python's struct). */
+struct multipy_lent_tensor {
+    uint64_t token;
+    uint64_t address;
 };
 
 /* The operations the C fast paths make and read (multipy/_protocol.py has them all). */

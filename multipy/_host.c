@@ -188,7 +188,7 @@ static void give_back(Entry *self, int status, uint64_t handle, PyObject *payloa
 {
     PyObject *type, *value, *traceback;
     PyErr_Fetch(&type, &value, &traceback);
-    if (status != MULTIPY_OK && status != MULTIPY_LENT) {
+    if (status != MULTIPY_OK && status != MULTIPY_LENT && status != MULTIPY_TENSOR) {
         PyObject *owner = lent ? Py_NewRef(lent) : loan ? lent_of(loan) : NULL;
         PyObject *number = owner ? PyLong_FromLong(status) : NULL;
         PyObject *done = number ? PyObject_CallMethodObjArgs(owner, unread_name, number,
@@ -467,9 +467,28 @@ static PyObject *alias_reply(Entry *self, PyObject *interpreter, PyObject *messa
     return value;
 }
 
+/* The alias of the torch tensor that a TENSOR reply's payload (data) lends, whose
+ * token goes back to the interpreter once the alias is gone, or with the next call if
+ * it cannot be made.  NULL with an exception. */
+static PyObject *alias_lent_tensor(Entry *self, const char *data)
+{
+    struct multipy_lent_tensor lent;
+    memcpy(&lent, data, sizeof lent);
+    struct release_queue *queue = &queues[self->ordinal];
+    PyObject *capsule = capsule_of((DLManagedTensor *)(uintptr_t)lent.address, lent.token, 0,
+                                   queue);
+    if (!capsule) {
+        queue_push(queue, lent.token);
+        return NULL;
+    }
+    PyObject *tensor = PyObject_CallOneArg(torch_api.from_dlpack, capsule);
+    Py_DECREF(capsule); /* if no tensor took it, it gives the token back itself */
+    return tensor;
+}
+
 /* The value of a CALL_VALUE's reply as Interpreter._finish gives it: read here when it
- * is plain or lent, else by interpreter._finish(reply, the Lent of what loan lent, or
- * None). */
+ * is plain, lent or a lent tensor, else by interpreter._finish(reply, the Lent of what
+ * loan lent, or None). */
 static PyObject *read_reply(Entry *self, PyObject *interpreter, PyObject *reply,
                             struct loan *loan)
 {
@@ -480,6 +499,9 @@ static PyObject *read_reply(Entry *self, PyObject *interpreter, PyObject *reply,
     int plain_value = size && (unsigned char)data[0] != MULTIPY_PICKLED;
     if (status == MULTIPY_OK && plain_value && !PyObject_IsTrue(PyTuple_GET_ITEM(reply, 1)))
         return PyMarshal_ReadObjectFromString(data, size);
+    if (status == MULTIPY_TENSOR && size == sizeof(struct multipy_lent_tensor)
+        && torch_api.from_dlpack)
+        return alias_lent_tensor(self, data);
     if (status == MULTIPY_LENT && plain_value) {
         PyObject *message = PyMarshal_ReadObjectFromString(data, size);
         if (message && PyTuple_CheckExact(message) && PyTuple_GET_SIZE(message) == 3

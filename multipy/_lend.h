@@ -17,10 +17,10 @@
 static struct release_queue *alias_queue(long source);
 
 /* This side's torch, once use_torch has run: the tensor type that is lent (exactly:
- * subclasses are pickled), the methods a tensor is checked and detached with, and its
- * DLPack functions.  NULL before. */
+ * subclasses are pickled), the methods a tensor is checked with and its storage read
+ * with, and its DLPack functions.  NULL before. */
 static struct {
-    PyObject *tensor, *is_conj, *is_neg, *detach, *to_dlpack, *from_dlpack;
+    PyObject *tensor, *is_conj, *is_neg, *untyped_storage, *to_dlpack, *from_dlpack;
 } torch_api;
 static PyObject *torch_kind; /* "torch": a lent tensor's record starts with it */
 
@@ -35,18 +35,18 @@ static PyObject *use_torch(PyObject *module, PyObject *const *args, Py_ssize_t n
         Py_RETURN_NONE;
     PyObject *is_conj = PyObject_GetAttrString(args[0], "is_conj");
     PyObject *is_neg = is_conj ? PyObject_GetAttrString(args[0], "is_neg") : NULL;
-    PyObject *detach = is_neg ? PyObject_GetAttrString(args[0], "detach") : NULL;
+    PyObject *storage = is_neg ? PyObject_GetAttrString(args[0], "untyped_storage") : NULL;
     if (!torch_kind)
         torch_kind = PyUnicode_InternFromString("torch");
-    if (!detach || !torch_kind) {
+    if (!storage || !torch_kind) {
         Py_XDECREF(is_conj);
         Py_XDECREF(is_neg);
-        Py_XDECREF(detach);
+        Py_XDECREF(storage);
         return NULL;
     }
     torch_api.is_conj = is_conj;
     torch_api.is_neg = is_neg;
-    torch_api.detach = detach;
+    torch_api.untyped_storage = storage;
     torch_api.to_dlpack = Py_NewRef(args[1]);
     torch_api.from_dlpack = Py_NewRef(args[2]);
     torch_api.tensor = Py_NewRef(args[0]); /* last: the others are ready */
@@ -96,8 +96,8 @@ static void loan_close(struct loan *loan)
 /* Lends tensor into loan, token noted before the capsule is kept.  The record (kind,
  * token, address), None if the tensor is not lent (a lazy conjugate or negative view,
  * which DLPack would not describe; not in host memory; one DLPack refuses), or NULL
- * with an exception.  The tensor crosses detached, a view of its own, so that set_() on
- * it cannot free the memory that is lent. */
+ * with an exception.  Its storage is kept beside the capsule (which holds the tensor),
+ * so that set_() on the tensor cannot free the memory that is lent. */
 static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
 {
     int lazy = tensor_says(torch_api.is_conj, tensor);
@@ -105,10 +105,10 @@ static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
         lazy = tensor_says(torch_api.is_neg, tensor);
     if (lazy)
         return lazy < 0 ? NULL : Py_NewRef(Py_None);
-    PyObject *view = PyObject_CallOneArg(torch_api.detach, tensor);
-    PyObject *capsule = view ? PyObject_CallOneArg(torch_api.to_dlpack, view) : NULL;
-    Py_XDECREF(view);
-    if (!capsule) {
+    PyObject *capsule = PyObject_CallOneArg(torch_api.to_dlpack, tensor);
+    PyObject *storage = capsule ? PyObject_CallOneArg(torch_api.untyped_storage, tensor) : NULL;
+    if (!storage) {
+        Py_XDECREF(capsule);
         if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_BufferError)
             || PyErr_ExceptionMatches(PyExc_TypeError)) { /* sparse, quantized, nested... */
             PyErr_Clear();
@@ -119,20 +119,24 @@ static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
     DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
     if (!managed || managed->dl_tensor.device.device_type != MULTIPY_DL_CPU) {
         Py_DECREF(capsule);
+        Py_DECREF(storage);
         if (managed)
             Py_RETURN_NONE;
         return NULL;
     }
     PyObject *record = NULL, *address = PyLong_FromVoidPtr(managed);
-    PyObject *token = address ? PyIter_Next(loan->counter) : NULL;
-    if (address && !token && !PyErr_Occurred())
+    PyObject *kept = address ? PyTuple_Pack(2, capsule, storage) : NULL;
+    PyObject *token = kept ? PyIter_Next(loan->counter) : NULL;
+    if (kept && !token && !PyErr_Occurred())
         PyErr_SetNone(PyExc_StopIteration); /* the tokens ran out */
     if (token && PyList_Append(loan->tokens, token) == 0
-        && PyDict_SetItem(loan->objects, token, capsule) == 0)
+        && PyDict_SetItem(loan->objects, token, kept) == 0)
         record = PyTuple_Pack(3, torch_kind, token, address);
     Py_XDECREF(token);
+    Py_XDECREF(kept);
     Py_XDECREF(address);
     Py_DECREF(capsule);
+    Py_DECREF(storage);
     return record;
 }
 

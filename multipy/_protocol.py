@@ -12,6 +12,7 @@ mirror.
 from __future__ import annotations
 
 import os
+import struct
 from typing import NamedTuple
 
 #: The call path: "c", the common call's fast path in C on both sides (the default), or
@@ -43,6 +44,12 @@ BROKEN = 3   #: multipy's own code inside raised; payload: "Type: message", UTF-
 CANCELLED = 4  #: cancelled before it started: nothing ran
 LENT = 5     #: payload: (values, positions, single) by marshal, the value (values[0] if
              #: single, else the tuple) with a tensor's record at each of positions
+TENSOR = 6   #: payload: the value, one CPU torch tensor lent: the token and address of
+             #: its record, two unsigned 64-bit numbers in this machine's order
+             #: (LENT_TENSOR.unpack; the C fast path's reply for a tensor result)
+
+#: How a TENSOR reply's payload is laid out (_entry.h: struct multipy_lent_tensor).
+LENT_TENSOR = struct.Struct("=QQ")
 
 # -- what a cancel raises in the call --
 CANCEL_TIMEOUT = 0    #: the interpreter's _multipy_bootstrap.CallCancelled

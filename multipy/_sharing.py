@@ -442,6 +442,8 @@ def lent_tokens(data: bytes, status: int = _protocol.OK) -> list[int]:
     if status == _protocol.LENT:
         values, positions, _ = marshal.loads(data)
         return [values[position][1] for position in positions]
+    if status == _protocol.TENSOR:
+        return [_protocol.LENT_TENSOR.unpack(data)[0]]
     if not data or data[0] != PICKLED:  # a plain value lends nothing
         return []
     reader = _TokenReader(data)

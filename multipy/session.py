@@ -316,6 +316,15 @@ class Interpreter:
                 self._give_back(payload, status, aliased)
                 raise
             return values[0] if single else tuple(values)
+        if status == _protocol.TENSOR:
+            aliased: list[int] = []
+            try:
+                token, address = _protocol.LENT_TENSOR.unpack(payload)
+                return _sharing.alias((_sharing.TORCH, token, address), self._runtime.ordinal,
+                                      aliased)
+            except BaseException:  # Ctrl-C, say
+                self._give_back(payload, status, aliased)
+                raise
         if status == _protocol.OK:
             if handle:
                 return Obj(self, handle)

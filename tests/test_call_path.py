@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import multipy  # noqa: E402
+from multipy import _protocol, _sharing  # noqa: E402
 from multipy import session as session_module  # noqa: E402
 from multipy._runtime import exports as host_exports  # noqa: E402
 
@@ -113,6 +114,72 @@ def test_a_replicated_object_s_calls_take_the_call_path(tools):
     plus_one, total = replicated(x)
     assert torch.equal(plus_one, x + 1) and total == 3.0
     assert torch.equal(replicated.call_method("twice", x), x * 2)
+
+
+def test_a_tensor_result_goes_back_however_the_host_reads_it(tools, monkeypatch):
+    # On the C path a tensor result comes back in a TENSOR reply: read by the host's C
+    # entry, or by Interpreter._finish under multipy.timeout
+    _, s = tools
+    statuses = []
+    finish = session_module.Interpreter._finish
+    monkeypatch.setattr(session_module.Interpreter, "_finish",
+                        lambda self, reply, lent: statuses.append(reply[0]) or finish(
+                            self, reply, lent))
+    scale, stats = s.global_("call_path_tools", "scale"), s.global_("multipy._inside", "stats")
+    x = torch.arange(4.0)
+    scale.call_value(None, (x,))  # an object's first call takes the handler's path
+    before = stats.call_value(None)["lent"]
+    # a timed call runs on a worker thread, whose first call there is the handler's too
+    for limit in (None, 60, 60):
+        with multipy.timeout(limit):
+            y = scale.call_value(None, (x,))
+        assert torch.equal(y, x * 2)
+        assert stats.call_value(None)["lent"] == before + 1
+        del y
+        assert stats.call_value(None)["lent"] == before  # this call carried the release
+    assert (_protocol.TENSOR in statuses) is ON_C_PATH  # the timed call's reply
+
+
+def test_an_unread_tensor_reply_names_its_token():
+    # what the host gives back when a TENSOR reply is not read (Ctrl-C, say)
+    payload = _protocol.LENT_TENSOR.pack(7, 0x7F00DEAD0000)
+    assert _sharing.lent_tokens(payload, _protocol.TENSOR) == [7]
+
+
+_REPOINTED = """
+import torch, multipy
+with multipy.InterpreterManager(1) as m:
+    m.register_module_source("kept", (
+        "import torch\\n"
+        "kept = []\\n"
+        "def keep(t):\\n"
+        "    kept.append(t)\\n"
+        "    out = t * 3\\n"
+        "    kept.append(out)\\n"
+        "    return out\\n"
+        "def repoint():\\n"
+        "    kept.pop().set_(torch.zeros(1))\\n"
+        "    return kept.pop().sum().item()\\n"))
+    with m[0].acquire_session() as s:
+        keep, repoint = s.global_("kept", "keep"), s.global_("kept", "repoint")
+        for _ in range(2):  # an object's first call takes the handler's path, then C's
+            x = torch.ones(4 << 20)  # 16 MB: once freed, its pages go back to the system
+            y = keep.call_value(None, (x,))
+            x.set_(torch.zeros(1))
+            print(repoint.call_value(None), y.sum().item())
+"""
+
+
+@pytest.mark.timeout(300)
+def test_lent_memory_survives_either_owner_repointing_its_tensor():
+    # Each side keeps what it lent alive, not only the tensor: re-pointing the tensor
+    # (set_) on the side that lent it leaves the other side's alias its memory; in a
+    # process of its own, as a regression reads freed memory
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", "-c", _REPOINTED],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    size = 4 << 20
+    assert result.stdout.split() == [str(float(size)), str(float(3 * size))] * 2
 
 
 @pytest.mark.skipif(not ON_C_PATH, reason="the reference run itself")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import re
 import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -28,19 +27,18 @@ _NOT_UTF8 = (b"\xef", b"\xfe", b"\xff")
 #: json has its C part), which reads one JSON value from a given index
 _DECODER = json.JSONDecoder()
 _SCAN = _DECODER.scan_once
-#: JSON's whitespace
-_WHITESPACE = re.compile(r"[ \t\n\r]*")
 
 
 def _loads(document: str) -> Any:
-    """json.loads(document): the scanner's value between the document's whitespace, or,
-    for a document that is not one JSON value, json.loads's own error (JSONDecodeError;
+    """json.loads(document): the scanner's value of a document that is one JSON value
+    and nothing else, as clients send it; for any other (whitespace around it, or not
+    one JSON value) json.loads's own reading, or its error (JSONDecodeError;
     RecursionError for one nested deeper than the stack)."""
     try:
-        found, end = _SCAN(document, _WHITESPACE.match(document).end())
+        found, end = _SCAN(document, 0)
     except (StopIteration, ValueError):  # (where, said by json.loads below)
         end = -1
-    if end < 0 or _WHITESPACE.match(document, end).end() != len(document):
+    if end != len(document):
         return _DECODER.decode(document)
     return found
 

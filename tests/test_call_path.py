@@ -129,15 +129,19 @@ def test_a_tensor_result_goes_back_however_the_host_reads_it(tools, monkeypatch)
     x = torch.arange(4.0)
     scale.call_value(None, (x,))  # an object's first call takes the handler's path
     before = stats.call_value(None)["lent"]
-    # a timed call runs on a worker thread, whose first call there is the handler's too
-    for limit in (None, 60, 60):
+    # a timed call runs on a worker thread, and a thread's first call here takes the
+    # handler's path too: timed calls until one has taken C's (the workers are few)
+    for calls in range(200):
+        limit = None if calls == 0 else 60
         with multipy.timeout(limit):
             y = scale.call_value(None, (x,))
         assert torch.equal(y, x * 2)
         assert stats.call_value(None)["lent"] == before + 1
         del y
         assert stats.call_value(None)["lent"] == before  # this call carried the release
-    assert (_protocol.TENSOR in statuses) is ON_C_PATH  # the timed call's reply
+        if calls and _protocol.TENSOR in statuses:
+            break
+    assert (_protocol.TENSOR in statuses) is ON_C_PATH  # a timed call's reply
 
 
 def test_an_unread_tensor_reply_names_its_token():

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -2774,39 +2774,46 @@ def _readable(sock: socket.socket) -> bool:
     return bool(select.select([sock], [], [], 0)[0])
 
 
-def _slow_requests(server: Server, seconds: float, count: int, over_grpc: int = 0):
-    """count clients, each on a thread of its own, each sending the slow model one
-    request of seconds, the first over_grpc of them over gRPC: (the threads, the
-    answers, the errors), filled as they end."""
-    array = np.array([seconds], np.float32)
-    answers, errors = [], []
+def _requests_on_threads(server: Server, requests: list[tuple[str, str, np.ndarray, str]],
+                         received: Callable[[int], bool]):
+    """Each of requests, (model, input name, array, "http" or "grpc"), sent by a client
+    of its own on a thread of its own, the next one once received(k) is true of request
+    k: (the threads, the answers by request, the errors), filled as they end."""
+    answers: list = [None] * len(requests)
+    errors: list = []
 
-    def slow(grpc: bool) -> None:
+    def send(k: int, client, tensor) -> None:
         try:
-            if grpc:
-                result = _grpc(server).infer("slow", [_grpc_input("seconds", array, "FP32")])
-            else:
-                result = server.client().infer("slow", [_input("seconds", array, "FP32", True)])
-            answers.append(result.as_numpy("doubled"))
+            answers[k] = client.infer(requests[k][0], [tensor]).as_numpy(_OUTPUT[requests[k][0]])
         except BaseException as error:  # reported by _sigterm_answers_all
             errors.append(error)
 
-    threads = [threading.Thread(target=slow, args=(k < over_grpc,)) for k in range(count)]
-    for thread in threads:
+    threads = []
+    for k, (model, name, array, over) in enumerate(requests):
+        datatype = "UINT8" if array.dtype == np.uint8 else "FP32"
+        client, tensor = ((_grpc(server), _grpc_input(name, array, datatype)) if over == "grpc"
+                          else (server.client(), _input(name, array, datatype, True)))
+        threads.append(threading.Thread(target=send, args=(k, client, tensor)))
+    for k, thread in enumerate(threads):
         thread.start()
+        until(lambda: received(k))
     return threads, answers, errors
 
 
-def _sigterm_answers_all(server: Server, requests, seconds: float) -> None:
-    """SIGTERM to server: every request in flight is answered, it stops accepting, and
-    it exits 0."""
+_OUTPUT = {"slow": "doubled", "blocks": "output0"}
+
+
+def _sigterm_answers_all(server: Server, requests, expected: list, release=()) -> None:
+    """SIGTERM to server, then each fifo of release written to: every request in flight
+    is answered with its expected output, it stops accepting, and it exits 0."""
     threads, answers, errors = requests
     server.process.send_signal(signal.SIGTERM)
+    for fifo in release:
+        until(lambda: write_one(fifo))
     for thread in threads:
         thread.join(timeout=60)
     assert not errors, (errors[0], server.output())
-    assert len(answers) == len(threads)
-    assert all(a[0] == np.float32(2 * seconds) for a in answers)
+    assert [a.tolist() for a in answers] == [e.tolist() for e in expected]
     assert server.process.wait(timeout=60) == 0, server.output()
     with pytest.raises(OSError):
         _request(server, "GET", "/v2/health/live")  # it stopped accepting
@@ -2937,18 +2944,26 @@ def test_accepting_goes_on_after_an_error(caplog):
     assert listener.failed and "Too many open files" in caplog.text
 
 
-def test_sigterm_answers_requests_in_flight_and_exits_0(served):
-    # over HTTP and gRPC; queued ones end after 2.4 s: within --timeout
-    requests = _slow_requests(served, 1.2, 4, over_grpc=2)
-    deadline = time.monotonic() + 30
-    while True:  # 2 running (one per interpreter), 2 queued: all received
+def test_sigterm_answers_requests_in_flight_and_exits_0(served, tmp_path):
+    """A call that blocks until released runs in each interpreter (a new HTTP connection
+    goes to a free one) and two slow requests, over HTTP and gRPC, wait behind them when
+    SIGTERM comes; then the calls are released, and all four are answered."""
+    fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
+    for fifo in fifos:
+        os.mkfifo(fifo)
+    paths = [np.frombuffer(fifo.encode(), np.uint8) for fifo in fifos]
+    seconds = np.array([0.2], np.float32)
+
+    def received(k: int) -> bool:
         metrics = _metrics(served)
-        if (metrics[("multipy_busy_interpreters", (("model", "slow"),))] == 2
-                and metrics[("multipy_inference_queue_length", (("model", "slow"),))] == 2):
-            break
-        assert time.monotonic() < deadline, metrics
-        time.sleep(0.01)
-    _sigterm_answers_all(served, requests, 1.2)
+        return (metrics[("multipy_busy_interpreters", (("model", "blocks"),))] == min(k + 1, 2)
+                and metrics[("multipy_inference_queue_length", (("model", "slow"),))]
+                == max(k - 1, 0))
+
+    requests = _requests_on_threads(served, [
+        ("blocks", "path", paths[0], "http"), ("blocks", "path", paths[1], "http"),
+        ("slow", "seconds", seconds, "http"), ("slow", "seconds", seconds, "grpc")], received)
+    _sigterm_answers_all(served, requests, [*paths, 2 * seconds, 2 * seconds], release=fifos)
     with open(served.report) as f:
         imported = json.load(f)
     # (numpy: the host decoded the requests it served while every interpreter was stuck)

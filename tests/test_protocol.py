@@ -7,6 +7,8 @@ import re
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 np = pytest.importorskip("numpy")
 
@@ -225,3 +227,35 @@ def test_a_config_json_that_declares_nothing_valid_says_why(manager, text, says)
                         '"optional": true}]}').deref() == {
             "inputs": [{"name": "x", "datatype": "BYTES", "shape": [-1], "optional": True}],
             "outputs": []}
+
+
+_FLOAT_WIDTHS = {"FP16": 16, "FP32": 32, "FP64": 64}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(["FP16", "BF16", "FP32", "FP64"]), st.data())
+def test_float_outputs_in_json_read_back_as_the_same_values(datatype, data):
+    """Every float (subnormal, extreme, -0.0, infinite, NaN) of an output answered in
+    JSON reads back (json.loads, then the datatype's dtype) as the value it was, beside
+    the same output as binary data and an output with a name to escape."""
+    width = _FLOAT_WIDTHS.get(datatype, 32)
+    values = data.draw(st.lists(st.floats(width=width), max_size=40))
+    if datatype == "BF16":  # its arrays hold the bits: values rounded to BF16's
+        array = (np.array(values, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        expected = (array.astype(np.uint32) << 16).view(np.float32)
+    else:
+        array = expected = np.array(values, {16: "<f2", 32: "<f4", 64: "<f8"}[width])
+    body, headers = encode_response("m", None, 'a "quoted" id', [
+        (Tensor("out", datatype, array), False), (Tensor("raw", datatype, array), True),
+        (Tensor('\u00e9\n"', "INT8", np.array([1, -2], np.int8)), False)])
+    answer = json.loads(body[:int(headers["Inference-Header-Content-Length"])])
+    assert answer["id"] == 'a "quoted" id' and "model_version" not in answer
+    out, raw, text = answer["outputs"]
+    assert out["shape"] == raw["shape"] == [len(values)]
+    assert raw["parameters"] == {"binary_data_size": array.nbytes}
+    assert text == {"name": '\u00e9\n"', "datatype": "INT8", "shape": [2], "data": [1, -2]}
+    read = np.array(out["data"], expected.dtype)
+    assert read.shape == expected.shape
+    assert np.array_equal(np.isnan(read), np.isnan(expected))
+    finite = ~np.isnan(expected)
+    assert read[finite].tobytes() == expected[finite].tobytes()  # -0.0 included

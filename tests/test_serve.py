@@ -954,6 +954,66 @@ def test_slow_requests_idle_connections_and_a_stalled_stop_are_bounded(packages,
         _stop(server)
 
 
+#: uvicorn's keep-alive timeout, which multipy serve keeps (seconds)
+_KEEP_ALIVE = 5.0
+
+
+def _answered(sock: socket.socket) -> http.client.HTTPResponse:
+    """The next answer on sock, read whole."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response
+
+
+def _open_until(sock: socket.socket, until_time: float) -> None:
+    """Asserts that the server has not closed sock (or written to it) before until_time
+    (time.monotonic's)."""
+    left = until_time - time.monotonic()
+    assert left <= 0 or not select.select([sock], [], [], left)[0], "closed too early"
+
+
+def test_keep_alive_closes_only_a_connection_idle_for_its_timeout(served):
+    """One connection: requests 3 s apart keep it (the timeout counts from each answer);
+    a request whose head began while it was idle is answered though its rest comes after
+    the timeout; once idle, it is closed when the timeout has passed, not before."""
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: test\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        for _ in range(3):  # the second and third past 5 s from the first answer
+            sock.sendall(live)
+            assert _answered(sock).status == 200
+            _open_until(sock, time.monotonic() + 3)
+        sent = time.monotonic()
+        sock.sendall(live[:10])  # a head begun while idle, finished after the timeout
+        _open_until(sock, sent + _KEEP_ALIVE + 1)
+        sock.sendall(live[10:])
+        assert _answered(sock).status == 200
+        sent = time.monotonic()
+        sock.sendall(live)
+        assert _answered(sock).status == 200
+        _open_until(sock, sent + _KEEP_ALIVE - 0.1)  # (idle from the answer, after sent)
+        assert sock.recv(1) == b""  # then closed by the server (within recv's 60 s)
+
+
+def test_a_request_begun_while_the_answer_before_it_is_written_is_not_cut_by_keep_alive(
+        served):
+    """A pipelined request whose head is cut short arrives while the one before it runs:
+    when that one is answered the connection is not idle, so keep-alive does not close it
+    while the rest of the head takes longer than the timeout to come."""
+    body = json.dumps({"inputs": [{"name": "seconds", "shape": [1], "datatype": "FP32",
+                                   "data": [0.5]}]}).encode()
+    slow = (b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: test\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: test\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        sock.sendall(slow + live[:10])
+        response = _answered(sock)
+        assert response.status == 200
+        _open_until(sock, time.monotonic() + _KEEP_ALIVE + 1)
+        sock.sendall(live[10:])
+        assert _answered(sock).status == 200
+
+
 def _busy(server: Server, model: str) -> float:
     return _metrics(server)[("multipy_busy_interpreters", (("model", model),))]
 

@@ -7,8 +7,10 @@ limits a server on the open network needs, the same wherever a connection is ser
   closed, before the rest is parsed.
 - A request must arrive whole (head and body) within ``read_timeout`` seconds of its
   first byte, and a new connection must start one within as long: else 408 (or, for a
-  connection that sent nothing, it is closed).  Between requests, uvicorn's keep-alive
-  timeout closes an idle connection.
+  connection that sent nothing, it is closed).
+- A connection that has been answered and has not sent a byte of another request for
+  uvicorn's keep-alive timeout is closed.  One timer per connection watches both, made
+  again only when it would come too late (uvicorn's own makes and cancels one an answer).
 
 An answer's head and body, which uvicorn writes apart, leave in one write
 (``_Coalescing``): one system call and, when small, one TCP segment.
@@ -105,10 +107,13 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             self._head = 0
             self._tail = b""
             self._refusal: tuple[int, str] | None = None
-            # when the request under way (or the connection) began, and the one timer that
-            # watches it: re-armed while requests come in time, not made for each
+            # when the request under way (or the connection) began; when the connection
+            # went idle (answered, no byte of a next request yet); and the one timer that
+            # watches both, and when it comes: at or before the earlier one's deadline
             self._since: float | None = None
+            self._idle: float | None = None
             self._watch: asyncio.TimerHandle | None = None
+            self._watch_at = 0.0
             self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -121,7 +126,7 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
 
         def data_received(self, data: bytes) -> None:
             self.received += len(data)
-            self._unset_keepalive_if_required()
+            self._idle = None
             if self._since is None:
                 self._arm()  # the first byte of a request
             if self._heading:
@@ -148,6 +153,11 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                 self.logger.warning(message)
                 self.send_400_response(message)
 
+        def on_message_begin(self) -> None:
+            if self._since is None:  # begun in the piece that ended the one before
+                self._arm()
+            super().on_message_begin()
+
         def on_header(self, name: bytes, value: bytes) -> None:
             if len(self.headers) >= limits.max_headers:  # (the request's fields so far)
                 self._refusal = (431, f"the request has more than the {limits.max_headers} "
@@ -162,8 +172,17 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                 self.cycle.keep_alive = False
 
         def on_response_complete(self) -> None:
+            # uvicorn's, but for its keep-alive timer: the watch's deadline instead
             self.transport.flush()
-            super().on_response_complete()
+            self.server_state.total_requests += 1
+            if self.transport.is_closing():
+                return
+            self.flow.resume_reading()
+            if self.pipeline:
+                self._start_asgi_task(*self.pipeline.pop())
+            elif self._since is None:  # idle: no byte of a next request has come
+                self._idle = self.loop.time()
+                self._watch_by(self._idle + self.timeout_keep_alive)
 
         def on_message_complete(self) -> None:
             self._disarm()  # arrived whole
@@ -172,8 +191,16 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
 
         def _arm(self) -> None:
             self._since = self.loop.time()
-            if self._watch is None:
-                self._watch = self.loop.call_at(self._since + limits.read_timeout, self._check)
+            self._watch_by(self._since + limits.read_timeout)
+
+        def _watch_by(self, deadline: float) -> None:
+            """Makes the watch come at deadline, unless it comes before."""
+            if self._watch is not None:
+                if self._watch_at <= deadline:
+                    return
+                self._watch.cancel()
+            self._watch = self.loop.call_at(deadline, self._check)
+            self._watch_at = deadline
 
         def _disarm(self, stop_watching: bool = False) -> None:
             self._since = None
@@ -183,14 +210,20 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
 
         def _check(self) -> None:
             """The watch's time: too slow if the request under way began read_timeout
-            ago; else watch again, until that one's time (none under way: stop)."""
+            ago, closed if idle for the keep-alive timeout; else watch again until then
+            (neither under way nor idle: stop)."""
             self._watch = None
-            if self._since is None:
-                return
-            if self.loop.time() - self._since < limits.read_timeout:
-                self._watch = self.loop.call_at(self._since + limits.read_timeout, self._check)
-                return
-            self._too_slow()
+            now = self.loop.time()
+            if self._since is not None:
+                if now - self._since < limits.read_timeout:
+                    self._watch_by(self._since + limits.read_timeout)
+                else:
+                    self._too_slow()
+            elif self._idle is not None:
+                if now - self._idle < self.timeout_keep_alive:
+                    self._watch_by(self._idle + self.timeout_keep_alive)
+                elif not self.transport.is_closing():
+                    self.transport.close()
 
         def _too_slow(self) -> None:
             self._since = None

@@ -206,7 +206,7 @@ class Text(nn.Module):
 #: What the host of a server imports only to serve an inference request itself, or
 #: never: torch (the interpreters' alone), numpy (decoding a request's tensors), uvicorn's
 #: command line (click, watchfiles), rich (the progress bar, on a terminal only).
-HOST_NEVER_IMPORTS = ("torch", "numpy", "click", "watchfiles", "rich")
+HOST_NEVER_IMPORTS = ("torch", "numpy", "click", "watchfiles", "rich", "websockets")
 
 #: The wrapper a server runs as: `multipy serve`'s own entry (the launcher runs the
 #: module the same way), and, at exit, which of HOST_NEVER_IMPORTS the host process had
@@ -418,6 +418,16 @@ def _eager(path: str):
 
 
 # -- health and metadata --
+
+def test_a_websocket_upgrade_is_answered_over_http(served):
+    """multipy serve speaks no WebSocket (the host and the front ends do not import
+    it): a request asking to upgrade is answered as any other, and the log says so."""
+    status, _, body = _request(served, "GET", "/v2/health/live", headers={
+        "Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+        "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="})
+    assert status == 200 and body == b""
+    until(lambda: "speaks no WebSocket" in served.output())
+
 
 def test_health_and_server_metadata(served):
     client = served.client()

@@ -246,6 +246,7 @@ class FrontEnd:
         _multipy_bootstrap.note(*_SERVING)
         config = Config(self._app, lifespan="off", access_log=False, log_config=None,
                         proxy_headers=False,  # nothing here reads the client's address
+                        ws="none",  # (nor speaks WebSocket: websockets is not imported)
                         timeout_graceful_shutdown=self._graceful_timeout)
         self._server = _Server(config, self._started, self._finish)
         try:

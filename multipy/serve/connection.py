@@ -153,6 +153,10 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                 self.logger.warning(message)
                 self.send_400_response(message)
 
+        def _unsupported_upgrade_warning(self) -> None:  # (uvicorn's says to install one)
+            self.logger.warning("Unsupported upgrade request: answered over HTTP/1.1 "
+                                "(multipy serve speaks no WebSocket).")
+
         def on_message_begin(self) -> None:
             if self._since is None:  # begun in the piece that ended the one before
                 self._arm()

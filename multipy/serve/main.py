@@ -598,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
     loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc, supervised),
                               daemon=True, name="multipy-serve-start")
     app = create_app(service, loader.start)
-    config = Config(app, host=args.host, port=args.port, lifespan="on",
+    config = Config(app, host=args.host, port=args.port, lifespan="on", ws="none",
                     access_log=False, log_config=logging_config(),
                     timeout_graceful_shutdown=served.graceful_timeout)
     server = _Server(config, fronts, served.limits, listener, supervised)

@@ -254,8 +254,19 @@ def test_float_outputs_in_json_read_back_as_the_same_values(datatype, data):
     assert out["shape"] == raw["shape"] == [len(values)]
     assert raw["parameters"] == {"binary_data_size": array.nbytes}
     assert text == {"name": '\u00e9\n"', "datatype": "INT8", "shape": [2], "data": [1, -2]}
+    assert all(type(x) is float for x in out["data"])  # whole ones too
     read = np.array(out["data"], expected.dtype)
     assert read.shape == expected.shape
     assert np.array_equal(np.isnan(read), np.isnan(expected))
     finite = ~np.isnan(expected)
     assert read[finite].tobytes() == expected[finite].tobytes()  # -0.0 included
+
+
+def test_whole_float_outputs_in_json_read_back_as_floats():
+    """A float output's whole numbers (0.0, -0.0, 1.0, 1e20) are written with a point
+    or an exponent, as json writes them: read back, they are floats, not integers."""
+    array = np.array([0.5, 1.0, -0.0, 0.0, 1e20, -3.0], np.float32)
+    body, _ = encode_response("m", None, None, [(Tensor("out", "FP32", array), False)])
+    data = json.loads(body)["outputs"][0]["data"]
+    assert all(type(x) is float for x in data), data
+    assert np.array(data, np.float32).tobytes() == array.tobytes()

@@ -926,10 +926,10 @@ def test_request_heads_are_bounded_in_size_and_fields(served):
 def test_slow_requests_idle_connections_and_a_stalled_stop_are_bounded(packages, tmp_path):
     """With --read-timeout 1: a request whose head, or body, stops arriving is a 408, a
     connection that sends nothing is closed, and a client that keeps its request
-    coming in time is served.  With --graceful-timeout 1, a client stalled in the middle
+    coming in time is served, as is one whose request waits 2 s behind another.  With --graceful-timeout 1, a client stalled in the middle
     of its body does not keep SIGTERM from ending the server (exit status 0)."""
-    server = _start(tmp_path, [packages["cast"]], "--interpreters", "1", "--read-timeout", "1",
-                    "--graceful-timeout", "1")
+    server = _start(tmp_path, [packages["cast"], packages["slow"]], "--interpreters", "1",
+                    "--read-timeout", "1", "--graceful-timeout", "1")
     try:
         good = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
                                        "data": [5]}]}).encode()
@@ -949,6 +949,16 @@ def test_slow_requests_idle_connections_and_a_stalled_stop_are_bounded(packages,
             response.begin()
             assert response.status == 200
             assert json.loads(response.read())["outputs"][0]["data"] == [5.0]
+        # a request pipelined behind a call of 2 s, which uvicorn does not read meanwhile
+        slow = json.dumps({"inputs": [{"name": "seconds", "shape": [1], "datatype": "FP32",
+                                       "data": [2]}]}).encode()
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            sock.sendall(b"POST /v2/models/slow/infer HTTP/1.1\r\nHost: test\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(slow), slow) + start
+                         + b"Content-Length: %d\r\n\r\n" % len(good) + good)
+            for expected, (status, body) in zip(([4.0], [5.0]), _http_answers(sock)):
+                assert status.startswith(b"HTTP/1.1 200 "), (status, body)
+                assert json.loads(body)["outputs"][0]["data"] == expected
         # a client that stalls halfway through its body, as SIGTERM comes
         stalled = socket.create_connection(("127.0.0.1", server.port), timeout=60)
         try:
@@ -1022,6 +1032,26 @@ def test_a_request_begun_while_the_answer_before_it_is_written_is_not_cut_by_kee
         _open_until(sock, time.monotonic() + _KEEP_ALIVE + 1)
         sock.sendall(live[10:])
         assert _answered(sock).status == 200
+
+
+def test_keep_alive_counts_from_an_answer_given_before_its_body_came(served):
+    """An answer given before the request's body came (404: no such model): if the body
+    never comes, the connection is closed at the keep-alive timeout, with nothing written
+    after the answer (no 408 for a request answered); if it comes after the answer, the
+    connection is closed the keep-alive timeout after it, not left open."""
+    body = b"x" * 100_000
+    head = (b"POST /v2/models/nonexistent/infer HTTP/1.1\r\nHost: test\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    for sends_body in (False, True):
+        with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+            sent = time.monotonic()
+            sock.sendall(head)
+            assert _answered(sock).status == 404
+            if sends_body:
+                sent = time.monotonic()
+                sock.sendall(body)
+            _open_until(sock, sent + _KEEP_ALIVE - 0.1)
+            assert sock.recv(1 << 16) == b""  # closed by the server, nothing written
 
 
 def _busy(server: Server, model: str) -> float:
@@ -2436,14 +2466,7 @@ def test_an_unload_answers_the_requests_received_before(repository_served, tmp_p
             if writer is not None:
                 os.write(writer, b"x")
                 os.close(writer)
-        answers = sock.makefile("rb")  # both answers, in order
-        for model in ("blocks", "slow"):
-            status = answers.readline()
-            length = 0
-            while (line := answers.readline()) != b"\r\n":
-                if line.lower().startswith(b"content-length:"):
-                    length = int(line.split(b":")[1])
-            body = answers.read(length)
+        for model, (status, body) in zip(("blocks", "slow"), _http_answers(sock)):
             assert status.startswith(b"HTTP/1.1 200 "), (model, status, body)
         unload.join(60)
     assert unloaded and unloaded[0][0] == 200, unloaded
@@ -2837,6 +2860,20 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
 
 def test_a_model_that_raises_system_exit_on_the_loop_is_answered(per_loop):
     _system_exit_is_the_models_error(per_loop)
+
+
+def _http_answers(sock: socket.socket) -> Iterator[tuple[bytes, bytes]]:
+    """The answers that come on sock, in order, each as (status line, body): read
+    through one buffered reader, so that an answer that came with the one before it is
+    not lost."""
+    answers = sock.makefile("rb")
+    while True:
+        status = answers.readline()
+        length = 0
+        while (line := answers.readline()) not in (b"\r\n", b""):
+            if line.lower().startswith(b"content-length:"):
+                length = int(line.split(b":")[1])
+        yield status, answers.read(length)
 
 
 def _readable(sock: socket.socket) -> bool:

@@ -184,14 +184,20 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             self.flow.resume_reading()
             if self.pipeline:
                 self._start_asgi_task(*self.pipeline.pop())
-            elif self._since is None:  # idle: no byte of a next request has come
-                self._idle = self.loop.time()
-                self._watch_by(self._idle + self.timeout_keep_alive)
+            elif self._since is None or self.cycle.more_body:
+                self._go_idle()  # no byte of a next request has come (nor of this one's
+                # body, answered before it came: its bytes end the idle time)
 
         def on_message_complete(self) -> None:
             self._disarm()  # arrived whole
             self._heading, self._head, self._tail = True, 0, b""
             super().on_message_complete()
+            if self.cycle.response_complete and not self.transport.is_closing():
+                self._go_idle()  # its body came after its answer
+
+        def _go_idle(self) -> None:
+            self._idle = self.loop.time()
+            self._watch_by(self._idle + self.timeout_keep_alive)
 
         def _arm(self) -> None:
             self._since = self.loop.time()
@@ -213,21 +219,24 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                 self._watch = None
 
         def _check(self) -> None:
-            """The watch's time: too slow if the request under way began read_timeout
-            ago, closed if idle for the keep-alive timeout; else watch again until then
-            (neither under way nor idle: stop)."""
+            """The watch's time: closed if idle for the keep-alive timeout, too slow if
+            the request under way began read_timeout ago (time while uvicorn does not
+            read, a request waiting behind the one before it, does not count); else
+            watch again until then (neither idle nor under way: stop)."""
             self._watch = None
             now = self.loop.time()
-            if self._since is not None:
-                if now - self._since < limits.read_timeout:
-                    self._watch_by(self._since + limits.read_timeout)
-                else:
-                    self._too_slow()
-            elif self._idle is not None:
+            if self._idle is not None:
                 if now - self._idle < self.timeout_keep_alive:
                     self._watch_by(self._idle + self.timeout_keep_alive)
                 elif not self.transport.is_closing():
                     self.transport.close()
+            elif self._since is not None:
+                if self.flow.read_paused:
+                    self._since = now
+                if now - self._since < limits.read_timeout:
+                    self._watch_by(self._since + limits.read_timeout)
+                else:
+                    self._too_slow()
 
         def _too_slow(self) -> None:
             self._since = None
@@ -235,6 +244,9 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                 return
             if self._head == 0 and self._heading:  # not a byte of a request: just close
                 self.transport.close()
+                return
+            if not self._heading and self.cycle is not None and self.cycle.response_complete:
+                self.transport.close()  # (its body stalled after its answer)
                 return
             self._refuse(408, f"the request did not arrive whole within {limits.read_timeout:g} s "
                               f"(--read-timeout)")

@@ -500,10 +500,13 @@ _FLOAT_OUTPUTS = frozenset(("FP16", "BF16", "FP32", "FP64"))
 def _numbers(values: list[float]) -> str | None:
     """values as JSON numbers between commas, each in 17 significant digits: read back,
     the same doubles (json's own repr of a float finds the fewest digits that do, at
-    about twice the cost); None if one is not finite or is -0.0, which json writes
-    otherwise (NaN, Infinity, -0.0: "-0" would read back as the integer 0)."""
+    about twice the cost).  None where json must write them: a whole number, which
+    would be written without its ".0" and read back as an integer (0.0 and -0.0 looked
+    for first: zeros are common), or one that is not finite."""
+    if 0.0 in values:
+        return None
     text = ("%.17g," * len(values)) % tuple(values)
-    if "n" in text or "-0," in text:  # nan, inf, -inf; -0
+    if text.count(".") != len(values):  # one without a point: 1, 1e+20, nan, inf
         return None
     return text[:-1]
 

@@ -500,12 +500,17 @@ _FLOAT_OUTPUTS = frozenset(("FP16", "BF16", "FP32", "FP64"))
 def _numbers(values: list[float]) -> str | None:
     """values as JSON numbers between commas, each in 17 significant digits: read back,
     the same doubles (json's own repr of a float finds the fewest digits that do, at
-    about twice the cost).  None where json must write them: a whole number, which
-    would be written without its ".0" and read back as an integer (0.0 and -0.0 looked
-    for first: zeros are common), or one that is not finite."""
-    if 0.0 in values:
-        return None
+    about twice the cost).  A zero is written 0.0 or -0.0, as json writes it; None where
+    json must write them: another whole number, which would be written without its ".0"
+    and read back as an integer, or one that is not finite."""
     text = ("%.17g," * len(values)) % tuple(values)
+    if 0.0 in values:  # (common: a ReLU's output)
+        text = "," + text
+        for zero, written in ((",0,", ",0.0,"), (",-0,", ",-0.0,")):
+            # twice: a zero right after one is not matched the first time (the comma
+            # between them was)
+            text = text.replace(zero, written).replace(zero, written)
+        text = text[1:]
     if text.count(".") != len(values):  # one without a point: 1, 1e+20, nan, inf
         return None
     return text[:-1]

@@ -1038,7 +1038,8 @@ def test_keep_alive_counts_from_an_answer_given_before_its_body_came(served):
     """An answer given before the request's body came (404: no such model): if the body
     never comes, the connection is closed at the keep-alive timeout, with nothing written
     after the answer (no 408 for a request answered); if it comes after the answer, the
-    connection is closed the keep-alive timeout after it, not left open."""
+    connection is closed the keep-alive timeout after it, not left open, unless a next
+    request began in the same piece: that one is answered, however late its rest."""
     body = b"x" * 100_000
     head = (b"POST /v2/models/nonexistent/infer HTTP/1.1\r\nHost: test\r\n"
             b"Content-Length: %d\r\n\r\n" % len(body))
@@ -1052,6 +1053,16 @@ def test_keep_alive_counts_from_an_answer_given_before_its_body_came(served):
                 sock.sendall(body)
             _open_until(sock, sent + _KEEP_ALIVE - 0.1)
             assert sock.recv(1 << 16) == b""  # closed by the server, nothing written
+    # the body, then in the same piece a next request's head, whose rest comes late
+    live = b"GET /v2/health/live HTTP/1.1\r\nHost: test\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        sock.sendall(head)
+        assert _answered(sock).status == 404
+        sent = time.monotonic()
+        sock.sendall(body + live[:10])
+        _open_until(sock, sent + _KEEP_ALIVE + 1)
+        sock.sendall(live[10:])
+        assert _answered(sock).status == 200
 
 
 def _busy(server: Server, model: str) -> float:

@@ -158,7 +158,8 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                                 "(multipy serve speaks no WebSocket).")
 
         def on_message_begin(self) -> None:
-            if self._since is None:  # begun in the piece that ended the one before
+            self._idle = None  # (begun in the piece that ended the one before, maybe)
+            if self._since is None:
                 self._arm()
             super().on_message_begin()
 
@@ -184,6 +185,8 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             self.flow.resume_reading()
             if self.pipeline:
                 self._start_asgi_task(*self.pipeline.pop())
+                if self._since is not None:  # uvicorn reads again: the time it did not
+                    self._since = self.loop.time()  # does not count against the client
             elif self._since is None or self.cycle.more_body:
                 self._go_idle()  # no byte of a next request has come (nor of this one's
                 # body, answered before it came: its bytes end the idle time)
@@ -224,6 +227,8 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             read, a request waiting behind the one before it, does not count); else
             watch again until then (neither idle nor under way: stop)."""
             self._watch = None
+            if self.transport.is_closing():
+                return
             now = self.loop.time()
             if self._idle is not None:
                 if now - self._idle < self.timeout_keep_alive:

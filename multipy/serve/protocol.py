@@ -501,8 +501,9 @@ def _numbers(values: list[float]) -> str | None:
     """values as JSON numbers between commas, each in 17 significant digits: read back,
     the same doubles (json's own repr of a float finds the fewest digits that do, at
     about twice the cost).  A zero is written 0.0 or -0.0, as json writes it; None where
-    json must write them: another whole number, which would be written without its ".0"
-    and read back as an integer, or one that is not finite."""
+    json is to write them: a number that the format writes without a point (another whole
+    number, 1.0 written 1, which would read back as an integer; 1e-300), or one that is
+    not finite."""
     text = ("%.17g," * len(values)) % tuple(values)
     if 0.0 in values:  # (common: a ReLU's output)
         text = "," + text

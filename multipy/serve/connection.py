@@ -40,6 +40,9 @@ MAX_HEADER_SIZE = 64 << 10
 MAX_HEADERS = 100
 #: Seconds for a request to arrive whole, from its first byte.
 READ_TIMEOUT = 60.0
+#: The bytes of empty lines, which before a request are ignored (RFC 9112, 2.2): they do
+#: not end a connection's idle time.
+_EMPTY_LINES = b"\r\n"
 #: Seconds between a failed accept and the next try.
 _ACCEPT_PAUSE = 0.1
 
@@ -126,9 +129,11 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
 
         def data_received(self, data: bytes) -> None:
             self.received += len(data)
-            self._idle = None
-            if self._since is None:
-                self._arm()  # the first byte of a request
+            if self._idle is None or self._since is not None or data[0] not in _EMPTY_LINES \
+                    or data.strip(_EMPTY_LINES):  # (empty lines between requests are not one)
+                self._idle = None
+                if self._since is None:
+                    self._arm()  # the first byte of a request
             if self._heading:
                 seen = self._tail + data if self._tail else data  # the end may straddle
                 end = seen.find(b"\r\n\r\n")

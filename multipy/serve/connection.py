@@ -238,7 +238,7 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             if self._idle is not None:
                 if now - self._idle < self.timeout_keep_alive:
                     self._watch_by(self._idle + self.timeout_keep_alive)
-                elif not self.transport.is_closing():
+                else:
                     self.transport.close()
             elif self._since is not None:
                 if self.flow.read_paused:

@@ -926,8 +926,9 @@ def test_request_heads_are_bounded_in_size_and_fields(served):
 def test_slow_requests_idle_connections_and_a_stalled_stop_are_bounded(packages, tmp_path):
     """With --read-timeout 1: a request whose head, or body, stops arriving is a 408, a
     connection that sends nothing is closed, and a client that keeps its request
-    coming in time is served, as is one whose request waits 2 s behind another.  With --graceful-timeout 1, a client stalled in the middle
-    of its body does not keep SIGTERM from ending the server (exit status 0)."""
+    coming in time is served, as is one whose request waits 2 s behind another.  With
+    --graceful-timeout 1, a client stalled in the middle of its body does not keep
+    SIGTERM from ending the server (exit status 0)."""
     server = _start(tmp_path, [packages["cast"], packages["slow"]], "--interpreters", "1",
                     "--read-timeout", "1", "--graceful-timeout", "1")
     try:

@@ -1114,8 +1114,9 @@ def test_interpreters_stuck_past_the_timeout_are_named_counted_and_passed_by(ser
     finally:
         for fifo in fifos:
             until(lambda: write_one(fifo))
-    until(lambda: _request(served, "GET", "/v2/health/ready")[0] == 200)
-    assert _metrics(served)[("multipy_stuck_interpreters", ())] == 0
+    # (each interpreter is free again once its own call has ended: one may be first)
+    until(lambda: _metrics(served)[("multipy_stuck_interpreters", ())] == 0)
+    assert _request(served, "GET", "/v2/health/ready")[0] == 200
     status, answer = _infer_json(served, "cast", {"inputs": [
         {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
     assert status == 200 and answer["outputs"][0]["data"] == [1.0]

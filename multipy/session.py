@@ -306,25 +306,20 @@ class Interpreter:
     def _finish(self, reply: tuple[int, int, bytes], lent: _sharing.Lent | None) -> Any:
         """The result of a reply, or the exception it carries."""
         status, handle, payload = reply
-        if status == _protocol.LENT:
+        if status == _protocol.LENT or status == _protocol.TENSOR:
             aliased: list[int] = []
             try:
-                values, positions, single = marshal.loads(payload)
+                if status == _protocol.TENSOR:  # one tensor's record, as LENT would have it
+                    token, address = _protocol.LENT_TENSOR.unpack(payload)
+                    values, positions, single = ((_sharing.TORCH, token, address),), (0,), True
+                else:
+                    values, positions, single = marshal.loads(payload)
                 values = _sharing.alias_flat(values, positions, self._runtime.ordinal,
                                              aliased)
             except BaseException:  # Ctrl-C, say
                 self._give_back(payload, status, aliased)
                 raise
             return values[0] if single else tuple(values)
-        if status == _protocol.TENSOR:
-            aliased: list[int] = []
-            try:
-                token, address = _protocol.LENT_TENSOR.unpack(payload)
-                return _sharing.alias((_sharing.TORCH, token, address), self._runtime.ordinal,
-                                      aliased)
-            except BaseException:  # Ctrl-C, say
-                self._give_back(payload, status, aliased)
-                raise
         if status == _protocol.OK:
             if handle:
                 return Obj(self, handle)

@@ -21,6 +21,7 @@ from .errors import UnsupportedPythonError
 LM_ID_NEWLM = -1
 RTLD_NOW = 0x2
 RTLD_DI_LMID = 1
+M_ARENA_MAX = -8
 
 #: glibc's compile-time DL_NNS is 16, and the main namespace takes one of them (the
 #: number lives in _entry.h, which sizes the C's tables).
@@ -85,6 +86,17 @@ def open_namespace(root: str) -> tuple[int, int]:
     if _dlinfo(handle, RTLD_DI_LMID, ctypes.byref(lmid)) != 0:
         raise _fail("dlinfo(RTLD_DI_LMID)")
     return handle, lmid.value
+
+
+def one_arena(root: int) -> bool:
+    """Has the libc of root's namespace (just opened: no thread but this one has
+    allocated there) keep one malloc arena for every thread, unless the user chose how
+    many (MALLOC_ARENA_MAX, or the glibc.malloc.arena_max tunable, which every
+    namespace's libc reads); whether it does (docs/design.md, "memory")."""
+    if "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in tunables_at_start():
+        return False
+    mallopt = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int)(symbol(root, "mallopt"))
+    return mallopt(M_ARENA_MAX, 1) == 1
 
 
 def load_into(lmid: int, path: str) -> int:

@@ -103,6 +103,7 @@ class Runtime:
         # The root object, _keys, brings libpython in and keeps the namespace's pthread
         # keys: its libc must hand out none (docs/design.md, "pthread keys").
         root, lmid = _glibc.open_namespace(_library_path("_keys"))
+        _glibc.one_arena(root)  # before a thread of its own allocates there
         loaded = _glibc.file_of(_glibc.symbol(root, "Py_Initialize"))
         if loaded != os.path.realpath(libpython):
             raise InterpreterStartError(

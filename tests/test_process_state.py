@@ -70,3 +70,40 @@ def test_kernel_state_is_the_process_s_and_libc_and_python_state_each_interprete
             before["numeric"], before["tz"], before["recursion"])
     # signal handlers are the host's alone
     assert "main thread of the main interpreter" in seen["signal"]
+
+
+ARENAS = r'''
+import multipy
+
+PROBE = """
+import ctypes, threading
+
+def allocate():
+    kept = [bytearray(4096) for _ in range(256)]  # malloc's, past Python's small blocks
+
+def arenas_after_threads(count):
+    threads = [threading.Thread(target=allocate) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    ctypes.CDLL("libc.so.6").malloc_stats()  # this interpreter's libc's: to stderr
+"""
+
+with multipy.InterpreterManager(1) as manager:
+    manager.register_module_source("probe", PROBE)
+    manager[0].global_("probe", "arenas_after_threads")(4)
+'''
+
+
+@pytest.mark.parametrize("arena_max", [None, "3"])
+def test_each_interpreter_s_libc_keeps_one_malloc_arena_unless_the_user_says(python, arena_max):
+    """Threads that allocate in an interpreter share its libc's one malloc arena (glibc
+    gives each new thread one of its own by default): the memory that a front end's
+    thread and the loading thread leave free in theirs is not kept twice.  A
+    MALLOC_ARENA_MAX that the user sets is kept."""
+    result = python(ARENAS, launcher=True, timeout=90,
+                    env={"MALLOC_ARENA_MAX": arena_max} if arena_max else None)
+    assert result.returncode == 0, result.stderr
+    arenas = [line for line in result.stderr.splitlines() if line.startswith("Arena ")]
+    assert len(arenas) == (1 if arena_max is None else 3), result.stderr

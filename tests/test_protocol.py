@@ -2,9 +2,11 @@
 binary data extension's length-prefixed encoding, both ways."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import struct
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
@@ -12,8 +14,25 @@ from hypothesis import strategies as st
 
 np = pytest.importorskip("numpy")
 
+from multipy.serve import protocol  # noqa: E402
 from multipy.serve.protocol import (ProtocolError, Tensor, decode_request,  # noqa: E402
                                     encode_response, to_length_prefixed)
+
+#: The ways an answer's JSON is written: orjson's, where it is installed, and json's.
+WRITERS = ["orjson", "json"]
+
+
+@contextlib.contextmanager
+def _writing_with(writer: str):
+    """While it runs, answers are written by writer (skipped for orjson where it is not
+    installed)."""
+    if writer == "orjson":
+        if protocol._orjson is None:
+            pytest.skip("orjson is not installed")
+        yield
+        return
+    with mock.patch.object(protocol, "_orjson", None):
+        yield
 
 
 def _prefixed(*elements: bytes) -> bytes:
@@ -232,12 +251,19 @@ def test_a_config_json_that_declares_nothing_valid_says_why(manager, text, says)
 _FLOAT_WIDTHS = {"FP16": 16, "FP32": 32, "FP64": 64}
 
 
+@pytest.mark.parametrize("writer", WRITERS)
 @settings(max_examples=200, deadline=None)
-@given(st.sampled_from(["FP16", "BF16", "FP32", "FP64"]), st.data())
-def test_float_outputs_in_json_read_back_as_the_same_values(datatype, data):
+@given(datatype=st.sampled_from(["FP16", "BF16", "FP32", "FP64"]), data=st.data())
+def test_float_outputs_in_json_read_back_as_the_same_values(writer, datatype, data):
     """Every float (subnormal, extreme, -0.0, infinite, NaN) of an output answered in
     JSON reads back (json.loads, then the datatype's dtype) as the value it was, beside
-    the same output as binary data and an output with a name to escape."""
+    the same output as binary data and an output with a name to escape, whichever writes
+    the JSON."""
+    with _writing_with(writer):
+        _check_float_outputs(datatype, data)
+
+
+def _check_float_outputs(datatype, data):
     width = _FLOAT_WIDTHS.get(datatype, 32)
     values = data.draw(st.lists(st.floats(width=width), max_size=40))
     if datatype == "BF16":  # its arrays hold the bits: values rounded to BF16's
@@ -262,11 +288,36 @@ def test_float_outputs_in_json_read_back_as_the_same_values(datatype, data):
     assert read[finite].tobytes() == expected[finite].tobytes()  # -0.0 included
 
 
-def test_whole_float_outputs_in_json_read_back_as_floats():
+@pytest.mark.parametrize("writer", WRITERS)
+def test_whole_float_outputs_in_json_read_back_as_floats(writer):
     """A float output's whole numbers (0.0, -0.0, 1.0, 1e20) are written with a point
     or an exponent, as json writes them: read back, they are floats, not integers."""
     array = np.array([0.5, 1.0, -0.0, 0.0, 1e20, -3.0], np.float32)
-    body, _ = encode_response("m", None, None, [(Tensor("out", "FP32", array), False)])
+    with _writing_with(writer):
+        body, _ = encode_response("m", None, None, [(Tensor("out", "FP32", array), False)])
     data = json.loads(body)["outputs"][0]["data"]
     assert all(type(x) is float for x in data), data
     assert np.array(data, np.float32).tobytes() == array.tobytes()
+
+
+def test_answers_are_written_by_orjson_where_it_is_installed():
+    """With orjson installed, an answer is orjson's JSON (text as UTF-8, where json
+    escapes it); json writes what orjson would write otherwise: NaN and infinities
+    (orjson's null), and an id with a lone surrogate (which UTF-8 cannot hold)."""
+    orjson = pytest.importorskip("orjson")
+    out = Tensor("out", "FP32", np.array([0.25, -0.0], np.float32))
+    texts = Tensor("text", "BYTES", np.array(["\u00e9t\u00e9".encode()], dtype=object))
+    body, _ = encode_response("m", "1", "id", [(out, False), (texts, False)])
+    assert body == orjson.dumps({"model_name": "m", "model_version": "1", "id": "id",
+                                 "outputs": [
+                                     {"name": "out", "datatype": "FP32", "shape": [2],
+                                      "data": [0.25, -0.0]},
+                                     {"name": "text", "datatype": "BYTES", "shape": [1],
+                                      "data": ["\u00e9t\u00e9"]}]})
+    assert "\u00e9t\u00e9".encode() in body
+    odd = Tensor("odd", "FP64", np.array([np.nan, np.inf, -np.inf, 1.5]))
+    body, _ = encode_response("m", None, "id", [(odd, False)])
+    assert b"NaN,Infinity,-Infinity,1.5" in body and b"null" not in body
+    body, _ = encode_response("m", None, "\ud800", [(out, False)])
+    answer = json.loads(body)
+    assert answer["id"] == "\ud800" and answer["outputs"][0]["data"] == [0.25, -0.0]

@@ -104,6 +104,11 @@ def test_a_head_past_the_limit_is_431():
     assert answer.startswith(b"HTTP/1.1 431 ") and b"--max-headers" in answer
     fine = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
     assert asyncio.run(_answers(limits, fine)).startswith(b"HTTP/1.1 200 ")
+    # a chunked body's trailer fields, which come after the head, count as fields too
+    trailers = (b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                b"3\r\nabc\r\n0\r\n" + b"".join(b"T-%d: 1\r\n" % k for k in range(5)) + b"\r\n")
+    answer = asyncio.run(_answers(limits, trailers))
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"--max-headers" in answer
 
 
 def test_a_request_that_does_not_arrive_in_time_is_408():

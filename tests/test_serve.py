@@ -897,9 +897,8 @@ def test_small_hostile_requests_are_refused_without_stalling_or_exhausting(serve
 
 def test_request_heads_are_bounded_in_size_and_fields(served):
     """A head past --max-header-size (64 KiB by default), in one huge header or in many,
-    is a 431 before the rest is parsed, and one with more than --max-headers fields
-    (100) a 431 once its head is; a head just inside both is served, and so is the next
-    request."""
+    or with more than --max-headers fields (100), is a 431 before the rest is parsed;
+    a head just inside both is served, and so is the next request."""
     good = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
                                    "data": [3]}]}).encode()
     start = b"POST /v2/models/cast/infer HTTP/1.1\r\nHost: test\r\n"

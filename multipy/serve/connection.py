@@ -2,9 +2,9 @@
 limits a server on the open network needs, the same wherever a connection is served
 (in an interpreter's front end, or on the host while the models load).
 
-- A request's head (request line and headers) of more than ``max_header_size`` bytes is
-  answered 431 and the connection closed, before the rest is parsed; so is one with more
-  than ``max_headers`` header fields, once its head (within that size) is parsed.
+- A request's head (request line and headers) of more than ``max_header_size`` bytes,
+  or with more than ``max_headers`` header fields, is answered 431 and the connection
+  closed, before the rest is parsed.
 - A request must arrive whole (head and body) within ``read_timeout`` seconds of its
   first byte, and a new connection must start one within as long: else 408 (or, for a
   connection that sent nothing, it is closed).
@@ -98,6 +98,8 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
     closes each connection once it has answered one request.  Its ``received`` counts
     the bytes read from the connection."""
 
+    on_header = base.on_header  # (called as it is, without super(): once per field)
+
     class Guarded(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -166,12 +168,15 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                 self._arm()
             super().on_message_begin()
 
-        def on_headers_complete(self) -> None:
-            self._heading = False
-            if len(self.headers) > limits.max_headers:  # (a head within max_header_size)
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if len(self.headers) >= limits.max_headers:  # (the request's fields so far)
                 self._refusal = (431, f"the request has more than the {limits.max_headers} "
                                       f"header fields this server takes (--max-headers)")
                 raise _Refused
+            on_header(self, name, value)
+
+        def on_headers_complete(self) -> None:
+            self._heading = False
             super().on_headers_complete()
             if one_request and self.cycle is not None:
                 self.cycle.keep_alive = False

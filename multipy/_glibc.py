@@ -90,13 +90,26 @@ def open_namespace(root: str) -> tuple[int, int]:
 
 def one_arena(root: int) -> bool:
     """Has the libc of root's namespace (just opened: no thread but this one has
-    allocated there) keep one malloc arena for every thread, unless the user chose how
-    many (MALLOC_ARENA_MAX, or the glibc.malloc.arena_max tunable, which every
-    namespace's libc reads); whether it does (docs/design.md, "memory")."""
-    if "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in tunables_at_start():
+    allocated there) keep one malloc arena for every thread, unless the process started
+    with the user's choice of how many (a MALLOC_ARENA_MAX that is not empty, or the
+    glibc.malloc.arena_max tunable, which every namespace's libc reads; glibc reads
+    neither later); whether it does (docs/design.md, "memory")."""
+    if _started_with("MALLOC_ARENA_MAX") or "glibc.malloc.arena_max" in tunables_at_start():
         return False
     mallopt = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int)(symbol(root, "mallopt"))
     return mallopt(M_ARENA_MAX, 1) == 1
+
+
+def _started_with(name: str) -> bool:
+    """Whether this process started with environment variable name set and not empty
+    (/proc/self/environ: the environment as exec'd)."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return bool(os.environ.get(name))
+    prefix = name.encode() + b"="
+    return any(entry.startswith(prefix) and len(entry) > len(prefix) for entry in entries)
 
 
 def load_into(lmid: int, path: str) -> int:

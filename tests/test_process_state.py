@@ -96,14 +96,17 @@ with multipy.InterpreterManager(1) as manager:
 '''
 
 
-@pytest.mark.parametrize("arena_max", [None, "3"])
-def test_each_interpreter_s_libc_keeps_one_malloc_arena_unless_the_user_says(python, arena_max):
+@pytest.mark.parametrize("env, arenas", [({}, 1), ({"MALLOC_ARENA_MAX": ""}, 1),
+                                         ({"MALLOC_ARENA_MAX": "3"}, 3),
+                                         ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, 2)])
+def test_each_interpreter_s_libc_keeps_one_malloc_arena_unless_the_user_says(python, env,
+                                                                             arenas):
     """Threads that allocate in an interpreter share its libc's one malloc arena (glibc
     gives each new thread one of its own by default): the memory that a front end's
     thread and the loading thread leave free in theirs is not kept twice.  A
-    MALLOC_ARENA_MAX that the user sets is kept."""
-    result = python(ARENAS, launcher=True, timeout=90,
-                    env={"MALLOC_ARENA_MAX": arena_max} if arena_max else None)
+    MALLOC_ARENA_MAX (not empty: glibc ignores an empty one) or glibc.malloc.arena_max
+    that the process starts with is kept."""
+    result = python(ARENAS, launcher=True, timeout=90, env=env)
     assert result.returncode == 0, result.stderr
-    arenas = [line for line in result.stderr.splitlines() if line.startswith("Arena ")]
-    assert len(arenas) == (1 if arena_max is None else 3), result.stderr
+    found = [line for line in result.stderr.splitlines() if line.startswith("Arena ")]
+    assert len(found) == arenas, result.stderr

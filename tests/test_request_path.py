@@ -18,7 +18,7 @@ pytest.importorskip("httptools")
 pytest.importorskip("prometheus_client")
 
 from multipy.serve.batching import Batcher  # noqa: E402
-from multipy.serve.connection import Limits, guarded  # noqa: E402
+from multipy.serve.connection import Limits, guarded, write_answer  # noqa: E402
 from multipy.serve.inbox import open_inbox, receive  # noqa: E402
 from multipy.serve.main import FrontEnds  # noqa: E402
 from multipy.serve.metrics import Metrics  # noqa: E402
@@ -71,13 +71,15 @@ def test_requests_that_cannot_batch_run_alone():
 
 # -- the connection's limits --
 
-async def _answers(limits: Limits, raw: bytes) -> bytes:
-    """What a server of guarded uvicorn protocol (limits) answers raw, on loopback."""
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+async def _ok(scope, receive, send):
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
 
-    config = uvicorn.Config(app, lifespan="off", log_config=None)
+
+async def _answers(limits: Limits, raw: bytes, app=_ok) -> bytes:
+    """What a server of guarded uvicorn protocol (limits) answers raw, on loopback."""
+
+    config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False)
     config.load()
     state = uvicorn.server.ServerState()
     protocol = guarded(config.http_protocol_class, limits)
@@ -109,6 +111,37 @@ def test_a_head_past_the_limit_is_431():
                 b"3\r\nabc\r\n0\r\n" + b"".join(b"T-%d: 1\r\n" % k for k in range(5)) + b"\r\n")
     answer = asyncio.run(_answers(limits, trailers))
     assert answer.startswith(b"HTTP/1.1 431 ") and b"--max-headers" in answer
+
+
+@pytest.mark.parametrize("request_head", [
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+    b"POST / HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}"])
+@pytest.mark.parametrize("status, headers, body", [
+    (200, [(b"content-type", b"application/json")], b'{"a": 1}'),
+    (499, [], b""),
+    (200, [(b"content-type", b"application/octet-stream"), (b"x-length", b"4")],
+     b"1234\r\n\r\n")])
+def test_an_answer_written_at_once_is_the_one_uvicorn_writes(request_head, status, headers,
+                                                             body):
+    """write_answer writes, through uvicorn's cycle, what uvicorn writes for the two ASGI
+    messages of the same answer (keep-alive, or a close it says), and is refused (False,
+    nothing written) for a send that is not a cycle's, or once an answer has begun."""
+    async def by_messages(scope, receive, send):
+        await receive()
+        await send({"type": "http.response.start", "status": status, "headers": [
+            *headers, (b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def at_once(scope, receive, send):
+        await receive()
+        assert write_answer(send, status, b"".join(b"%s: %s\r\n" % h for h in headers), body)
+        assert not write_answer(send, status, b"", body)  # (begun)
+
+    expected = asyncio.run(_answers(Limits(), request_head, by_messages))
+    assert expected.endswith(b"\r\n\r\n" + body) and b"content-length" in expected
+    assert asyncio.run(_answers(Limits(), request_head, at_once)) == expected
+    assert not write_answer(lambda message: None, 200, b"", b"")
 
 
 def test_a_request_that_does_not_arrive_in_time_is_408():

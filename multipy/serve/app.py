@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import repository
+from .connection import write_answer
 from .contract import Server
 from .inference import (decode_apart, infer as infer_through, ready_model, server_metadata,
                         statistics)
@@ -258,9 +259,10 @@ class _Inference:
         await _answer(send, 200, body, answer_headers)
 
 
-#: the headers of a JSON answer, and the one of them as ASGI gives it
+#: the headers of a JSON answer, the one of them as ASGI gives it, and as its line
 _JSON = {"Content-Type": "application/json"}
 _JSON_RAW = (b"content-type", b"application/json")
+_JSON_HEAD = b"content-type: application/json\r\n"
 #: the request header that says where a body's JSON ends, as uvicorn names it (in lower
 #: case, as every name it gives)
 _HEADER_LENGTH = HEADER_LENGTH.lower().encode()
@@ -268,9 +270,13 @@ _HEADER_LENGTH = HEADER_LENGTH.lower().encode()
 
 async def _answer(send: Callable, status: int, body: bytes, headers: Mapping[str, str]) -> None:
     """Sends an answer of status with body and headers (and its Content-Length), as a
-    Starlette Response sends it."""
+    Starlette Response sends it: written at once where uvicorn serves the connection
+    (multipy.serve.connection.write_answer), else as the two ASGI messages."""
     raw = [_JSON_RAW] if headers == _JSON else [
         (key.lower().encode("latin-1"), value.encode("latin-1")) for key, value in headers.items()]
+    if write_answer(send, status, _JSON_HEAD if headers == _JSON else
+                    b"".join([b"%s: %s\r\n" % pair for pair in raw]), body):
+        return
     raw.append((b"content-length", str(len(body)).encode("latin-1")))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})

@@ -1,5 +1,6 @@
-"""uvicorn's server, ``Config`` and ``Server`` (and its ``LOGGING_CONFIG``), without its
-command line.
+"""uvicorn's server, ``Config`` and ``Server`` (and its ``LOGGING_CONFIG``, and its
+httptools protocol's ``STATUS_LINE`` and ``RequestResponseCycle``), without its command
+line.
 
 Importing any of uvicorn's modules runs its package's ``__init__``, which imports
 ``uvicorn.main``: its command line, with click, watchfiles and the supervisors'
@@ -56,4 +57,7 @@ from uvicorn.server import Server  # noqa: E402
 
 _uvicorn.Config, _uvicorn.Server = Config, Server  # as its __init__ sets them
 
-__all__ = ["Config", "LOGGING_CONFIG", "Server"]
+# (the HTTP protocol that Config picks, httptools's: its status lines and request cycle)
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle  # noqa: E402
+
+__all__ = ["Config", "LOGGING_CONFIG", "RequestResponseCycle", "STATUS_LINE", "Server"]

@@ -144,6 +144,41 @@ def test_an_answer_written_at_once_is_the_one_uvicorn_writes(request_head, statu
     assert not write_answer(lambda message: None, 200, b"", b"")
 
 
+def test_a_client_that_expects_100_continue_gets_it_at_once():
+    """A request that says Expect: 100-continue gets its 100 Continue as soon as the
+    application reads its body (not held back as an answer's head: the client sends its
+    body only then), and then its answer."""
+    async def echo(scope, receive, send):
+        body = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def exchange():
+        config = uvicorn.Config(echo, lifespan="off", log_config=None, access_log=False)
+        config.load()
+        protocol = guarded(config.http_protocol_class, Limits())
+        server = await asyncio.get_running_loop().create_server(
+            lambda: protocol(config=config, server_state=uvicorn.server.ServerState(),
+                             app_state={}), "127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection(
+                "127.0.0.1", server.sockets[0].getsockname()[1])
+            writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
+                         b"Expect: 100-continue\r\n\r\n")
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            writer.write(b"hi")
+            answer = await asyncio.wait_for(reader.readuntil(b"hi"), 10)
+            writer.close()
+            return interim, answer
+        finally:
+            server.close()
+
+    interim, answer = asyncio.run(exchange())
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\nhi")
+
+
 def test_a_request_that_does_not_arrive_in_time_is_408():
     answer = asyncio.run(_answers(Limits(read_timeout=0.2), b"GET / HTTP/1.1\r\nHost"))
     assert answer.startswith(b"HTTP/1.1 408 ") and b"--read-timeout" in answer

@@ -64,7 +64,8 @@ class _Coalescing:
     """A connection's transport that holds an answer's head (uvicorn writes it alone)
     until the first piece of its body, the answer's end or the connection's close, and
     writes the two together: one system call, and for a small answer one TCP segment,
-    instead of two.  The rest is the transport's own."""
+    instead of two.  An interim answer (1xx: the 100 Continue that a client waits for
+    before it sends its body) is written at once.  The rest is the transport's own."""
 
     __slots__ = ("_transport", "_head")
 
@@ -75,7 +76,8 @@ class _Coalescing:
     def write(self, data: bytes) -> None:
         if self._head is not None:
             data, self._head = self._head + data, None
-        elif data.startswith(b"HTTP/") and data.endswith(b"\r\n\r\n"):
+        elif data.startswith(b"HTTP/") and data.endswith(b"\r\n\r\n") \
+                and data[9:10] != b"1":  # ("HTTP/1.1 " then the status: not 1xx)
             self._head = data  # a head alone: its body follows (b"" when it has none)
             return
         self._transport.write(data)

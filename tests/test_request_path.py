@@ -18,12 +18,13 @@ pytest.importorskip("httptools")
 pytest.importorskip("prometheus_client")
 
 from multipy.serve.batching import Batcher  # noqa: E402
-from multipy.serve.connection import Limits, guarded, write_answer  # noqa: E402
+from multipy.serve.connection import Limits, guarded  # noqa: E402
 from multipy.serve.inbox import open_inbox, receive  # noqa: E402
 from multipy.serve.main import FrontEnds  # noqa: E402
 from multipy.serve.metrics import Metrics  # noqa: E402
 from multipy.serve.protocol import ProtocolError, Tensor  # noqa: E402
 from multipy.serve.repository import archive, check_name  # noqa: E402
+from multipy.serve.uvicorn_server import write_answer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 

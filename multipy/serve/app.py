@@ -22,13 +22,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from . import repository
-from .connection import write_answer
 from .contract import Server
 from .inference import (decode_apart, infer as infer_through, ready_model, server_metadata,
                         statistics)
 from .messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compress,
                        error_body, json_object)
-from .uvicorn_server import LOGGING_CONFIG
+from .uvicorn_server import LOGGING_CONFIG, write_answer
 
 
 def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Callable:
@@ -271,7 +270,7 @@ _HEADER_LENGTH = HEADER_LENGTH.lower().encode()
 async def _answer(send: Callable, status: int, body: bytes, headers: Mapping[str, str]) -> None:
     """Sends an answer of status with body and headers (and its Content-Length), as a
     Starlette Response sends it: written at once where uvicorn serves the connection
-    (multipy.serve.connection.write_answer), else as the two ASGI messages."""
+    (multipy.serve.uvicorn_server.write_answer), else as the two ASGI messages."""
     raw = [_JSON_RAW] if headers == _JSON else [
         (key.lower().encode("latin-1"), value.encode("latin-1")) for key, value in headers.items()]
     if write_answer(send, status, _JSON_HEAD if headers == _JSON else

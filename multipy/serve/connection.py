@@ -32,8 +32,6 @@ from typing import Any, Callable, NoReturn
 
 import httptools
 
-from .uvicorn_server import STATUS_LINE, RequestResponseCycle
-
 logger = logging.getLogger("multipy.serve")
 
 #: The head of a request (request line and headers), in bytes.
@@ -93,37 +91,6 @@ class _Coalescing:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
-
-
-def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:
-    """Writes a whole answer, status with head (its header lines but Content-Length, each
-    ending in CRLF, valid as they are) and body, in one write, as uvicorn's httptools
-    cycle writes the two ASGI messages of it (its start, with a Content-Length, and its
-    body), when send is such a cycle's send, ready to write, and returns True: the
-    answer is complete, and the connection closed unless it is kept alive.  False, with
-    nothing done, when send is another server's, or the cycle's writes wait to drain, or
-    it would log the answer, or has begun one, or its client has gone: the caller sends
-    the messages then."""
-    cycle = getattr(send, "__self__", None)
-    if (type(cycle) is not RequestResponseCycle or cycle.response_started
-            or cycle.disconnected or cycle.flow.write_paused or cycle.access_log
-            or cycle.scope["method"] == "HEAD"):
-        return False
-    cycle.response_started = True
-    cycle.waiting_for_100_continue = False
-    lines = [STATUS_LINE[status]]
-    lines += [b"%s: %s\r\n" % pair for pair in cycle.default_headers]  # (server, date)
-    lines += [head, b"content-length: %d\r\n" % len(body)]
-    if not cycle.keep_alive:
-        lines.append(b"connection: close\r\n")
-    lines += [b"\r\n", body]
-    cycle.transport.write(b"".join(lines))
-    cycle.response_complete = True
-    cycle.message_event.set()
-    if not cycle.keep_alive:
-        cycle.transport.close()
-    cycle.on_response()
-    return True
 
 
 def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = None,

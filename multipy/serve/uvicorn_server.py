@@ -1,6 +1,6 @@
-"""uvicorn's server, ``Config`` and ``Server`` (and its ``LOGGING_CONFIG``, and its
-httptools protocol's ``STATUS_LINE`` and ``RequestResponseCycle``), without its command
-line.
+"""uvicorn's server, ``Config`` and ``Server`` (and its ``LOGGING_CONFIG``), without its
+command line; and ``write_answer``, which writes a whole answer through the request
+cycle of uvicorn's httptools protocol at once.
 
 Importing any of uvicorn's modules runs its package's ``__init__``, which imports
 ``uvicorn.main``: its command line, with click, watchfiles and the supervisors'
@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 
 def _package() -> ModuleType:
@@ -60,4 +60,36 @@ _uvicorn.Config, _uvicorn.Server = Config, Server  # as its __init__ sets them
 # (the HTTP protocol that Config picks, httptools's: its status lines and request cycle)
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle  # noqa: E402
 
-__all__ = ["Config", "LOGGING_CONFIG", "RequestResponseCycle", "STATUS_LINE", "Server"]
+__all__ = ["Config", "LOGGING_CONFIG", "Server", "write_answer"]
+
+
+def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:
+    """Writes a whole answer, status with head (its header lines but Content-Length, each
+    ending in CRLF, valid as they are) and body, in one write, as uvicorn's httptools
+    cycle writes the two ASGI messages of it (its start, with a Content-Length, and its
+    body), when send is such a cycle's send, ready to write, and returns True: the
+    answer is complete, and the connection closed unless it is kept alive.  False, with
+    nothing done, when send is another server's, or the cycle's writes wait to drain, or
+    it would log the answer, or has begun one, or its client has gone: the caller sends
+    the messages then."""
+    cycle = getattr(send, "__self__", None)
+    if (type(cycle) is not RequestResponseCycle or cycle.response_started
+            or cycle.disconnected or cycle.flow.write_paused or cycle.access_log
+            or cycle.scope["method"] == "HEAD"):
+        return False
+    cycle.response_started = True
+    cycle.waiting_for_100_continue = False
+    lines = [STATUS_LINE[status]]
+    lines += [b"%s: %s\r\n" % pair for pair in cycle.default_headers]  # (server, date)
+    lines += [head, b"content-length: %d\r\n" % len(body)]
+    if not cycle.keep_alive:
+        lines.append(b"connection: close\r\n")
+    lines += [b"\r\n", body]
+    cycle.transport.write(b"".join(lines))
+    cycle.response_complete = True
+    cycle.message_event.set()
+    if not cycle.keep_alive:
+        cycle.transport.close()
+    cycle.on_response()
+    return True
+

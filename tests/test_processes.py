@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import threading
+import time
 
 import pytest
 
@@ -148,10 +149,11 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
         # 20 connections open at once: the supervisor hands them to the two processes in
         # turn, and each process each of its ten to an interpreter with the fewest open
         # (a front end counts a connection closed once its loop has seen it close: on a
-        # loaded machine, the readiness checks' may still count, and the round is
-        # tried again)
+        # loaded machine, the readiness checks' or the round before's may still count,
+        # and the round is tried again, once the front ends have had a while to see them)
         sent = 0
-        for _ in range(5):
+        for attempt in range(8):
+            time.sleep(0.5 * attempt)
             where = _twenty(server)
             sent += 20
             if len(where) == 20:

@@ -15,7 +15,8 @@ import sysconfig
 import threading
 
 from . import _host
-from ._launch import LAUNCH_STATIC_TLS, LAUNCH_TUNABLES, tunables_at_start
+from ._launch import (LAUNCH_STATIC_TLS, LAUNCH_TUNABLES, environment_at_start,
+                      tunables_at_start)
 from .errors import UnsupportedPythonError
 
 LM_ID_NEWLM = -1
@@ -94,22 +95,12 @@ def one_arena(root: int) -> bool:
     with the user's choice of how many (a MALLOC_ARENA_MAX that is not empty, or the
     glibc.malloc.arena_max tunable, which every namespace's libc reads; glibc reads
     neither later); whether it does (docs/design.md, "memory")."""
-    if _started_with("MALLOC_ARENA_MAX") or "glibc.malloc.arena_max" in tunables_at_start():
+    chosen = any(entry.startswith("MALLOC_ARENA_MAX=") and entry != "MALLOC_ARENA_MAX="
+                 for entry in environment_at_start())
+    if chosen or "glibc.malloc.arena_max" in tunables_at_start():
         return False
     mallopt = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_int)(symbol(root, "mallopt"))
     return mallopt(M_ARENA_MAX, 1) == 1
-
-
-def _started_with(name: str) -> bool:
-    """Whether this process started with environment variable name set and not empty
-    (/proc/self/environ: the environment as exec'd)."""
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            entries = f.read().split(b"\0")
-    except OSError:
-        return bool(os.environ.get(name))
-    prefix = name.encode() + b"="
-    return any(entry.startswith(prefix) and len(entry) > len(prefix) for entry in entries)
 
 
 def load_into(lmid: int, path: str) -> int:

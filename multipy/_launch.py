@@ -26,19 +26,25 @@ LAUNCH_TUNABLES = f"glibc.rtld.nns=16:glibc.rtld.optional_static_tls={LAUNCH_STA
 SAVED = "MULTIPY_USER_GLIBC_TUNABLES"
 
 
+def environment_at_start() -> list[str]:
+    """The NAME=VALUE entries of the environment this process was exec'd with (where
+    glibc read its own variables), from /proc/self/environ; os.environ's where that
+    cannot be read."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            return f.read().decode(errors="replace").split("\0")
+    except OSError:
+        return [f"{k}={v}" for k, v in os.environ.items()]
+
+
 def tunables_at_start() -> dict[str, str]:
     """glibc tunables this process was started with (glibc reads them only at exec time).
 
-    Read from /proc/self/environ, the environment as exec'd: glibc parses
+    Read from the environment as exec'd (``environment_at_start``): glibc parses
     GLIBC_TUNABLES in place there, leaving a NUL where each ':' was.
     """
-    try:
-        with open("/proc/self/environ", "rb") as f:
-            entries = f.read().decode(errors="replace").split("\0")
-    except OSError:
-        entries = [f"{k}={v}" for k, v in os.environ.items()]
     items: list[str] = []
-    for entry in entries:
+    for entry in environment_at_start():
         if entry.startswith("GLIBC_TUNABLES="):
             items = entry[len("GLIBC_TUNABLES="):].split(":")
         elif items and entry.startswith("glibc."):

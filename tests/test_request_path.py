@@ -6,6 +6,7 @@ fast tier (`make test-fast`) runs this file with test_protocol.py and test_layer
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -77,24 +78,30 @@ async def _ok(scope, receive, send):
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-async def _answers(limits: Limits, raw: bytes, app=_ok) -> bytes:
-    """What a server of guarded uvicorn protocol (limits) answers raw, on loopback."""
-
+@contextlib.asynccontextmanager
+async def _serving(limits: Limits, app):
+    """While it runs, a server of guarded uvicorn protocol (limits) serves app on a port
+    of loopback, which it yields."""
     config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False)
     config.load()
     state = uvicorn.server.ServerState()
     protocol = guarded(config.http_protocol_class, limits)
     server = await asyncio.get_running_loop().create_server(
         lambda: protocol(config=config, server_state=state, app_state={}), "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+
+
+async def _answers(limits: Limits, raw: bytes, app=_ok) -> bytes:
+    """What a server of guarded uvicorn protocol (limits) answers raw, on loopback."""
+    async with _serving(limits, app) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(raw)
         answer = await asyncio.wait_for(reader.read(1 << 16), 10)
         writer.close()
         return answer
-    finally:
-        server.close()
 
 
 def test_a_head_past_the_limit_is_431():
@@ -156,15 +163,8 @@ def test_a_client_that_expects_100_continue_gets_it_at_once():
         await send({"type": "http.response.body", "body": body})
 
     async def exchange():
-        config = uvicorn.Config(echo, lifespan="off", log_config=None, access_log=False)
-        config.load()
-        protocol = guarded(config.http_protocol_class, Limits())
-        server = await asyncio.get_running_loop().create_server(
-            lambda: protocol(config=config, server_state=uvicorn.server.ServerState(),
-                             app_state={}), "127.0.0.1", 0)
-        try:
-            reader, writer = await asyncio.open_connection(
-                "127.0.0.1", server.sockets[0].getsockname()[1])
+        async with _serving(Limits(), echo) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n"
                          b"Expect: 100-continue\r\n\r\n")
             interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
@@ -172,8 +172,6 @@ def test_a_client_that_expects_100_continue_gets_it_at_once():
             answer = await asyncio.wait_for(reader.readuntil(b"hi"), 10)
             writer.close()
             return interim, answer
-        finally:
-            server.close()
 
     interim, answer = asyncio.run(exchange())
     assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"

@@ -12,9 +12,16 @@
 3. A crash: a model that segfaults, served by two processes; the time from the crash to
    the replacement serving (the supervisor's line "server process K ... ready"), and
    requests answered meanwhile by the other process.
+4. Kills under load: --clients client processes, each opening a new connection per
+   request, against two processes of one interpreter, while one of the processes is
+   killed (SIGKILL) every --kill-every seconds for --kill-seconds: the requests answered,
+   and those that failed (connection reset or refused, or an error status) beyond the
+   ones in flight on the killed processes (at most one per kill: each has one
+   interpreter).
 
     multipy run benchmarks/serve_processes.py [--total 2] [--rounds 3] [--seconds 5]
-        [--model simple] [--weights-mb 256]
+        [--model simple] [--weights-mb 256] [--clients 4] [--kill-every 10]
+        [--kill-seconds 90] [--only kills]
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -208,6 +216,63 @@ def crash(args, paths: dict[str, str]) -> None:
           f"meanwhile {answered.count(200)} of {len(answered)} requests answered 200")
 
 
+def _hammer(port: int, going, counts) -> None:
+    """A client process: requests on new connections until going is cleared; counts
+    each status (0: the connection failed)."""
+    while going.is_set():
+        status = _infer(port, "crashes", [1.0], [1])
+        with counts.get_lock():
+            counts[min(status // 100, 5) if status else 0] += 1
+
+
+def kills(args, paths: dict[str, str]) -> None:
+    import multiprocessing
+
+    print(f"\n4. kills under load: {args.clients} clients, a new connection per request, "
+          f"2 processes of 1 interpreter, a SIGKILL every {args.kill_every:g} s for "
+          f"{args.kill_seconds:g} s")
+    with tempfile.TemporaryFile("w+") as log:
+        process, port = _serve([paths["crashes"]], 2, 1, log)
+        going, counts = multiprocessing.Event(), multiprocessing.Array("q", 6)
+        clients = []
+        try:
+            _wait_all(process, log, 2)
+            going.set()
+            clients = [multiprocessing.Process(target=_hammer, args=(port, going, counts))
+                       for _ in range(args.clients)]
+            for client in clients:
+                client.start()
+            killed, started = 0, time.monotonic()
+            while time.monotonic() - started < args.kill_seconds:
+                time.sleep(args.kill_every)
+                log.seek(0)
+                ready = re.findall(r"server process \d \(pid (\d+)\) ready", log.read())
+                os.kill(int(ready[-1 - killed % 2]), signal.SIGKILL)
+                killed += 1
+                _wait_for_ready(log, 2 + killed)
+            time.sleep(1)
+        finally:
+            going.clear()
+            for client in clients:
+                client.join(60)
+            _stop(process)
+    answered, failed = counts[2], counts[0] + counts[3] + counts[4] + counts[5]
+    print(f"  {killed} kills: {answered} requests answered 200, {failed} failed (connection "
+          f"{counts[0]}, 4xx {counts[4]}, 5xx {counts[5]}); at most {killed} of them were "
+          f"in flight on the killed processes")
+
+
+def _wait_for_ready(log, count: int, seconds: float = 120) -> None:
+    """Until the supervisor has logged count processes ready."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        log.seek(0)
+        if len(re.findall(r"server process \d \(pid \d+\) ready", log.read())) >= count:
+            return
+        time.sleep(0.1)
+    raise TimeoutError("the replacement was not ready")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--total", type=int, default=2, help="interpreters in all, even (2)")
@@ -216,14 +281,19 @@ def main() -> None:
     parser.add_argument("--warm-up", type=float, default=2, help="untimed seconds first (2)")
     parser.add_argument("--model", default="simple", help="example model for the load (simple)")
     parser.add_argument("--weights-mb", type=int, default=256, help="the big model's MB (256)")
+    parser.add_argument("--clients", type=int, default=4, help="clients of the kills (4)")
+    parser.add_argument("--kill-every", type=float, default=10, help="seconds between kills (10)")
+    parser.add_argument("--kill-seconds", type=float, default=90, help="seconds of kills (90)")
+    parser.add_argument("--only", choices=("load", "weights", "crash", "kills"),
+                        help="run that part only")
     args = parser.parse_args()
     if args.total < 2 or args.total % 2:
         parser.error("--total must be even")
     with tempfile.TemporaryDirectory() as directory:
         paths = _packages(directory, args.weights_mb)
-        load(args, directory)
-        weights(args, paths)
-        crash(args, paths)
+        for part in (load, weights, crash, kills):
+            if args.only in (None, part.__name__):
+                part(args, directory if part is load else paths)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@
  *   keeps its own keys over that one (docs/design.md, "pthread keys").
  * - A thread that entered interpreters drops its state (and key values) in each when it
  *   exits.
- * - The fatal-signal report and the exit guard.
+ * - The fatal-signal report (and its crash cell) and the exit guard.
  * - What glibc reports of static TLS, for the room estimate (multipy/_glibc.py).
  */
 #define PY_SSIZE_T_CLEAN
@@ -695,35 +695,72 @@ static void say_number(long number)
     say(digits + at);
 }
 
+/* Where a crash of the process's own stores which interpreter it hit (crash_cell): 8 bytes
+ * the caller owns, e.g. in a shared mapping that a supervisor reads after the process
+ * died; NULL for none. */
+static volatile double *volatile crash_cell_address;
+
 /* A crash in one interpreter takes the whole process down (one address space); before
- * it does, this names the interpreter and the call that the crashing thread ran. */
+ * it does, this names the interpreter and the call that the crashing thread ran.  A
+ * fatal signal that another process sent (kill -SEGV, kill -ABRT) is not the call's
+ * doing: it is only said to have come from that process. */
 static void report_fatal_signal(int signal_number, siginfo_t *info, void *context)
 {
-    (void)info, (void)context;
-    int tid = (int)syscall(SYS_gettid);
-    for (int i = 0; i < RECORDS; i++) {
-        if (records[i].tid == tid && records[i].interpreter >= 0) {
-            const char *op = records[i].op, *target = records[i].target;
-            say("\nmultipy: fatal signal ");
-            say_number(signal_number);
-            say(" in interpreter #");
-            say_number(records[i].interpreter);
-            say(" (thread ");
-            say_number(tid);
-            say(") while it ran: ");
-            say(op ? op : "a request");
-            if (op && target) {
-                say(" of ");
-                say(target);
+    (void)context;
+    /* si_code > 0: the kernel's (a real fault), which returning makes happen again;
+     * <= 0: kill, tgkill or sigqueue, sent once: by another process, or by this one
+     * (abort(), or a faulthandler in front of this handler passing the signal on) */
+    int sent = info && info->si_code <= 0;
+    int from_another_process = sent && info->si_pid != getpid();
+    if (from_another_process) {
+        say("\nmultipy: signal ");
+        say_number(signal_number);
+        say(" sent by process ");
+        say_number((long)info->si_pid);
+        say("\n");
+    } else {
+        int tid = (int)syscall(SYS_gettid);
+        for (int i = 0; i < RECORDS; i++) {
+            if (records[i].tid == tid && records[i].interpreter >= 0) {
+                const char *op = records[i].op, *target = records[i].target;
+                volatile double *cell = crash_cell_address;
+                if (cell) /* first, in case writing to stderr blocks */
+                    *cell = (double)(records[i].interpreter + 1);
+                say("\nmultipy: fatal signal ");
+                say_number(signal_number);
+                say(" in interpreter #");
+                say_number(records[i].interpreter);
+                say(" (thread ");
+                say_number(tid);
+                say(") while it ran: ");
+                say(op ? op : "a request");
+                if (op && target) {
+                    say(" of ");
+                    say(target);
+                }
+                say("\nmultipy: a crash in any interpreter ends the whole process.\n");
             }
-            say("\nmultipy: a crash in any interpreter ends the whole process.\n");
         }
     }
     /* Hand the signal to whoever had it before (faulthandler, or the default action):
-     * returning re-runs the faulting instruction, or abort() raises it again. */
+     * returning re-runs the faulting instruction; a sent signal would not come again,
+     * so it is raised again, as faulthandler does (blocked while this runs, it arrives
+     * as this returns, to the handler restored here). */
     for (size_t i = 0; i < sizeof fatal_signals / sizeof *fatal_signals; i++)
         if (fatal_signals[i] == signal_number)
             sigaction(signal_number, &previous[i], NULL);
+    if (sent)
+        raise(signal_number);
+}
+
+static PyObject *crash_cell(PyObject *module, PyObject *address)
+{
+    (void)module;
+    void *pointer = PyLong_AsVoidPtr(address);
+    if (!pointer && PyErr_Occurred())
+        return NULL;
+    crash_cell_address = pointer;
+    Py_RETURN_NONE;
 }
 
 static PyObject *report_crashes(PyObject *module, PyObject *unused)
@@ -790,6 +827,11 @@ static PyMethodDef module_methods[] = {
      "thread pointer; None where glibc does not say."},
     {"report_crashes", report_crashes, METH_NOARGS,
      "Installs the fatal-signal report that names the interpreter and call."},
+    {"crash_cell", crash_cell, METH_O,
+     "crash_cell(address: int) -> None: the address of 8 bytes (a double) that the caller "
+     "owns, where a fatal signal of the process's own (a fault, or its abort(); not one "
+     "another process sent) stores the index + 1 of the interpreter whose call the "
+     "crashing thread ran; nothing when it ran none.  0 clears it."},
     {NULL, NULL, 0, NULL},
 };
 

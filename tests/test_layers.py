@@ -15,7 +15,7 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
           "__main__", "__init__"]
 #: multipy.serve, bottom-up: each of its modules may import only those before it, and of
 #: the rest of multipy only the layers below "serve".
-SERVE_LAYERS = ["uvicorn_server", "messages", "protocol", "batching", "metrics", "requests",
+SERVE_LAYERS = ["uvicorn_server", "messages", "protocol", "batching", "metrics", "poison", "requests",
                 "contract", "repository",
                 "inference",
                 "app", "inference_pb2", "rpc", "connection", "inbox",

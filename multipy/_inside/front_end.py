@@ -51,6 +51,7 @@ from ..serve.connection import Limits, guarded
 from ..serve.inbox import FORCE, receive, send
 from ..serve.metrics import Metrics
 from ..serve.messages import ProtocolError
+from ..serve.poison import Table, check
 from ..serve.repository import READY
 from ..serve.requests import NO_ID, ModelRequests, Started, named
 from ..serve.uvicorn_server import Config, Server
@@ -108,6 +109,8 @@ class FrontEnd:
         self._graceful_timeout = settings["graceful_timeout"]
         self.ready = True
         self._worker = None if settings["timeout"] is None else _Worker(self._stuck_changed)
+        self._refused = None if settings.get("refused") is None else \
+            Table(address=settings["refused"])
         self._settings = settings
         self.models: dict[str, _Model] = {}
         for name, served in models.items():
@@ -175,7 +178,8 @@ class FrontEnd:
         self.metrics.add(name)
         settings = self._settings
         model = _Model(name, served, self.metrics.models[name], self._worker,
-                       settings["max_batch_size"], settings["batch_delay"], settings["timeout"])
+                       settings["max_batch_size"], settings["batch_delay"], settings["timeout"],
+                       self._refused)
         model.describe(described)
         self.models = {**self.models, name: model}
         self.states = {**self.states, name: (READY, "")}
@@ -410,9 +414,11 @@ class _Model(ModelRequests):
     """A model loaded in this interpreter; see ModelRequests."""
 
     def __init__(self, name: str, served: Served, series: Any, worker: _Worker | None,
-                 max_batch_size: int, batch_delay: float, timeout: float | None) -> None:
+                 max_batch_size: int, batch_delay: float, timeout: float | None,
+                 refused: Table | None) -> None:
         super().__init__(name, series, max_batch_size, batch_delay, timeout)
         self._served, self._worker = served, worker
+        self._refused = refused  # with --processes: the inputs that crashed processes
         self._asynchronous = getattr(served, "asynchronous", False)  # a class's async predict
         self._noted = f"model {name!r}, "  # what a crash report names, before the requests
         #: the crash report's note while a call of one request without an id runs (most)
@@ -424,6 +430,8 @@ class _Model(ModelRequests):
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
+        if self._refused is not None and started.one:  # (its crash is pinned on it)
+            started.digest = check(self._refused, self.name, names, datatypes, arrays, given)
         if self._worker is None:  # here, blocking the loop
             # what a crash report names while it runs (kept alive until then)
             requests = started.requests()
@@ -447,7 +455,6 @@ class _Model(ModelRequests):
         return await self._worker.run(
             lambda: self._served.infer(names, datatypes, *arrays, **given), started,
             self._series, self.name)
-
 
 class _Worker:
     """This interpreter's thread for model calls that may be cancelled: they run there

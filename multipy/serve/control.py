@@ -21,6 +21,8 @@ from .messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
 
+#: The most characters of a repository request's answer (it may quote a path).
+MESSAGE_CHARACTERS = 10_000
 #: The most seconds a request waits for the server to become ready (its front ends
 #: serve while the last of them start).
 _READY_WAIT = 60.0
@@ -30,7 +32,8 @@ def do(repository: Any, what: str, name: str, archive: dict[str, str] | None = N
        ) -> tuple[int, str]:
     """(status, message) of having repository load model name (what "load", from
     archive) or unload it: (200, "") done; a ProtocolError's status and message; 500 for
-    multipy's own failure, which is logged whole."""
+    multipy's own failure, which is logged whole.  The message has at most
+    MESSAGE_CHARACTERS characters."""
     try:
         if what == "load":
             repository.load_now(name, archive or {})
@@ -38,10 +41,10 @@ def do(repository: Any, what: str, name: str, archive: dict[str, str] | None = N
             repository.unload_now(name)
         return 200, ""
     except ProtocolError as error:
-        return error.status, str(error)
+        return error.status, str(error)[:MESSAGE_CHARACTERS]
     except Exception as error:
         logger.exception("the model repository's request failed")
-        return 500, f"internal error: {type(error).__name__}: {error}"
+        return 500, f"internal error: {type(error).__name__}: {error}"[:MESSAGE_CHARACTERS]
 
 
 class Control:

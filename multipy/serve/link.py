@@ -4,31 +4,50 @@ descriptors it carries (an accepted connection, the metrics board).
 
 A message is a JSON object with an ``op``:
 
-- supervisor to process: ``start`` (which process it is, of how many; carries the
-  metrics board), ``connection`` (carries one accepted connection, which the process owns
-  from then on), ``do`` (a model repository request to do here: ``what`` "load" or
+- supervisor to process: ``start`` (its slot of the metrics board, of how many, and how
+  many processes serve; carries the metrics board and the table of refused inputs,
+  multipy.serve.poison), ``connection`` (carries one accepted connection under a
+  ``number``), ``do`` (a model repository request to do here: ``what`` "load" or
   "unload", ``name``, ``archive``; under a ``number``), ``answer`` (to an ``ask``:
-  ``number``, ``status``, ``message``);
+  ``number``, ``status``, ``message``), ``ping`` (a health check);
 - process to supervisor: ``prepared`` (its models are checked as a single server
-  checks them before it listens: it takes connections), ``ready`` (its models are
-  loaded: it takes requests), ``ask``
-  (a repository request that one of its front ends received, for every process:
-  ``number``, ``what``, ``name``, ``archive``), ``done`` (a ``do`` done: ``number``,
-  ``status``, ``message``).
+  checks them before it listens: it takes connections), ``took`` (it owns every
+  connection up to ``number``: the supervisor, which kept each until then to hand it to
+  another process should this one die first, closes its copies), ``ready`` (its models
+  are loaded: it takes requests), ``ask`` (a repository request that one of its front
+  ends received, for every process: ``number``, ``what``, ``name``, ``archive``), ``done``
+  (a ``do`` done: ``number``, ``status``, ``message``), ``pong`` (a ``ping`` answered
+  from its event loop: ``stuck`` and ``busy`` interpreters, of ``interpreters``, and the
+  inference ``requests`` it has answered).
 
+No message exceeds LARGEST bytes: ``send`` refuses one that would (the caller says so
+where the request arrived), and ``receive`` drops, and logs, one that is cut or is not
+a JSON object with an ``op``, so that nothing read from a link can wedge its reader.
 The supervisor's end is non-blocking (read from its event loop); a process's end
 blocks, and is read from its event loop when readable (``receive`` never waits).
 """
 from __future__ import annotations
 
+import array
 import json
+import logging
 import os
 import socket
 import threading
 from typing import Any
 
-#: The most bytes one message may take (a repository request's names and paths).
-_LARGEST = 1 << 16
+logger = logging.getLogger("multipy.serve")
+
+#: The most bytes one message may take (a repository request's names and paths, which
+#: multipy.serve.repository bounds well below it).
+LARGEST = 1 << 16
+
+
+_FDS = 4  # the most descriptors one message carries
+
+
+class TooLarge(ValueError):
+    """A message that would take more than LARGEST bytes."""
 
 
 def pair() -> tuple[Link, socket.socket]:
@@ -58,27 +77,34 @@ class Link:
     def send(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
         """Sends message with fds (which stay open here); OSError if the other end has
         gone (BrokenPipeError) or, on a non-blocking end, cannot take it now
-        (BlockingIOError)."""
-        data = json.dumps(message).encode()
+        (BlockingIOError); TooLarge if it would take more than LARGEST bytes."""
+        data = json.dumps(message, ensure_ascii=False).encode()
+        if len(data) > LARGEST:
+            raise TooLarge(f"a {message.get('op')!r} message of {len(data)} bytes (at most "
+                           f"{LARGEST})")
         with self._sending:
             socket.send_fds(self.socket, [data], list(fds))
 
     def first(self) -> tuple[dict[str, Any], list[int]]:
         """The next message, waiting for it (a process's ``start``, which the supervisor
         sends as it starts the process); ConnectionError if the link has closed."""
-        data, fds, _, _ = socket.recv_fds(self.socket, _LARGEST, 4)
+        data, fds, flags = _receive(self.socket, 0)
         if not data:
             raise ConnectionError("the supervisor closed the link before it said anything")
-        return json.loads(data), fds
+        message = _parsed(data, flags)
+        if message is None:
+            raise ConnectionError("the supervisor's first message is not one")
+        return message, fds
 
     def receive(self) -> list[tuple[dict[str, Any], list[int]]] | None:
         """The messages waiting now, each with the descriptors it carried (the caller's
-        to close); None once the other end has closed the link."""
+        to close); None once the other end has closed the link.  A message that is not
+        one (cut at LARGEST bytes, not a JSON object with an "op") is logged and
+        dropped, its descriptors closed."""
         got = []
         while True:
             try:
-                data, fds, _, _ = socket.recv_fds(self.socket, _LARGEST, 4,
-                                                  socket.MSG_DONTWAIT)
+                data, fds, flags = _receive(self.socket, socket.MSG_DONTWAIT)
             except (BlockingIOError, InterruptedError):
                 return got
             except ConnectionResetError:
@@ -87,7 +113,40 @@ class Link:
                 for fd in fds:
                     os.close(fd)
                 return got or None
-            got.append((json.loads(data), fds))
+            message = _parsed(data, flags)
+            if message is None:
+                for fd in fds:
+                    os.close(fd)
+                continue
+            got.append((message, fds))
 
     def close(self) -> None:
         self.socket.close()
+
+
+def _receive(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
+    """(data, descriptors, the message's flags) of the next message, with recvmsg's
+    flags (socket.recv_fds before CPython 3.12 drops them: MSG_DONTWAIT would wait)."""
+    fds = array.array("i")
+    data, ancillary, got, _ = sock.recvmsg(LARGEST + 1, socket.CMSG_LEN(_FDS * fds.itemsize),
+                                           flags)
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds), got
+
+
+def _parsed(data: bytes, flags: int) -> dict[str, Any] | None:
+    """The message that data holds, or None (logged) if it holds none."""
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > LARGEST:
+        logger.error("a link message of more than %d bytes (or with more descriptors than "
+                     "one carries) was dropped", LARGEST)
+        return None
+    try:
+        message = json.loads(data)
+    except ValueError as error:
+        message = error
+    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
+        logger.error("a link message that is not one was dropped: %r", data[:200])
+        return None
+    return message

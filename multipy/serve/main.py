@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any, Iterator, NoReturn
 
-from .. import _cuda
+from .. import _cuda, _host
 from .._glibc import MAX_NAMESPACES
 from .._launch import make_room
 from .._pool import capacity
@@ -60,6 +60,7 @@ from .repository import MODEL_CONTROLS, check_name
 from .service import (GRACEFUL_TIMEOUT, MORE_MODELS, Options, Place, Service,
                       default_interpreters)
 from .supervised import Supervised
+from .supervisor import HEALTH_TIMEOUT, PING_EVERY, UNRESPONSIVE_AFTER, Supervisor, Tunables
 from .uvicorn_server import Config, Server
 
 logger = logging.getLogger("multipy.serve")
@@ -105,6 +106,18 @@ def parser() -> argparse.ArgumentParser:
                             "port: a crash ends one process, which is replaced, and P "
                             "processes hold up to 15 P interpreters (default: 1, one "
                             "process; docs/serving.md, \"Several processes\")")
+    parse.add_argument("--health-timeout", type=float, metavar="S",
+                       help=f"with --processes: kill and replace a process that has not "
+                            f"answered the supervisor's health check (every second, from "
+                            f"its event loop) for S seconds; it gets no new connection "
+                            f"after {UNRESPONSIVE_AFTER:g} (default: {HEALTH_TIMEOUT:g})")
+    parse.add_argument("--max-requests", type=int, metavar="N",
+                       help="with --processes: replace a process once it has answered N "
+                            "inference requests, the new one ready before the old one stops "
+                            "taking connections (default: never)")
+    parse.add_argument("--max-requests-jitter", type=int, default=0, metavar="J",
+                       help="with --max-requests: add a random 0 to J to each process's N, "
+                            "so that processes are not all replaced at once (default: 0)")
     parse.add_argument("--link", type=int, help=argparse.SUPPRESS)  # a process's, from its supervisor
     parse.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parse.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
@@ -338,6 +351,7 @@ class FrontEnds:
                     "stuck_after": metrics.stuck_after,
                     "graceful_timeout": options.graceful_timeout, "grpc": grpc,
                     "states": service.states, "model_control": service.model_control,
+                    "refused": None if service.refused is None else service.refused.address,
                     "slots": metrics.slots,
                     "described": {name: model.described for name, model in service.models.items()}}
         fronts, inboxes, controls = [], [], []
@@ -474,6 +488,16 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
         parse.error("--processes must be at least 1")
     if args.ray and args.processes != 1:
         parse.error("--processes is not served with --ray: --replicas sets its processes")
+    for option in ("health_timeout", "max_requests"):
+        if getattr(args, option) is not None and args.processes == 1 and args.link is None:
+            parse.error(f"--{option.replace('_', '-')} is an option of --processes (2 or more)")
+    if args.health_timeout is not None and not args.health_timeout >= 2 * PING_EVERY:
+        parse.error(f"--health-timeout must be at least {2 * PING_EVERY:g} seconds")
+    if args.max_requests is not None and args.max_requests < 1:
+        parse.error("--max-requests must be at least 1")
+    if args.max_requests_jitter < 0 or args.max_requests_jitter and args.max_requests is None:
+        parse.error("--max-requests-jitter is a number of requests (0 or more), with "
+                    "--max-requests")
     if args.ray:  # each replica is a process of its own, with room for 15
         fit, where = MAX_NAMESPACES, "what fits in one replica process"
     else:
@@ -568,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.link is not None:  # a process of --processes: its supervisor reserved the port
         link = Link.inherited(args.link)
         start, fds = link.first()
-        place = Place(start["process"], start["processes"], fds[0])
+        place = Place(start["process"], start["processes"], fds[0], start["slots"], fds[1])
         grpc = None if args.grpc_port is None else _host_port(args.host, args.grpc_port)
         reserved = None
         bound = None
@@ -579,6 +603,8 @@ def main(argv: list[str] | None = None) -> int:
             reserve_port(args.host, args.grpc_port, parse)
         grpc = None if reserved is None else _address(reserved)
     service = Service(served, place)
+    if link is not None:  # its supervisor reads which interpreter's call crashed it there
+        _host.crash_cell(service.metrics.crash_cell())
     try:  # (a class's own errors stop the server before it listens)
         service.prepare()
     except model_class.ClassError as error:
@@ -639,12 +665,13 @@ def reserve_port(host: str, port: int, parse: argparse.ArgumentParser) -> socket
 def _supervise(args: argparse.Namespace, served: Options, parse: argparse.ArgumentParser,
                argv: list[str]) -> int:
     """Runs the server as --processes server processes (multipy.serve.supervisor)."""
-    from .supervisor import Supervisor
-
     logging.config.dictConfig(logging_config())
     reserved = None if args.grpc_port is None else reserve_port(args.host, args.grpc_port, parse)
+    tunables = Tunables(args.health_timeout or HEALTH_TIMEOUT, args.max_requests,
+                        args.max_requests_jitter)
     supervisor = Supervisor(argv, args.processes, served.interpreters, served.slots, args.host,
-                            args.port, reserved, served.graceful_timeout)
+                            args.port, reserved, served.graceful_timeout,
+                            [spec.name for spec in served.models], tunables)
     try:
         return supervisor.run()
     finally:

@@ -45,7 +45,10 @@ STUCK_AFTER = 30.0
 
 # A row: [connections closed, since when it runs a call (time.monotonic(), 0 if it
 # runs none), 1 + the index of the model whose call its request gave up on (0 if
-# none), large requests it decodes on a thread, then per model: requests, failures by
+# none), large requests it decodes on a thread, the digest of the one request of the
+# call it runs (multipy.serve.poison; 0: none, or a batch), and in a process's first row
+# (its host's) 1 + the interpreter whose call crashed it (multipy._host.crash_cell; 0:
+# none), then per model: requests, failures by
 # status, latency (a count per bucket and one past the last, then the sum), queued,
 # busy, calls, batched (the same), successes, then nanoseconds: of successes, of
 # failures, and of successes queued, decoding, in calls and encoding; then when the
@@ -54,7 +57,9 @@ _CLOSED = 0
 _SINCE = 1
 _ABANDONED = 2
 _DECODING = 3
-_ROW = 4
+_INPUT = 4
+_CRASHED = 5
+_ROW = 6
 _REQUESTS = 0
 _FAILURES = 1
 _LATENCY_AT = _FAILURES + len(STATUSES)
@@ -124,6 +129,7 @@ class Board:
         for k in range(first, first + count):
             row = self.row(k)
             row[_CLOSED] = row[_SINCE] = row[_ABANDONED] = row[_DECODING] = 0.0
+            row[_INPUT] = row[_CRASHED] = 0.0
             for at in range(_ROW, self.width, _PER_MODEL):
                 row[at + _QUEUED] = row[at + _BUSY] = 0.0
 
@@ -131,6 +137,22 @@ class Board:
         """How many calls rows first to first + count - 1 run now."""
         return int(sum(self.row(k)[at + _BUSY] for k in range(first, first + count)
                        for at in range(_ROW, self.width, _PER_MODEL)))
+
+    def requests(self, first: int, count: int) -> int:
+        """How many inference requests rows first to first + count - 1 have counted."""
+        return int(sum(self.row(k)[at + _REQUESTS] for k in range(first, first + count)
+                       for at in range(_ROW, self.width, _PER_MODEL)))
+
+    def crashed_input(self, first: int, count: int) -> int | None:
+        """The digest of the request whose call crashed the process of rows first to
+        first + count - 1 (its host's, then its interpreters'): that of the interpreter
+        its host's row names, else of the only call running; None if neither says."""
+        crashed = int(self.row(first)[_CRASHED])
+        if 0 < crashed < count:
+            rows = [first + crashed]
+        else:
+            rows = [k for k in range(first + 1, first + count) if self.row(k)[_SINCE]]
+        return int(self.row(rows[0])[_INPUT]) or None if len(rows) == 1 else None
 
 
 class _Count:
@@ -175,6 +197,11 @@ class ModelSeries:
         """The call that began last in this row's interpreter has ended."""
         self._values[_SINCE] = 0.0
         self._own[_BUSY] -= 1.0
+
+    def running(self, digest: int) -> None:
+        """The call that begins now runs the one request of that digest
+        (multipy.serve.poison; 0: it has ended)."""
+        self._values[_INPUT] = digest
 
     def abandoned(self, running: bool) -> None:
         """A call of the model that its request gave up on still runs (True), or has
@@ -293,6 +320,20 @@ class Metrics:
         if running > self.stuck_after:
             return f"it has been in one call for {running:.0f} s"
         return None
+
+    def crash_cell(self) -> int:
+        """The address of the float64 in this process's host row where the fatal-signal
+        handler notes which interpreter's call crashed it (multipy._host.crash_cell)."""
+        return self.board.address + 8 * (self.first * self.board.width + _CRASHED)
+
+    def health(self) -> dict[str, int]:
+        """This process's interpreters: how many there are, how many are ``stuck``, how
+        many are busy (in a call, or decoding a large request): its supervisor's health
+        check."""
+        rows = range(1, self.interpreters + 1)
+        return {"interpreters": self.interpreters,
+                "stuck": sum(self.stuck(k) is not None for k in rows),
+                "busy": sum(self.busy(k) > 0 for k in rows)}
 
     def all_stuck(self) -> str | None:
         """Why no interpreter of this process can take a call (every one is stuck: see
@@ -418,7 +459,7 @@ class _Collector:
             "(past --timeout, or its client went away), or has run one call longer than "
             "the time after which it counts as stuck")
         per = metrics.interpreters + 1  # each process's host row, then its interpreters'
-        rows = [p * per + k for p in range(metrics.processes)
+        rows = [p * per + k for p in range(board.rows // per)
                 for k in range(1, per)] if board.rows > 1 else []
         stuck.add_metric([], sum(metrics._stuck(at) is not None for at in rows))
         yield from (requests, failures, latency, queued, busy, calls, batched, interpreters, stuck)

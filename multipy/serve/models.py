@@ -24,6 +24,7 @@ from ..errors import InterpreterError
 from ..replicated import ReplicatedObj
 from . import archive, model_class
 from .messages import ProtocolError
+from .poison import Table, check
 from .requests import ModelError, ModelRequests, Started
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ class ServedModel(ModelRequests):
 
     def __init__(self, spec: ModelSpec, manager: Any, metrics: Metrics, turns: Turns,
                  max_batch_size: int = 1, batch_delay: float = 0.0,
-                 timeout: float | None = None, device: str = "cpu") -> None:
+                 timeout: float | None = None, device: str = "cpu",
+                 refused: Table | None = None) -> None:
         super().__init__(spec.name, metrics.models[spec.name], max_batch_size, batch_delay,
                          timeout)
         self.spec = spec
@@ -82,6 +84,7 @@ class ServedModel(ModelRequests):
         self._manager = manager
         self._turns = turns
         self.device = device
+        self._refused = refused  # with --processes: the inputs that crashed processes
         self._storages: tuple | None = None  # load's storages (and device, keeper) arguments
         self._mapping = threading.Lock()
         self.replicated = ReplicatedObj(manager, self._load)
@@ -136,6 +139,8 @@ class ServedModel(ModelRequests):
         stuck = self._metrics.all_stuck()  # (the front ends' interpreters)
         if stuck:
             raise ProtocolError(f"{stuck}; try again later", 503)
+        if self._refused is not None:
+            check(self._refused, self.name, names, datatypes, arrays, given)
         try:
             async with self._turns:
                 with started:

@@ -13,6 +13,7 @@ load and unload are refused.
 from __future__ import annotations
 
 import json
+import os
 import re
 from typing import Any, Mapping
 
@@ -30,13 +31,15 @@ _ARCHIVE_KEYS = ("path", "module", "resource")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}\Z")
 #: The most characters of a model's reason kept in the index (a failed load's error).
 REASON_CHARACTERS = 1000
+#: The most bytes (UTF-8) of a path that can name a file: the system's PATH_MAX, with
+#: its terminating NUL.
+PATH_MAX = os.pathconf("/", "PC_PATH_MAX")
 
 
 def check_name(name: str) -> None:
     """ProtocolError (400) unless name is a model's name (see _NAME)."""
     if not _NAME.match(name):
-        shown = name if len(name) <= 40 else name[:40] + "..."
-        raise ProtocolError(f"{shown!r} cannot name a model: a name has 1 to 128 of the "
+        raise ProtocolError(f"{_shown(name)!r} cannot name a model: a name has 1 to 128 of the "
                             f"letters A-Z and a-z, the digits, '_', '-' and '.', and does "
                             f"not start with '.' or '-'")
 
@@ -63,6 +66,8 @@ async def unload(service: Server, name: str) -> None:
     """Unloads model name from every interpreter of service; ProtocolError if unload is
     disabled (400), or it serves no model name (404)."""
     _enabled(service, "unload")
+    if not _NAME.match(name):  # (no model can have it)
+        raise ProtocolError(f"unknown model {_shown(name)!r}", 404)
     await service.unload(name)
 
 
@@ -71,7 +76,7 @@ def archive(parameters: Mapping[str, Any]) -> dict[str, str]:
     given): as parameters of the request, or as the JSON object of its "config"
     parameter (what tritonclient's ``load_model(name, config=...)`` sends).
     ProtocolError (400) for a parameter that is neither, or a value that is not a
-    string."""
+    string or is too long to name a file (PATH_MAX bytes or more)."""
     given = dict(parameters)
     config = given.pop("config", None)
     if config is not None:
@@ -88,13 +93,22 @@ def archive(parameters: Mapping[str, Any]) -> dict[str, str]:
         given = {**named, **given}
     unknown = sorted(set(given) - set(_ARCHIVE_KEYS))
     if unknown:
+        shown = ", ".join(repr(_shown(str(key))) for key in unknown[:5])
         raise ProtocolError(f"the load request has parameters that say nothing to this "
-                            f"server: {', '.join(map(repr, unknown))}; it takes the "
-                            f"archive's {', '.join(map(repr, _ARCHIVE_KEYS))}")
+                            f"server: {shown}{', ...' if len(unknown) > 5 else ''}; it "
+                            f"takes the archive's {', '.join(map(repr, _ARCHIVE_KEYS))}")
     for key, value in given.items():
         if not isinstance(value, str) or not value:
             raise ProtocolError(f"the load request's {key!r} must be a string")
+        if len(value.encode(errors="surrogatepass")) >= PATH_MAX:
+            raise ProtocolError(f"the load request's {key!r} ({_shown(value)!r}) is longer "
+                                f"than any path that names a file ({PATH_MAX - 1} bytes)")
     return given
+
+
+def _shown(text: str) -> str:
+    """text as an error message quotes it: its first 40 characters."""
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 def _enabled(service: Server, what: str) -> None:

@@ -200,13 +200,20 @@ NO_ID = "request (no id)"
 class Started:
     """A call as it begins, in the metrics (``with started:`` around the call): its
     requests leave the queue, the model has one more call and one more busy interpreter
-    while it runs, and the call's request count is observed."""
+    while it runs (and, if ``digest`` is set, the digest of its one request:
+    multipy.serve.poison), and the call's request count is observed."""
 
-    __slots__ = ("_series", "_places", "_began")
+    __slots__ = ("_series", "_places", "_began", "digest")
 
     def __init__(self, series: ModelSeries, places: list[_Place]) -> None:
         self._series, self._places = series, places
         self._began = 0
+        self.digest = 0
+
+    @property
+    def one(self) -> bool:
+        """Whether the call answers one request (not a batch of several)."""
+        return len(self._places) == 1
 
     def requests(self) -> str:
         """The requests the call answers, as a crash report names them (NO_ID itself for
@@ -223,8 +230,12 @@ class Started:
         for place in self._places:
             place.leave(self._began)
         self._series.call_began(len(self._places))
+        if self.digest:
+            self._series.running(self.digest)
 
     def __exit__(self, *exc_info: Any) -> None:
+        if self.digest:
+            self._series.running(0)
         self._series.call_ended()
         took = time.perf_counter_ns() - self._began
         for place in self._places:

@@ -27,6 +27,7 @@ from . import archive, model_class
 from .connection import Limits
 from .metrics import STUCK_AFTER, Metrics
 from .models import ModelSpec, ServedModel, Turns
+from .poison import Table
 from .progress import Progress
 from .messages import MAX_REQUEST_SIZE, ProtocolError
 from .repository import LOADING, READY, REASON_CHARACTERS, UNAVAILABLE
@@ -88,12 +89,16 @@ class Options:
 @dataclass(frozen=True)
 class Place:
     """Where a server stands among ``multipy serve --processes``'s (multipy.serve.
-    supervisor): process ``index`` of ``processes``, counting in the shared metrics board
-    mapped from the file descriptor ``board`` (None: a board of its own, one process)."""
+    supervisor): one of ``processes``, counting in slot ``index`` of the ``slots`` of the
+    shared metrics board mapped from the file descriptor ``board`` (None: a board of its
+    own, one process), refusing the inputs that the table mapped from ``refused`` names
+    (multipy.serve.poison; None: none)."""
 
     index: int = 0
     processes: int = 1
     board: int | None = None
+    slots: int = 1
+    refused: int | None = None
 
 
 class Service:
@@ -115,10 +120,12 @@ class Service:
         # row 0 the host's, row k + 1 interpreter k's front end's (of each process)
         rows = options.interpreters + 1
         self.metrics = Metrics(list(self.specs), options.interpreters,
-                               rows=rows * place.processes,
+                               rows=rows * place.slots,
                                stuck_after=options.timeout or STUCK_AFTER,
                                slots=options.slots, fd=place.board,
                                first=place.index * rows, processes=place.processes)
+        #: the inputs refused for having crashed processes (multipy.serve.poison)
+        self.refused = None if place.refused is None else Table(fd=place.refused)
         if options.torch_threads is None and place.processes > 1:  # the cores, shared
             options = dataclasses.replace(options, torch_threads=max(
                 1, cores() // (place.processes * options.interpreters)))
@@ -198,7 +205,7 @@ class Service:
     def _served(self, spec: ModelSpec) -> ServedModel:
         max_batch_size, delay = self._batching
         return ServedModel(spec, self.manager, self.metrics, self._turns, max_batch_size, delay,
-                           self.options.timeout, self.options.device)
+                           self.options.timeout, self.options.device, self.refused)
 
     def _materialise(self, models: list[ServedModel], progress: Progress | None) -> None:
         errors: list[BaseException] = []

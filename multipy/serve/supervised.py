@@ -2,10 +2,11 @@
 its link to the supervisor, read on the process's event loop.
 
 The supervisor hands it connections (served as a single server serves those it
-accepts) and has it do the model repository's requests; it tells the supervisor when its
-models are loaded, and asks it to have every process do the repository requests that its
-own front ends receive (``load_now`` and ``unload_now``, which multipy.serve.control
-calls as it would the service's).
+accepts; each is acknowledged as it arrives, before anything reads it), checks its
+health (answered from its event loop) and has it do the model repository's requests; it
+tells the supervisor when its models are loaded, and asks it to have every process do
+the repository requests that its own front ends receive (``load_now`` and
+``unload_now``, which multipy.serve.control calls as it would the service's).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import socket
 from typing import Any, Callable
 
 from .control import do
-from .link import Link
+from .link import Link, TooLarge
 from .messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
@@ -58,9 +59,9 @@ class Supervised:
         """Tells the supervisor that this process's models are loaded."""
         self._tell("ready")
 
-    def _tell(self, op: str) -> None:
+    def _tell(self, op: str, **fields: Any) -> None:
         try:
-            self._link.send({"op": op})
+            self._link.send({"op": op, **fields})
         except OSError:  # it has gone: the link's end says so
             pass
 
@@ -76,10 +77,13 @@ class Supervised:
             logger.error("the supervisor has gone: this server process stops")
             self._gone()
             return
+        connections = []
         for message, fds in messages:
             op = message["op"]
             if op == "connection" and fds:
-                self._hand(socket.socket(fileno=fds.pop(0)))
+                connections.append((message.get("number"), fds.pop(0)))
+            elif op == "ping":
+                self._tell("pong", **self._service.metrics.health())
             elif op == "do":
                 asyncio.get_running_loop().create_task(self._do(message))
             elif op == "answer":
@@ -88,6 +92,10 @@ class Supervised:
                     future.set_result((message["status"], message["message"]))
             for fd in fds:
                 os.close(fd)
+        if connections:  # this process owns them before it reads a byte of one
+            self._tell("took", number=connections[-1][0])
+            for _, fd in connections:
+                self._hand(socket.socket(fileno=fd))
 
     async def _do(self, message: dict[str, Any]) -> None:
         """Does a repository request for the supervisor, and says how it went."""
@@ -121,6 +129,9 @@ class Supervised:
         try:
             self._link.send({"op": "ask", "number": number, "what": what, "name": name,
                              "archive": archive})
+        except TooLarge as error:  # (multipy.serve.repository bounds what a request says)
+            self._asked.pop(number, None)
+            raise ProtocolError(f"the request is too large: {error}") from None
         except OSError:
             self._asked.pop(number, None)
             raise ProtocolError("the server is stopping", 503) from None

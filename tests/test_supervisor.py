@@ -1,0 +1,188 @@
+"""The supervisor's decisions without processes (multipy.serve.supervisor, .poison,
+.link): what follows a process's end, the repository's present state that a replacement
+redoes, the digests of inputs that crash processes and their table, and link messages
+that cannot wedge a reader."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from multipy.serve import poison
+from multipy.serve.link import LARGEST, Link, TooLarge, pair
+from multipy.serve.messages import ProtocolError
+from multipy.serve.repository import PATH_MAX, archive
+from multipy.serve.supervisor import START_FAILURES, _Present, decide
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- what follows a process's end --
+
+def test_a_process_that_served_is_replaced_at_once_whatever_came_before():
+    for status in (-11, -6, -9, 1, 2, 0):
+        restart = decide(status, served=True, failures=START_FAILURES - 1, listening=True,
+                         ever_ready=True)
+        assert (restart.pause, restart.stop, restart.failures) == (0.0, None, 0)
+    # before any process was ready too: a request's crash is never a start failure
+    restart = decide(-11, served=True, failures=3, listening=True, ever_ready=False)
+    assert (restart.pause, restart.stop, restart.failures) == (0.0, None, 0)
+
+
+def test_processes_that_die_while_starting_back_off_then_stop_the_server():
+    failures, pauses = 0, []
+    while True:
+        restart = decide(-11, served=False, failures=failures, listening=True, ever_ready=True)
+        failures = restart.failures
+        if restart.stop is not None:
+            break
+        pauses.append(restart.pause)
+    assert pauses == [1.0, 2.0, 4.0, 8.0]
+    assert (restart.stop, failures) == (1, START_FAILURES)
+    assert "5 processes in a row died while starting" in restart.why
+
+
+def test_models_that_fail_at_the_first_start_stop_the_server_at_once():
+    before_listening = decide(2, served=False, failures=0, listening=False, ever_ready=False)
+    assert before_listening.stop == 2 and "cannot be served" in before_listening.why
+    assert decide(1, served=False, failures=0, listening=True, ever_ready=False).stop == 1
+    # once the server has been ready, a replacement whose models fail is retried
+    assert decide(1, served=False, failures=0, listening=True, ever_ready=True).pause == 1.0
+
+
+# -- the repository's present state --
+
+def _replayed(present: _Present) -> list[tuple]:
+    return [(r["what"], r["name"], tuple(sorted(r["archive"].items())))
+            for r in present.requests()]
+
+
+def test_the_present_is_one_entry_per_name_however_many_requests_came():
+    present = _Present(["a", "b"])
+    for _ in range(50):
+        present.note("unload", "a", {}, [200, 200])
+        present.note("load", "a", {}, [200, 200])
+    for _ in range(50):
+        present.note("load", "nothing", {"path": "x" * 3000}, [404, 404])  # failed: kept not
+    assert _replayed(present) == [("load", "a", ())]
+    present.note("unload", "b", {}, [200, None])  # one process ended meanwhile
+    present.note("load", "c", {"path": "c.pt"}, [200, 200])
+    present.note("load", "c", {"path": "c2.pt"}, [500, 500])  # c serves on from c.pt
+    present.note("unload", "c", {}, [200, 200])
+    assert _replayed(present) == [("load", "a", ()), ("unload", "b", ()),
+                                  ("load", "c", (("path", "c.pt"),)), ("unload", "c", ())]
+
+
+def test_a_new_name_whose_load_failed_keeps_its_place_and_is_tried_again():
+    present = _Present(["a"])
+    present.note("load", "d", {"path": "d.pt"}, [500, 500])  # in the index, UNAVAILABLE
+    present.note("load", "e", {"path": "e.pt"}, [400, 400])  # not an archive: nothing
+    present.note("unload", "zzz", {}, [404, 404])
+    present.note("load", "f", {}, [None, None])  # every process ended: nothing known
+    assert _replayed(present) == [("load", "d", (("path", "d.pt"),))]
+    present.note("load", "d", {"path": "d2.pt"}, [200, 200])
+    assert _replayed(present) == [("load", "d", (("path", "d2.pt"),))]
+
+
+# -- inputs that crash processes --
+
+np = pytest.importorskip("numpy")
+
+
+def test_a_digest_is_the_inputs_not_their_encoding_nor_the_request_id():
+    key = os.urandom(16)
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    same = poison.digest(key, "m", ("x",), ("FP32",), [x])
+    assert 0 < same < 2 ** 52
+    assert poison.digest(key, "m", ("x",), ("FP32",), [x.copy()]) == same
+    assert poison.digest(key, "m", ("x",), ("FP32",), [np.asfortranarray(x)]) == same
+    others = {poison.digest(key, "n", ("x",), ("FP32",), [x]),
+              poison.digest(key, "m", ("y",), ("FP32",), [x]),
+              poison.digest(key, "m", ("x",), ("FP32",), [x.reshape(4, 3)]),
+              poison.digest(key, "m", ("x",), ("FP32",), [x + 1]),
+              poison.digest(key, "m", ("x",), ("FP32",), [x], {"p": 1}),
+              poison.digest(os.urandom(16), "m", ("x",), ("FP32",), [x])}
+    assert same not in others and len(others) == 6
+    text = np.array([b"a", b"bc"], dtype=object)
+    assert poison.digest(key, "m", None, ("BYTES",), [text]) == \
+        poison.digest(key, "m", None, ("BYTES",), [np.array([b"a", b"bc"], dtype=object)])
+    assert poison.digest(key, "m", None, ("BYTES",), [text]) != \
+        poison.digest(key, "m", None, ("BYTES",), [np.array([b"ab", b"c"], dtype=object)])
+    assert poison.digest(key, "m", None, (), [], {"a": 1, "b": 2}) == \
+        poison.digest(key, "m", None, (), [], {"b": 2, "a": 1})
+
+
+def test_a_digest_is_refused_after_two_crashes_in_every_mapping_until_forgotten():
+    table = poison.Table.shared()
+    reader = poison.Table(fd=table.fd)  # a server process's mapping
+    inside = poison.Table(address=reader.address)  # an interpreter's view of it
+    assert inside.key == table.key and len(table.key) == 16
+    crashes = poison.Crashes(table)
+    assert not crashes.crashed(7, now=100.0)
+    assert not crashes.crashed(8, now=101.0)
+    assert inside.refused() == frozenset()
+    assert crashes.crashed(7, now=102.0)
+    assert inside.refused() == reader.refused() == frozenset({7})
+    crashes.forget(now=102.0 + poison.REMEMBER - 1)
+    assert inside.refused() == frozenset({7})
+    crashes.forget(now=102.0 + poison.REMEMBER)
+    assert inside.refused() == frozenset()
+    # a crash more than REMEMBER after the last is a first one again
+    assert not crashes.crashed(7, now=102.0 + 2 * poison.REMEMBER)
+    os.close(table.fd)
+
+
+def test_the_table_keeps_the_newest_refused_digests():
+    table = poison.Table.shared()
+    crashes = poison.Crashes(table)
+    for digest in range(1, 101):
+        crashes.crashed(digest, now=float(digest))
+        crashes.crashed(digest, now=float(digest))
+    refused = poison.Table(address=table.address).refused()
+    assert refused == frozenset(range(101 - poison._ROOM, 101))
+    os.close(table.fd)
+
+
+# -- link messages --
+
+def test_a_message_too_large_is_refused_where_it_is_sent_and_the_link_serves_on():
+    here, there = pair()
+    process = Link(there)
+    with pytest.raises(TooLarge):
+        here.send({"op": "do", "path": "\u00e9" * LARGEST})
+    here.send({"op": "do", "path": "\u00e9" * 20_000})  # 40 KB as UTF-8: it fits
+    [(message, fds)] = process.receive()
+    assert message["path"] == "\u00e9" * 20_000 and fds == []
+    here.close()
+    process.close()
+
+
+def test_messages_that_are_not_ones_are_dropped_and_the_next_is_read():
+    here, there = pair()
+    with there:
+        there.send(b"x" * (LARGEST + 100))  # cut
+        there.send(b"[1, 2]")  # not an object
+        there.send(b'{"no": "op"}')
+        there.send(b"\xff\xfe")
+        with socket.socket(socket.AF_UNIX) as spare:  # a descriptor that comes with one
+            socket.send_fds(there, [b"{not json"], [spare.fileno()])
+        there.send(json.dumps({"op": "pong", "stuck": 0}).encode())
+        assert here.receive() == [({"op": "pong", "stuck": 0}, [])]
+    assert here.receive() is None
+    here.close()
+
+
+def test_a_load_request_that_names_no_file_is_refused_where_it_arrives():
+    long = "\u00e9" * (PATH_MAX // 2)  # PATH_MAX bytes in UTF-8
+    for parameters in ({"path": long}, {"config": json.dumps({"path": long})},
+                       {"module": "m" * PATH_MAX}):
+        with pytest.raises(ProtocolError) as raised:
+            archive(parameters)
+        assert raised.value.status == 400 and "longer than any path" in str(raised.value)
+        assert len(str(raised.value)) < 300
+    assert archive({"path": "\u00e9" * (PATH_MAX // 2 - 1)})["path"]  # it fits
+    with pytest.raises(ProtocolError) as raised:
+        archive({f"k{k}" * 1000: "v" for k in range(100)})
+    assert raised.value.status == 400 and len(str(raised.value)) < 500

@@ -713,6 +713,9 @@ static void report_fatal_signal(int signal_number, siginfo_t *info, void *contex
     int sent = info && info->si_code <= 0;
     int from_another_process = sent && info->si_pid != getpid();
     if (from_another_process) {
+        volatile double *cell = crash_cell_address;
+        if (cell) /* no call's doing: -1 says so to whoever reads the cell */
+            *cell = -1.0;
         say("\nmultipy: signal ");
         say_number(signal_number);
         say(" sent by process ");
@@ -829,9 +832,9 @@ static PyMethodDef module_methods[] = {
      "Installs the fatal-signal report that names the interpreter and call."},
     {"crash_cell", crash_cell, METH_O,
      "crash_cell(address: int) -> None: the address of 8 bytes (a double) that the caller "
-     "owns, where a fatal signal of the process's own (a fault, or its abort(); not one "
-     "another process sent) stores the index + 1 of the interpreter whose call the "
-     "crashing thread ran; nothing when it ran none.  0 clears it."},
+     "owns, where a fatal signal of the process's own (a fault, or its abort()) stores "
+     "the index + 1 of the interpreter whose call the crashing thread ran (nothing when "
+     "it ran none), and one that another process sent stores -1.  0 clears it."},
     {NULL, NULL, 0, NULL},
 };
 

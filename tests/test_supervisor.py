@@ -105,11 +105,13 @@ def test_a_digest_is_the_inputs_not_their_encoding_nor_the_request_id():
               poison.digest(key, "m", ("x",), ("FP32",), [x], {"p": 1}),
               poison.digest(os.urandom(16), "m", ("x",), ("FP32",), [x])}
     assert same not in others and len(others) == 6
-    text = np.array([b"a", b"bc"], dtype=object)
-    assert poison.digest(key, "m", None, ("BYTES",), [text]) == \
-        poison.digest(key, "m", None, ("BYTES",), [np.array([b"a", b"bc"], dtype=object)])
-    assert poison.digest(key, "m", None, ("BYTES",), [text]) != \
-        poison.digest(key, "m", None, ("BYTES",), [np.array([b"ab", b"c"], dtype=object)])
+    def text(*items: str):  # new bytes objects each time, as a request's decoding makes
+        return np.array([item.encode() for item in items], dtype=object)
+
+    assert poison.digest(key, "m", None, ("BYTES",), [text("a", "bc")]) == \
+        poison.digest(key, "m", None, ("BYTES",), [text("a", "bc")])
+    assert poison.digest(key, "m", None, ("BYTES",), [text("a", "bc")]) != \
+        poison.digest(key, "m", None, ("BYTES",), [text("ab", "c")])
     assert poison.digest(key, "m", None, (), [], {"a": 1, "b": 2}) == \
         poison.digest(key, "m", None, (), [], {"b": 2, "a": 1})
 
@@ -143,6 +145,23 @@ def test_the_table_keeps_the_newest_refused_digests():
     refused = poison.Table(address=table.address).refused()
     assert refused == frozenset(range(101 - poison._ROOM, 101))
     os.close(table.fd)
+
+
+def test_the_crash_is_pinned_on_the_call_the_handler_names_or_the_only_one():
+    from multipy.serve.metrics import _CRASHED, _INPUT, _SINCE, Board
+
+    board = Board(3, 20)  # a process's host row, then its two interpreters'
+    board.row(1)[_INPUT], board.row(2)[_INPUT] = 11.0, 22.0
+    board.row(1)[_SINCE] = board.row(2)[_SINCE] = 5.0
+    assert board.crashed_input(0, 3) is None  # two calls ran, and nothing says which
+    board.row(0)[_CRASHED] = 2.0  # the handler: interpreter 1's call
+    assert board.crashed_input(0, 3) == 22
+    board.row(0)[_CRASHED] = -1.0  # a signal another process sent
+    assert board.crashed_input(0, 3) is None
+    board.row(0)[_CRASHED], board.row(1)[_SINCE] = 0.0, 0.0  # one call ran: that one
+    assert board.crashed_input(0, 3) == 22
+    board.row(2)[_INPUT] = 0.0  # a batch's call: no digest
+    assert board.crashed_input(0, 3) is None
 
 
 # -- link messages --

@@ -430,14 +430,17 @@ class _Model(ModelRequests):
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
-        if self._refused is not None and started.one:  # (its crash is pinned on it)
-            started.digest = check(self._refused, self.name, names, datatypes, arrays, given)
+        if self._refused is not None:
+            digest = check(self._refused, self.name, names, datatypes, arrays, given)
+            if started.one and not self._asynchronous:  # (its crash is pinned on it;
+                started.digest = digest  # async calls may run together: not pinned)
         if self._worker is None:  # here, blocking the loop
             # what a crash report names while it runs (kept alive until then)
             requests = started.requests()
             running = self._anonymous if requests is NO_ID else \
                 (b"inference", (self._noted + requests).encode())
             _multipy_bootstrap.note(*running)
+            started.pin(True)
             try:
                 with started:
                     if self._asynchronous:
@@ -445,6 +448,7 @@ class _Model(ModelRequests):
                                                               **given)
                     return self._served.infer(names, datatypes, *arrays, **given)
             finally:
+                started.pin(False)
                 _multipy_bootstrap.note(*_SERVING)
         stuck = self._worker.stuck
         if stuck is not None:
@@ -533,10 +537,12 @@ class _Job:
                 return
             self._thread = threading.get_ident()
         self._post(self._started.__enter__)
+        self._started.pin(True)
         try:  # a cancel lands inside only: the bookkeeping after runs whatever it raised
             outcome = (_multipy_bootstrap.call(self._serial, self._call), None)
         except BaseException as error:  # CallCancelled, or the model's SystemExit, say
             outcome = (None, error)
+        self._started.pin(False)
         self._post(self._started.__exit__, None, None, None)
         with self._lock:
             self._thread = None

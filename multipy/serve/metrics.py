@@ -146,8 +146,11 @@ class Board:
     def crashed_input(self, first: int, count: int) -> int | None:
         """The digest of the request whose call crashed the process of rows first to
         first + count - 1 (its host's, then its interpreters'): that of the interpreter
-        its host's row names, else of the only call running; None if neither says."""
+        its host's row names, else of the only call running; None if neither says, or
+        the signal came from another process (the row says -1)."""
         crashed = int(self.row(first)[_CRASHED])
+        if crashed < 0:
+            return None
         if 0 < crashed < count:
             rows = [first + crashed]
         else:

@@ -56,12 +56,11 @@ def digest(key: bytes, model: str, names: Sequence[str] | None, datatypes: Seque
     for array in arrays:
         hashed.update(repr((getattr(array, "shape", None), str(getattr(array, "dtype", ""))))
                       .encode())
-        try:
-            view = memoryview(array)
-        except (TypeError, ValueError):  # an array of objects (BYTES): its elements
+        if getattr(getattr(array, "dtype", None), "hasobject", True):  # BYTES: its elements
             for item in getattr(array, "flat", array):
                 hashed.update(repr(item).encode(errors="surrogatepass"))
         else:
+            view = memoryview(array)
             hashed.update(view if view.c_contiguous else view.tobytes())
     return (int.from_bytes(hashed.digest(), "little") >> 12) or 1
 

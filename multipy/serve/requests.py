@@ -200,8 +200,8 @@ NO_ID = "request (no id)"
 class Started:
     """A call as it begins, in the metrics (``with started:`` around the call): its
     requests leave the queue, the model has one more call and one more busy interpreter
-    while it runs (and, if ``digest`` is set, the digest of its one request:
-    multipy.serve.poison), and the call's request count is observed."""
+    while it runs, and the call's request count is observed.  ``digest``: its one
+    request's (multipy.serve.poison), which ``pin`` notes from the thread that runs it."""
 
     __slots__ = ("_series", "_places", "_began", "digest")
 
@@ -230,13 +230,15 @@ class Started:
         for place in self._places:
             place.leave(self._began)
         self._series.call_began(len(self._places))
-        if self.digest:
-            self._series.running(self.digest)
 
     def __exit__(self, *exc_info: Any) -> None:
-        if self.digest:
-            self._series.running(0)
         self._series.call_ended()
+
+    def pin(self, running: bool) -> None:
+        """Notes the call's digest in its row as it runs (running), or that it has
+        ended: from the thread that runs it, so that a crash there is pinned on it."""
+        if self.digest:
+            self._series.running(self.digest if running else 0)
         took = time.perf_counter_ns() - self._began
         for place in self._places:
             place.timing.infer_ns = took

@@ -44,11 +44,13 @@ class Supervised:
         self._reading = True
 
     def stop_listening(self) -> None:
-        """Takes no more connections: those handed already are handed on first."""
+        """Takes no more connections: those handed already are handed on first; a
+        repository request still asked of the supervisor gets 503."""
         if self._reading:
             asyncio.get_running_loop().remove_reader(self._link.fileno())
             self._reading = False
             self._read()
+        self._fail_asked()
 
     def prepared(self) -> None:
         """Tells the supervisor that this process has checked its models as it does
@@ -71,9 +73,7 @@ class Supervised:
             if self._reading:
                 asyncio.get_running_loop().remove_reader(self._link.fileno())
                 self._reading = False
-            for future in list(self._asked.values()):
-                if not future.done():
-                    future.set_result((503, "the server is stopping"))
+            self._fail_asked()
             logger.error("the supervisor has gone: this server process stops")
             self._gone()
             return
@@ -96,6 +96,11 @@ class Supervised:
             self._tell("took", number=connections[-1][0])
             for _, fd in connections:
                 self._hand(socket.socket(fileno=fd))
+
+    def _fail_asked(self) -> None:
+        for future in list(self._asked.values()):
+            if not future.done():
+                future.set_result((503, "the server is stopping"))
 
     async def _do(self, message: dict[str, Any]) -> None:
         """Does a repository request for the supervisor, and says how it went."""

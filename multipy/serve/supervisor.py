@@ -180,8 +180,9 @@ class _Process:
     ready: bool = False  #: it has redone the repository's requests: it takes connections
     retiring: bool = False  #: replaced: it takes no new connection, and stops
     replaces: _Process | None = None  #: the process it replaces while that one runs
-    answered: float = 0.0  #: when it last answered a health check (time.monotonic())
-    health: dict[str, int] = field(default_factory=dict)  #: what it answered
+    #: since when a health check waits for its answer (time.monotonic(); None: none waits)
+    waiting: float | None = None
+    health: dict[str, int] = field(default_factory=dict)  #: what it answered last
     recycle_at: int | None = None  #: the requests after which it is replaced
     #: numbers of the connections handed to it and not yet taken -> the connection
     handed: dict[int, socket.socket] = field(default_factory=dict)
@@ -190,7 +191,7 @@ class _Process:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def responsive(self, now: float) -> bool:
-        return now - self.answered < UNRESPONSIVE_AFTER
+        return self.waiting is None or now - self.waiting < UNRESPONSIVE_AFTER
 
     def all_stuck(self) -> bool:
         return self.health.get("stuck", 0) >= self.health.get("interpreters", 1)
@@ -228,6 +229,7 @@ class Supervisor:
         self.refused = Table.shared()
         self._crashes = Crashes(self.refused)
         self._processes: list[_Process] = []
+        self._starting: dict[int, int] = {}  # slot -> index of the processes starting
         self._turn = itertools.count()
         self._held: list[socket.socket] = []
         self._numbers = itertools.count(1)
@@ -294,7 +296,15 @@ class Supervisor:
     async def _start(self, k: int, replaces: _Process | None = None) -> _Process:
         """Starts a process as process k (beside replaces, which it replaces once it is
         ready), in a free slot, and watches it until it ends."""
-        slot = min(set(range(self._slots)) - {p.slot for p in self._processes})
+        slot = min(set(range(self._slots)) - {p.slot for p in self._processes}
+                   - set(self._starting))
+        self._starting[slot] = k  # (taken while it starts)
+        try:
+            return await self._spawn(k, slot, replaces)
+        finally:
+            del self._starting[slot]
+
+    async def _spawn(self, k: int, slot: int, replaces: _Process | None) -> _Process:
         here, there = pair()
         command = [sys.executable, "-m", "multipy.serve", *self._argv, "--processes", "1",
                    "--port", str(self._port), "--link", str(there.fileno())]
@@ -304,6 +314,9 @@ class Supervisor:
             process = await asyncio.create_subprocess_exec(
                 *command, pass_fds=(there.fileno(),), start_new_session=True,
                 env=launch_environment())
+        except BaseException:
+            here.close()
+            raise
         finally:
             there.close()
         here.send({"op": "start", "process": slot, "processes": self._count,
@@ -318,6 +331,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         loop.add_reader(here.fileno(), self._read, record)
         loop.create_task(self._watch(record))
+        if self._stopping:  # stopped while it started
+            os.kill(process.pid, signal.SIGTERM)
         return record
 
     async def _watch(self, record: _Process) -> None:
@@ -357,11 +372,12 @@ class Supervisor:
             logger.error("%s, started to replace %s, %s while starting%s; that one serves "
                          "on", record.name(), record.replaces.name(), _status(status), running)
             return
-        if any(p.index == record.index for p in self._processes):
+        if any(p.index == record.index and not p.retiring for p in self._processes) \
+                or record.index in self._starting.values():
             logger.error("%s %s%s; its replacement is starting", record.name(),
                          _status(status), running)
             return
-        served = record.loaded or calls > 0
+        served = record.ready or calls > 0
         restart = decide(status, served, self._failures, self._prepared.is_set(),
                          self._ready_once)
         self._failures = restart.failures
@@ -374,10 +390,22 @@ class Supervisor:
         others = "the other processes serve on, and " if served and self._count > 1 else ""
         logger.error("%s %s%s%s; %s%s", record.name(), _status(status), when, running, others,
                      restart.why)
-        if restart.pause:
-            await asyncio.sleep(restart.pause)
-        if not self._stopping:
-            await self._start(record.index)
+        await self._replace(record.index, restart.pause)
+
+    async def _replace(self, k: int, pause: float) -> None:
+        """Starts a process as process k after pause seconds; tries again, after longer
+        pauses, while the system cannot start one (no memory, no descriptors)."""
+        while True:
+            await asyncio.sleep(pause)
+            if self._stopping:
+                return
+            try:
+                await self._start(k)
+                return
+            except OSError as error:
+                pause = min(max(1.0, 2 * pause), 60.0)
+                logger.error("server process %d could not be started (%s); trying again in "
+                             "%g s", k, error, pause)
 
     def _read(self, record: _Process) -> None:
         messages = record.link.receive()
@@ -391,13 +419,10 @@ class Supervisor:
             if op == "took":
                 self._took(record, message.get("number"))
             elif op == "pong":
-                was_taking = self._taking(record)
-                record.answered, record.health = time.monotonic(), message
-                if not was_taking and self._taking(record):
-                    self._hand_held()
+                record.waiting, record.health = None, message
+                self._hand_held()
             elif op == "prepared":
                 record.prepared = True
-                record.answered = time.monotonic()
                 self._prepared.set()
                 self._hand_held()
             elif op == "ready":
@@ -493,10 +518,12 @@ class Supervisor:
             for record in list(self._processes):
                 if not record.prepared or record.process.returncode is not None:
                     continue
-                if now - record.answered > timeout and not record.retiring:
+                if record.waiting is None:
+                    record.waiting = now  # (from the first check it has not answered)
+                elif now - record.waiting > timeout and not record.retiring:
                     logger.error("%s has not answered a health check for %.0f s "
                                  "(--health-timeout): killing it", record.name(),
-                                 now - record.answered)
+                                 now - record.waiting)
                     record.process.kill()
                     continue
                 try:
@@ -534,7 +561,13 @@ class Supervisor:
             for record in old:
                 if record not in self._processes or record.retiring or self._stopping:
                     continue
-                new = await self._start(record.index, replaces=record)
+                try:
+                    new = await self._start(record.index, replaces=record)
+                except OSError as error:
+                    logger.error("replacing the server processes stopped: a process could "
+                                 "not be started (%s); the others serve on as they are",
+                                 error)
+                    return
                 ended = asyncio.get_running_loop().create_task(new.ended.wait())
                 while not (new.ready or new.ended.is_set()):
                     await asyncio.wait([ended], timeout=0.1)

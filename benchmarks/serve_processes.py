@@ -242,12 +242,14 @@ def kills(args, paths: dict[str, str]) -> None:
                        for _ in range(args.clients)]
             for client in clients:
                 client.start()
-            killed, started = 0, time.monotonic()
+            killed, dead, started = 0, set(), time.monotonic()
             while time.monotonic() - started < args.kill_seconds:
                 time.sleep(args.kill_every)
                 log.seek(0)
                 ready = re.findall(r"server process \d \(pid (\d+)\) ready", log.read())
-                os.kill(int(ready[-1 - killed % 2]), signal.SIGKILL)
+                oldest = [int(pid) for pid in ready if int(pid) not in dead][0]
+                os.kill(oldest, signal.SIGKILL)
+                dead.add(oldest)
                 killed += 1
                 _wait_for_ready(log, 2 + killed)
             time.sleep(1)

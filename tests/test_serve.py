@@ -1559,6 +1559,9 @@ class Started:
     def __exit__(self, *exc_info):
         self.exited += 1
 
+    def pin(self, running):  # (no digest: a server of one process)
+        pass
+
 
 class Series:
     def abandoned(self, stuck):

@@ -460,6 +460,7 @@ class _Model(ModelRequests):
             lambda: self._served.infer(names, datatypes, *arrays, **given), started,
             self._series, self.name)
 
+
 class _Worker:
     """This interpreter's thread for model calls that may be cancelled: they run there
     one at a time, in order.  A call whose caller is cancelled (the timeout, or the

@@ -233,15 +233,15 @@ class Started:
 
     def __exit__(self, *exc_info: Any) -> None:
         self._series.call_ended()
+        took = time.perf_counter_ns() - self._began
+        for place in self._places:
+            place.timing.infer_ns = took
 
     def pin(self, running: bool) -> None:
         """Notes the call's digest in its row as it runs (running), or that it has
         ended: from the thread that runs it, so that a crash there is pinned on it."""
         if self.digest:
             self._series.running(self.digest if running else 0)
-        took = time.perf_counter_ns() - self._began
-        for place in self._places:
-            place.timing.infer_ns = took
 
 
 class Timing:

@@ -11,9 +11,7 @@ A message is a JSON object with an ``op``:
   "unload", ``name``, ``archive``; under a ``number``), ``answer`` (to an ``ask``:
   ``number``, ``status``, ``message``), ``ping`` (a health check);
 - process to supervisor: ``prepared`` (its models are checked as a single server
-  checks them before it listens: it takes connections), ``took`` (it owns every
-  connection up to ``number``: the supervisor, which kept each until then to hand it to
-  another process should this one die first, closes its copies), ``ready`` (its models
+  checks them before it listens: it takes connections), ``ready`` (its models
   are loaded: it takes requests), ``ask`` (a repository request that one of its front
   ends received, for every process: ``number``, ``what``, ``name``, ``archive``), ``done``
   (a ``do`` done: ``number``, ``status``, ``message``), ``pong`` (a ``ping`` answered

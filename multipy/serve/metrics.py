@@ -48,7 +48,8 @@ STUCK_AFTER = 30.0
 # none), large requests it decodes on a thread, the digest of the one request of the
 # call it runs (multipy.serve.poison; 0: none, or a batch), and in a process's first row
 # (its host's) 1 + the interpreter whose call crashed it (multipy._host.crash_cell; 0:
-# none), then per model: requests, failures by
+# none; -1: a signal another process sent) and the number of the last connection its
+# supervisor handed it that it has taken, then per model: requests, failures by
 # status, latency (a count per bucket and one past the last, then the sum), queued,
 # busy, calls, batched (the same), successes, then nanoseconds: of successes, of
 # failures, and of successes queued, decoding, in calls and encoding; then when the
@@ -59,7 +60,8 @@ _ABANDONED = 2
 _DECODING = 3
 _INPUT = 4
 _CRASHED = 5
-_ROW = 6
+_TAKEN = 6
+_ROW = 7
 _REQUESTS = 0
 _FAILURES = 1
 _LATENCY_AT = _FAILURES + len(STATUSES)
@@ -129,7 +131,7 @@ class Board:
         for k in range(first, first + count):
             row = self.row(k)
             row[_CLOSED] = row[_SINCE] = row[_ABANDONED] = row[_DECODING] = 0.0
-            row[_INPUT] = row[_CRASHED] = 0.0
+            row[_INPUT] = row[_CRASHED] = row[_TAKEN] = 0.0
             for at in range(_ROW, self.width, _PER_MODEL):
                 row[at + _QUEUED] = row[at + _BUSY] = 0.0
 
@@ -137,6 +139,11 @@ class Board:
         """How many calls rows first to first + count - 1 run now."""
         return int(sum(self.row(k)[at + _BUSY] for k in range(first, first + count)
                        for at in range(_ROW, self.width, _PER_MODEL)))
+
+    def taken(self, first: int) -> int:
+        """The number of the last connection that the process whose host row is first
+        has taken from its supervisor (``Metrics.took``)."""
+        return int(self.row(first)[_TAKEN])
 
     def requests(self, first: int, count: int) -> int:
         """How many inference requests rows first to first + count - 1 have counted."""
@@ -323,6 +330,11 @@ class Metrics:
         if running > self.stuck_after:
             return f"it has been in one call for {running:.0f} s"
         return None
+
+    def took(self, number: int) -> None:
+        """This process has taken every connection its supervisor handed it up to the
+        one of that number (read by the supervisor, alive or after its death)."""
+        self.board.row(self.first)[_TAKEN] = number
 
     def crash_cell(self) -> int:
         """The address of the float64 in this process's host row where the fatal-signal

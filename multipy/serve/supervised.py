@@ -2,7 +2,8 @@
 its link to the supervisor, read on the process's event loop.
 
 The supervisor hands it connections (served as a single server serves those it
-accepts; each is acknowledged as it arrives, before anything reads it), checks its
+accepts; each is acknowledged as it arrives, before anything reads it, on the metrics
+board, where the supervisor reads it even after this process has died), checks its
 health (answered from its event loop) and has it do the model repository's requests; it
 tells the supervisor when its models are loaded, and asks it to have every process do
 the repository requests that its own front ends receive (``load_now`` and
@@ -93,7 +94,7 @@ class Supervised:
             for fd in fds:
                 os.close(fd)
         if connections:  # this process owns them before it reads a byte of one
-            self._tell("took", number=connections[-1][0])
+            self._service.metrics.took(connections[-1][0])
             for _, fd in connections:
                 self._hand(socket.socket(fileno=fd))
 

@@ -14,8 +14,9 @@ How:
   connection's descriptor passed with SCM_RIGHTS), round robin over the processes that
   take connections (``_takers``): ready, answering their health checks, and with an
   interpreter free of a stuck call.  It keeps its own copy of each connection until the
-  process says it took it, before reading a byte: one that dies first has the
-  connections it had not taken handed to another.  It binds the port first, and listens
+  process has taken it, before reading a byte (the process notes the last one it took
+  on the metrics board: ``_release``): one that dies first has the connections it had
+  not taken handed to another.  It binds the port first, and listens
   once a process has prepared (loaded each model written as a class on its first
   interpreter, as a single server does before it listens: Service.prepare); a process
   that exits with status 2 before then (a class whose code fails) stops the server with
@@ -92,6 +93,9 @@ UNRESPONSIVE_AFTER = 3.0
 HEALTH_TIMEOUT = 20.0
 #: Connections the supervisor holds while no process takes them (one is starting).
 _HELD = 4096
+#: Connections handed to a process above which the supervisor closes its copies of
+#: those it has taken (it does every second too).
+_KEPT = 32
 #: The signals by which a process's own fault ends it (its call crashed).
 _FAULTS = {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGFPE, -signal.SIGILL, -signal.SIGABRT}
 
@@ -229,6 +233,7 @@ class Supervisor:
         self.refused = Table.shared()
         self._crashes = Crashes(self.refused)
         self._processes: list[_Process] = []
+        self._takers: list[_Process] = []  # where new connections go: see _order
         self._starting: dict[int, int] = {}  # slot -> index of the processes starting
         self._turn = itertools.count()
         self._held: list[socket.socket] = []
@@ -338,17 +343,19 @@ class Supervisor:
     async def _watch(self, record: _Process) -> None:
         status = await record.process.wait()
         loop = asyncio.get_running_loop()
-        self._read(record)  # what it said before it ended (the connections it took)
+        self._read(record)  # what it said before it ended
         loop.remove_reader(record.link.fileno())
         record.link.close()
         for future in record.doing.values():
             if not future.done():
                 future.set_result((None, "the process ended"))
         first = record.slot * self._rows
+        self._release(record)
         calls = self.board.busy(first, self._rows)
         crashed = self.board.crashed_input(first, self._rows) if status in _FAULTS else None
         self.board.reset(first, self._rows)
         self._processes.remove(record)
+        self._order()
         record.ended.set()
         untaken = list(record.handed.values())
         record.handed.clear()
@@ -416,15 +423,13 @@ class Supervisor:
             for fd in fds:
                 os.close(fd)
             op = message["op"]
-            if op == "took":
-                self._took(record, message.get("number"))
-            elif op == "pong":
+            if op == "pong":
                 record.waiting, record.health = None, message
-                self._hand_held()
+                self._order()
             elif op == "prepared":
                 record.prepared = True
                 self._prepared.set()
-                self._hand_held()
+                self._order()
             elif op == "ready":
                 record.loaded = True
                 asyncio.get_running_loop().create_task(self._ready(record))
@@ -456,7 +461,7 @@ class Supervisor:
         logger.info("%s ready in %.1f s%s", record.name(), time.monotonic() - record.started,
                     f" (its models as the repository has them: {redone} request(s) redone)"
                     if redone else "")
-        self._hand_held()
+        self._order()
         if record.replaces is not None:
             self._retire(record.replaces)
             record.replaces = None
@@ -515,7 +520,9 @@ class Supervisor:
             await asyncio.sleep(PING_EVERY)
             now = time.monotonic()
             self._crashes.forget(now)
+            self._order()  # (one that stopped answering is passed over from now on)
             for record in list(self._processes):
+                self._release(record)
                 if not record.prepared or record.process.returncode is not None:
                     continue
                 if record.waiting is None:
@@ -595,6 +602,7 @@ class Supervisor:
         if record not in self._processes:
             return
         record.retiring = True
+        self._order()
         logger.info("%s is replaced: it answers what it has received, and stops",
                     record.name())
         try:
@@ -611,16 +619,21 @@ class Supervisor:
         return record.ready and not record.retiring and record.responsive(now) \
             and not record.all_stuck()
 
-    def _takers(self) -> list[_Process]:
-        """The processes a new connection may go to, in the order they are preferred:
-        those ``_taking``; else, while none is, those ready and answering (each answers
-        what it can: a stuck one, 503); else those that have prepared and answer (none
-        is ready: they answer health and readiness themselves)."""
+    def _order(self) -> None:
+        """Decides which processes new connections go to (``_takers``), as their state
+        changes (and every second), and hands them what was held meanwhile: those
+        ``_taking``; else, while none is, those ready and answering (each answers what
+        it can: a stuck one, 503); else those that have prepared and answer (none is
+        ready: they answer health and readiness themselves)."""
         now = time.monotonic()
         alive = [p for p in self._processes if p.prepared and not p.retiring
                  and p.process.returncode is None and p.responsive(now)]
-        return [p for p in alive if self._taking(p, now)] or \
+        self._takers = [p for p in alive if self._taking(p, now)] or \
             [p for p in alive if p.ready] or alive
+        if self._held and self._takers:
+            held, self._held = self._held, []
+            for connection in held:
+                self._hand(connection)
 
     def _hand(self, connection: socket.socket) -> None:
         """Gives connection to the next process that takes it (``_takers``), keeping a
@@ -629,7 +642,7 @@ class Supervisor:
         if self._stopping:
             connection.close()
             return
-        takers = self._takers()
+        takers = self._takers
         turn = next(self._turn)
         for k in range(len(takers)):
             record = takers[(turn + k) % len(takers)]
@@ -640,25 +653,22 @@ class Supervisor:
             except OSError:  # ending, or its link is full: the next
                 continue
             record.handed[number] = connection
+            if len(record.handed) > _KEPT:
+                self._release(record)
             return
         if len(self._held) < _HELD:
             self._held.append(connection)
         else:
             connection.close()
 
-    def _took(self, record: _Process, number: Any) -> None:
-        """Process record owns every connection handed to it up to number."""
-        if not isinstance(number, int):
-            return
-        for handed in [n for n in record.handed if n <= number]:
-            record.handed.pop(handed).close()
-
-    def _hand_held(self) -> None:
-        """Hands the connections held while no process took them, if one does now."""
-        if self._held and self._takers():
-            held, self._held = self._held, []
-            for connection in held:
-                self._hand(connection)
+    def _release(self, record: _Process) -> None:
+        """Closes this side's copies of the connections process record has taken."""
+        taken = self.board.taken(record.slot * self._rows)
+        while record.handed:
+            number = next(iter(record.handed))
+            if number > taken:
+                break
+            record.handed.pop(number).close()
 
     # -- stopping --
 

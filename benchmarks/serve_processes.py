@@ -15,9 +15,9 @@
 4. Kills under load: --clients client processes, each opening a new connection per
    request, against two processes of one interpreter, while one of the processes is
    killed (SIGKILL) every --kill-every seconds for --kill-seconds: the requests answered,
-   and those that failed (connection reset or refused, or an error status) beyond the
-   ones in flight on the killed processes (at most one per kill: each has one
-   interpreter).
+   and those that failed (connection reset or refused, or an error status).  A kill
+   takes the requests in flight in the killed process (at most one per client); any
+   other failure is a connection lost by the supervisor.
 
     multipy run benchmarks/serve_processes.py [--total 2] [--rounds 3] [--seconds 5]
         [--model simple] [--weights-mb 256] [--clients 4] [--kill-every 10]
@@ -260,8 +260,8 @@ def kills(args, paths: dict[str, str]) -> None:
             _stop(process)
     answered, failed = counts[2], counts[0] + counts[3] + counts[4] + counts[5]
     print(f"  {killed} kills: {answered} requests answered 200, {failed} failed (connection "
-          f"{counts[0]}, 4xx {counts[4]}, 5xx {counts[5]}); at most {killed} of them were "
-          f"in flight on the killed processes")
+          f"{counts[0]}, 4xx {counts[4]}, 5xx {counts[5]}); a kill takes what is in flight "
+          f"in its process, at most {args.clients} requests")
 
 
 def _wait_for_ready(log, count: int, seconds: float = 120) -> None:

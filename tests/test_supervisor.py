@@ -10,11 +10,13 @@ import socket
 
 import pytest
 
-from multipy.serve import poison
-from multipy.serve.link import LARGEST, Link, TooLarge, pair
-from multipy.serve.messages import ProtocolError
-from multipy.serve.repository import PATH_MAX, archive
-from multipy.serve.supervisor import START_FAILURES, _Present, decide
+pytest.importorskip("httptools")  # (the supervisor accepts with multipy.serve.connection)
+
+from multipy.serve import poison  # noqa: E402
+from multipy.serve.link import LARGEST, Link, TooLarge, pair  # noqa: E402
+from multipy.serve.messages import ProtocolError  # noqa: E402
+from multipy.serve.repository import PATH_MAX, archive  # noqa: E402
+from multipy.serve.supervisor import START_FAILURES, _Present, decide  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,10 +90,8 @@ def test_a_new_name_whose_load_failed_keeps_its_place_and_is_tried_again():
 
 # -- inputs that crash processes --
 
-np = pytest.importorskip("numpy")
-
-
 def test_a_digest_is_the_inputs_not_their_encoding_nor_the_request_id():
+    np = pytest.importorskip("numpy")
     key = os.urandom(16)
     x = np.arange(12, dtype=np.float32).reshape(3, 4)
     same = poison.digest(key, "m", ("x",), ("FP32",), [x])

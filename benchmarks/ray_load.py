@@ -6,7 +6,7 @@ behind Ray Serve's HTTP proxy, served by
 - multipy replicas, 1 replica x 2 interpreters,
 - Ray Serve's plain deployment of the model: 2 replicas, each loading the archive with
   torch.package and calling the model in its own Python, answering the same route with
-  the same protocol code (multipy.serve.protocol),
+  the same protocol code (multipy.serve.request.protocol),
 
 and, for reference, `multipy serve` without Ray (2 interpreters).  One local Ray
 (ray.init(num_cpus=2 by default)) runs the three in turn; each replica reserves an equal
@@ -45,8 +45,8 @@ class PlainModel:
     async def __call__(self, request):
         from starlette.responses import Response
 
-        from multipy.serve.protocol import (HEADER_LENGTH, Tensor, decode_request,
-                                            encode_response)
+        from multipy.serve.request.protocol import (HEADER_LENGTH, Tensor, decode_request,
+                                                    encode_response)
 
         if request.method != "POST" or request.url.path != f"/v2/models/{self.name}/infer":
             return Response(status_code=404)
@@ -86,9 +86,9 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from multipy.serve.models import ModelSpec
+    from multipy.serve.host.models import ModelSpec
     from multipy.serve.on_ray import deployment
-    from multipy.serve.service import Options
+    from multipy.serve.host.service import Options
 
     sys.path.insert(0, HERE)
     from serve_load import example, free_port, load, pss_tree, run_server

@@ -43,9 +43,9 @@ def main() -> int:
     import tritonclient.http as httpclient
     from ray import serve
 
-    from multipy.serve.models import ModelSpec
+    from multipy.serve.host.models import ModelSpec
     from multipy.serve.on_ray import APP_NAME, deployment, replicas_seen
-    from multipy.serve.service import Options
+    from multipy.serve.host.service import Options
 
     sys.path.insert(0, HERE)
     from generate_examples import generate

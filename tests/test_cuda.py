@@ -187,7 +187,7 @@ DEVICE_COPY = """
 import ctypes, gc, json
 import numpy as np
 from multipy import _cuda
-from multipy.serve import archive
+from multipy.serve.host import archive
 
 host = _cuda.driver()
 buffers = {"a": np.arange(10, dtype=np.uint8), "empty": np.zeros(0, np.uint8),
@@ -232,7 +232,7 @@ def test_a_device_copy_holds_the_bytes_until_it_is_closed_or_its_keeper_dies(pyt
 
 ARCHIVE_ON_DEVICE = """
 import ctypes, json, zipfile
-from multipy.serve import archive
+from multipy.serve.host import archive
 
 path = PATH
 with zipfile.ZipFile(path, "w") as out:  # as torch writes them, and one it does not

@@ -13,19 +13,24 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
           "_runtime", "_pool", "session", "_aio", "environment", "replicated", "package", "manager", "_cpp", "shell", "serve",
           "cli",
           "__main__", "__init__"]
-#: multipy.serve, bottom-up: each of its modules may import only those before it, and of
-#: the rest of multipy only the layers below "serve".
-SERVE_LAYERS = ["uvicorn_server", "messages", "protocol", "batching", "metrics", "poison", "requests",
-                "contract", "repository",
-                "inference",
-                "app", "inference_pb2", "rpc", "connection", "inbox",
-                "archive", "model_class", "models", "control", "link",
-                "progress", "service", "supervised", "supervisor", "on_ray", "main", "__main__",
-                "__init__"]
+#: multipy.serve, bottom-up, as its sub-packages show: each module (a package: its
+#: ``__init__``) may import only those before it, and of the rest of multipy only the
+#: layers below "serve".  The request path that host and interpreters share, HTTP and
+#: gRPC, then the host's models and start-up, the supervisor of --processes, Ray, the
+#: command.
+SERVE_LAYERS = ["request", "request.messages", "request.protocol", "request.batching",
+                "request.metrics", "request.poison", "request.requests", "request.contract",
+                "request.repository", "request.inference",
+                "http", "http.uvicorn_server", "http.connection", "http.inbox", "http.app",
+                "rpc", "rpc.inference_pb2", "rpc.server",
+                "host", "host.archive", "host.model_class", "host.models", "host.control",
+                "host.progress", "host.service", "host.front_ends",
+                "processes", "processes.link", "processes.supervised", "processes.supervisor",
+                "on_ray", "command", "main", "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy: of multipy.serve, the
 #: request path that the host and each interpreter's front end share.
 INSIDE_MAY_IMPORT = {"_protocol", "_sharing", "_inside"}
-SHARED_SERVE = SERVE_LAYERS[:SERVE_LAYERS.index("archive")]
+SHARED_SERVE = SERVE_LAYERS[:SERVE_LAYERS.index("host")]
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -53,7 +58,14 @@ def _import_paths(path: Path) -> list[tuple[int, list[str]]]:
                     continue
                 # the package the import is relative to: "_inside", "serve" or multipy
                 base = list(path.relative_to(PACKAGE).parts[:-1])[:depth - (node.level - 1)]
-                names = [base + parts] if parts else [base + [a.name] for a in node.names]
+                if not parts:
+                    names = [base + [a.name] for a in node.names]
+                elif not PACKAGE.joinpath(*base, *parts).is_dir():
+                    names = [base + parts]
+                else:  # names in a package: its modules (or its own names)
+                    names = [base + parts + [a.name] if PACKAGE.joinpath(
+                        *base, *parts, f"{a.name}.py").exists() else base + parts
+                        for a in node.names]
                 for name in names:
                     found.append((node.lineno, name))
             elif node.module and node.module.split(".")[0] == "multipy":
@@ -86,22 +98,35 @@ def test_layers_import_only_downward():
     assert listed <= set(LAYERS), f"modules without a layer: {listed - set(LAYERS)}"
 
 
+def _serve_path(name: str) -> Path:
+    """The file of SERVE_LAYERS' name (a package's: its __init__.py)."""
+    path = PACKAGE / "serve" / Path(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _serve_name(path: Path) -> str:
+    """SERVE_LAYERS' name of a file of multipy/serve."""
+    parts = path.relative_to(PACKAGE / "serve").with_suffix("").parts
+    return ".".join(parts[:-1]) if parts[-1] == "__init__" and len(parts) > 1 \
+        else ".".join(parts)
+
+
 def test_serve_imports_only_downward():
     below = LAYERS[:LAYERS.index("serve")]
     wrong = []
     for name in SERVE_LAYERS:
-        path = PACKAGE / "serve" / f"{name}.py"
+        path = _serve_path(name)
         assert path.exists(), path
         for line, target in _import_paths(path):
             if target[:1] == ["serve"]:
-                fine = target[1:2] and target[1] in SERVE_LAYERS[:SERVE_LAYERS.index(name)]
+                fine = ".".join(target[1:]) in SERVE_LAYERS[:SERVE_LAYERS.index(name)]
             else:
                 fine = target[:1] and target[0] in below
             if not fine:
-                wrong.append(f"serve/{name}.py:{line} imports {'.'.join(target)}")
+                wrong.append(f"serve/{name}:{line} imports {'.'.join(target)}")
     assert not wrong, wrong
-    listed = {p.stem for p in (PACKAGE / "serve").glob("*.py")}
-    assert listed == set(SERVE_LAYERS), f"modules without a layer: {listed - set(SERVE_LAYERS)}"
+    listed = {_serve_name(p) for p in (PACKAGE / "serve").rglob("*.py")}
+    assert listed == set(SERVE_LAYERS), f"modules without a layer: {listed ^ set(SERVE_LAYERS)}"
 
 
 def test_inside_code_imports_no_host_module():
@@ -109,11 +134,12 @@ def test_inside_code_imports_no_host_module():
              for path in (PACKAGE / "_inside").glob("*.py")
              for line, target in _import_paths(path)
              if target[0] not in INSIDE_MAY_IMPORT
-             and not (target[0] == "serve" and target[1:2] and target[1] in SHARED_SERVE)]
+             and not (target[0] == "serve" and ".".join(target[1:]) in SHARED_SERVE)]
     assert not wrong, wrong
     for name in SHARED_SERVE:  # and what they import, the same
-        for line, target in _import_paths(PACKAGE / "serve" / f"{name}.py"):
-            assert target[:1] == ["serve"] and target[1] in SHARED_SERVE, (name, line, target)
+        for line, target in _import_paths(_serve_path(name)):
+            assert target[:1] == ["serve"] and ".".join(target[1:]) in SHARED_SERVE, \
+                (name, line, target)
     for path in PACKAGE.glob("*.py"):
         assert all(target != "_inside" for _, target in _imports(path)), path.name
 
@@ -151,7 +177,7 @@ def test_the_seams_of_the_server_hold():
     FrontEnd with the same parameters, and both servers that the request path answers
     for, the host's Service and an interpreter's FrontEnd, have every member of the
     contract.Server protocol (read from their source: neither is imported here)."""
-    from multipy.serve import contract
+    from multipy.serve.request import contract
 
     front, front_attributes = _members(PACKAGE / "_inside" / "front_end.py", "FrontEnd")
     calls = [name for name, value in vars(contract.FrontEndCalls).items()
@@ -162,6 +188,6 @@ def test_the_seams_of_the_server_hold():
         assert front.get(name) == parameters[1:], name
     wanted = {name for name in vars(contract.Server) if not name.startswith("_")} \
         | set(contract.Server.__annotations__)
-    service, service_attributes = _members(PACKAGE / "serve" / "service.py", "Service")
+    service, service_attributes = _members(PACKAGE / "serve" / "host" / "service.py", "Service")
     for methods, attributes in ((front, front_attributes), (service, service_attributes)):
         assert not wanted - set(methods) - attributes, wanted - set(methods) - attributes

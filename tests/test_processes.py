@@ -1,5 +1,5 @@
 """`multipy serve --processes 2`: one server of two processes behind one port, started and
-watched by a supervisor (multipy.serve.supervisor).  A crash costs one process, which is
+watched by a supervisor (multipy.serve.processes.supervisor).  A crash costs one process, which is
 replaced (with the model repository's state); SIGTERM answers every accepted request;
 metrics, statistics and the repository are one server's; 20 interpreters serve.
 """

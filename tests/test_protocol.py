@@ -1,4 +1,4 @@
-"""multipy.serve.protocol on its own, without a server: BYTES tensors in JSON and in the
+"""multipy.serve.request.protocol on its own, without a server: BYTES tensors in JSON and in the
 binary data extension's length-prefixed encoding, both ways."""
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 np = pytest.importorskip("numpy")
 
-from multipy.serve import protocol  # noqa: E402
-from multipy.serve.protocol import (ProtocolError, Tensor, decode_request,  # noqa: E402
+from multipy.serve.request import protocol  # noqa: E402
+from multipy.serve.request.protocol import (ProtocolError, Tensor, decode_request,  # noqa: E402
                                     encode_response, to_length_prefixed)
 
 #: The ways an answer's JSON is written: orjson's, where it is installed, and json's.
@@ -166,15 +166,15 @@ def test_bytes_that_are_not_utf8_cannot_go_as_json_but_can_as_binary_data():
 
 
 def test_declared_inputs_missing_and_optional():
-    """multipy.serve.requests checks a request against the inputs a model declares: a
+    """multipy.serve.request.requests checks a request against the inputs a model declares: a
     declared input left out is a 400 unless it is optional; a request that matches
     reaches the model, by name."""
     import asyncio
 
     pytest.importorskip("prometheus_client")
-    from multipy.serve.metrics import Metrics
-    from multipy.serve.protocol import InferRequest
-    from multipy.serve.requests import ModelRequests, Timing
+    from multipy.serve.request.metrics import Metrics
+    from multipy.serve.request.protocol import InferRequest
+    from multipy.serve.request.requests import ModelRequests, Timing
 
     class Echo(ModelRequests):
         async def _run(self, names, datatypes, arrays, started, given):
@@ -206,9 +206,9 @@ def test_a_model_that_wants_its_request_gets_its_id_and_parameters():
     import asyncio
 
     pytest.importorskip("prometheus_client")
-    from multipy.serve.metrics import Metrics
-    from multipy.serve.protocol import InferRequest
-    from multipy.serve.requests import ModelRequests, Timing
+    from multipy.serve.request.metrics import Metrics
+    from multipy.serve.request.protocol import InferRequest
+    from multipy.serve.request.requests import ModelRequests, Timing
 
     class Given(ModelRequests):
         async def _run(self, names, datatypes, arrays, started, given):

@@ -18,14 +18,14 @@ uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("httptools")
 pytest.importorskip("prometheus_client")
 
-from multipy.serve.batching import Batcher  # noqa: E402
-from multipy.serve.connection import Limits, guarded  # noqa: E402
-from multipy.serve.inbox import open_inbox, receive  # noqa: E402
-from multipy.serve.main import FrontEnds  # noqa: E402
-from multipy.serve.metrics import Metrics  # noqa: E402
-from multipy.serve.protocol import ProtocolError, Tensor  # noqa: E402
-from multipy.serve.repository import archive, check_name  # noqa: E402
-from multipy.serve.uvicorn_server import write_answer  # noqa: E402
+from multipy.serve.request.batching import Batcher  # noqa: E402
+from multipy.serve.http.connection import Limits, guarded  # noqa: E402
+from multipy.serve.http.inbox import open_inbox, receive  # noqa: E402
+from multipy.serve.host.front_ends import FrontEnds  # noqa: E402
+from multipy.serve.request.metrics import Metrics  # noqa: E402
+from multipy.serve.request.protocol import ProtocolError, Tensor  # noqa: E402
+from multipy.serve.request.repository import archive, check_name  # noqa: E402
+from multipy.serve.http.uvicorn_server import write_answer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -184,7 +184,7 @@ def test_a_request_that_does_not_arrive_in_time_is_408():
 
 
 def test_an_answer_s_head_leaves_with_its_body_in_one_write():
-    from multipy.serve.connection import _Coalescing
+    from multipy.serve.http.connection import _Coalescing
 
     class Transport:
         def __init__(self):

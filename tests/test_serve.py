@@ -694,7 +694,7 @@ def test_bytes_in_json_are_strings_and_bytes_that_are_not_text_go_back_as_binary
 def test_bytes_cross_between_host_and_interpreter(manager, packages):
     """The host's own calls (Ray Serve's replicas; connections that arrive while the
     interpreters start) send BYTES arrays into an interpreter and get them back."""
-    from multipy.serve import archive
+    from multipy.serve.host import archive
 
     path = packages["text"]
     storages = archive.records(path)
@@ -1166,8 +1166,8 @@ def _as_grpc(body):
     body is.  Typed contents say a flat list of values that fit its datatype's field
     (JSON's numbers, true and false, and strings, as UTF-8); the messages' strings,
     integers and parameters say the rest."""
-    from multipy.serve import inference_pb2 as messages
-    from multipy.serve.rpc import _CONTENTS
+    from multipy.serve.rpc import inference_pb2 as messages
+    from multipy.serve.rpc.server import _CONTENTS
 
     request = messages.ModelInferRequest(model_name="cast")
     said = [isinstance(body, dict)]  # False for each part of body that is not said
@@ -1244,7 +1244,7 @@ def test_fuzzed_requests_get_an_answer_that_says_what_is_wrong(served):
     import grpc
     from hypothesis import HealthCheck, given, settings
 
-    from multipy.serve import inference_pb2 as messages
+    from multipy.serve.rpc import inference_pb2 as messages
 
     examples = int(os.environ.get("FUZZ_EXAMPLES", "300"))
     seen: dict[int, int] = {}
@@ -1632,8 +1632,8 @@ def test_metrics(served):
 def test_metrics_sum_every_writers_row():
     """Writers that each count in their own row of one board (as the interpreters'
     front ends do, at its address) are summed by /metrics's text, whoever renders it."""
-    from multipy.serve.metrics import Metrics
-    from multipy.serve.requests import Timing
+    from multipy.serve.request.metrics import Metrics
+    from multipy.serve.request.requests import Timing
 
     host = Metrics(["a", "b"], 2, rows=3, row=0)
     fronts = [Metrics(["a", "b"], 2, rows=3, row=k, address=host.board.address) for k in (1, 2)]
@@ -1682,7 +1682,7 @@ def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
     """Turns(1): calls waiting on two loops on two threads get the turn in the order
     they asked for it; one whose wait is cancelled takes none; a turn given back goes
     to a waiting call, not back to the free ones."""
-    from multipy.serve.models import Turns
+    from multipy.serve.host.models import Turns
 
     turns = Turns(1)
     order: list[str] = []
@@ -1825,7 +1825,7 @@ def test_a_batch_that_cannot_be_split_is_the_models_fault(batching):
 def test_the_weights_alias_the_archive_mapped_from_the_page_cache(packages):
     """Each interpreter's weights lie in a mapping of the archive's file, at the records'
     offsets: the page cache's pages, in memory once whatever the interpreters."""
-    from multipy.serve import archive
+    from multipy.serve.host import archive
 
     path = packages["python_heavy"]
     spans = archive.records(path)
@@ -1891,7 +1891,7 @@ def test_a_host_whose_front_ends_answer_imports_none_of_what_it_never_uses(packa
 
 
 def test_state_that_forward_writes_is_each_interpreters_own_and_never_lent(packages):
-    from multipy.serve import archive
+    from multipy.serve.host import archive
 
     path = packages["wrapped"]
     storages = archive.records(path)
@@ -1994,7 +1994,7 @@ def test_grpc_typed_contents_and_requested_outputs(served):
     and the outputs asked for are answered."""
     import grpc
 
-    from multipy.serve import inference_pb2 as messages
+    from multipy.serve.rpc import inference_pb2 as messages
 
     with grpc.insecure_channel(f"127.0.0.1:{_grpc_port(served)}") as channel:
         infer = _unary(channel, "ModelInfer", messages.ModelInferResponse)
@@ -2084,7 +2084,7 @@ def test_grpc_bytes_raw_and_typed(served):
     any bytes, UTF-8 or not, go both ways."""
     import grpc
 
-    from multipy.serve import inference_pb2 as messages
+    from multipy.serve.rpc import inference_pb2 as messages
 
     result = _grpc(served).infer("text", [_grpc_input("text", TEXT, "BYTES")])
     assert _as_bytes(result.as_numpy("upper")) == [b"HELLO", "W\u00d6RLD".encode(), b"", b"A B"]
@@ -2104,7 +2104,7 @@ def test_grpc_bytes_raw_and_typed(served):
 
 def _typed_bytes(model: str, elements: list[bytes]):
     """A ModelInferRequest of model with one BYTES input, x, of elements in bytes_contents."""
-    from multipy.serve import inference_pb2 as messages
+    from multipy.serve.rpc import inference_pb2 as messages
 
     return messages.ModelInferRequest(model_name=model, inputs=[
         messages.ModelInferRequest.InferInputTensor(
@@ -2122,7 +2122,7 @@ def test_grpc_bytes_contents_cost_what_binary_data_costs_and_are_bounded(large):
     server answers on."""
     import grpc
 
-    from multipy.serve import inference_pb2 as messages
+    from multipy.serve.rpc import inference_pb2 as messages
 
     count = 3_000_000
     header = json.dumps({"inputs": [{"name": "x", "shape": [count], "datatype": "BYTES",
@@ -2800,7 +2800,7 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
     serves as before."""
     import grpc
 
-    from multipy.serve import inference_pb2 as messages
+    from multipy.serve.rpc import inference_pb2 as messages
 
     count = 16_000_000
     data = b"\x00" * 4 * (count + 1)
@@ -3034,7 +3034,7 @@ class _FailsOnce(socket.socket):
 def test_accepting_goes_on_after_an_error(caplog):
     """The server's accept loop (in this process) hands a client's connection on
     although accepting it failed once: the error is logged and accepting tries again."""
-    from multipy.serve.main import accept
+    from multipy.serve.http.connection import accept
 
     listener = _FailsOnce(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind(("127.0.0.1", 0))

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -32,7 +31,6 @@ pytestmark = pytest.mark.timeout(300)
 MODELS = '''
 import ctypes
 import os
-import time
 
 import numpy as np
 

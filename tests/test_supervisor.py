@@ -1,4 +1,4 @@
-"""The supervisor's decisions without processes (multipy.serve.supervisor, .poison,
+"""The supervisor's decisions without processes (multipy.serve.processes.supervisor, .poison,
 .link): what follows a process's end, the repository's present state that a replacement
 redoes, the digests of inputs that crash processes and their table, and link messages
 that cannot wedge a reader."""
@@ -10,13 +10,13 @@ import socket
 
 import pytest
 
-pytest.importorskip("httptools")  # (the supervisor accepts with multipy.serve.connection)
+pytest.importorskip("httptools")  # (the supervisor accepts with multipy.serve.http.connection)
 
-from multipy.serve import poison  # noqa: E402
-from multipy.serve.link import LARGEST, Link, TooLarge, pair  # noqa: E402
-from multipy.serve.messages import ProtocolError  # noqa: E402
-from multipy.serve.repository import PATH_MAX, archive  # noqa: E402
-from multipy.serve.supervisor import START_FAILURES, _Present, decide  # noqa: E402
+from multipy.serve.request import poison  # noqa: E402
+from multipy.serve.processes.link import LARGEST, Link, TooLarge, pair  # noqa: E402
+from multipy.serve.request.messages import ProtocolError  # noqa: E402
+from multipy.serve.request.repository import PATH_MAX, archive  # noqa: E402
+from multipy.serve.processes.supervisor import START_FAILURES, _Present, decide  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -148,7 +148,7 @@ def test_the_table_keeps_the_newest_refused_digests():
 
 
 def test_the_crash_is_pinned_on_the_call_the_handler_names_or_the_only_one():
-    from multipy.serve.metrics import _CRASHED, _INPUT, _SINCE, Board
+    from multipy.serve.request.metrics import _CRASHED, _INPUT, _SINCE, Board
 
     board = Board(3, 20)  # a process's host row, then its two interpreters'
     board.row(1)[_INPUT], board.row(2)[_INPUT] = 11.0, 22.0

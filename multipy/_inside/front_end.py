@@ -7,7 +7,7 @@ inbox, a pipe whose read end the front end's event loop watches (the host never 
 for this interpreter's GIL); a stop comes the same way, after every connection handed
 before it.  From then on, every request on it is parsed, decoded, checked, run and
 answered here, by uvicorn and the same Starlette application as the host's
-(multipy.serve.app), on an event loop that runs on the host thread that called ``run``.
+(multipy.serve.http.app), on an event loop that runs on the host thread that called ``run``.
 A model runs on that thread, blocking the loop: one call at a time in this interpreter,
 as in one worker process of other servers.  With a per-request timeout, calls run one at
 a time on a thread of this interpreter instead, where a call whose request has waited
@@ -16,16 +16,16 @@ too long, or whose client went away, is cancelled as the host cancels one
 such a call does not stop, this interpreter is stuck, and moves its clients to the
 others: its HTTP answers close their connections, and its gRPC server stops until the
 call ends.  With gRPC (``multipy serve --grpc-port``), the same loop also runs this
-interpreter's gRPC server (multipy.serve.rpc) on the port that every interpreter's
+interpreter's gRPC server (multipy.serve.rpc.server) on the port that every interpreter's
 shares.  Counts go to this interpreter's row of the server's metrics board
-(multipy.serve.metrics), which ``/metrics`` sums, whichever front end answers it.  The
+(multipy.serve.request.metrics), which ``/metrics`` sums, whichever front end answers it.  The
 model repository's load and unload requests go to the host, which does them
-(multipy.serve.service), through this front end's control pipe: the front end writes the
+(multipy.serve.host.service), through this front end's control pipe: the front end writes the
 request's number there and waits; the host reads the request (``control_request``),
 tells every front end what changed (``add_model``, ``set_state``) and answers
 (``control_answer``).
 
-Imports uvicorn's server without its command line (multipy.serve.uvicorn_server),
+Imports uvicorn's server without its command line (multipy.serve.http.uvicorn_server),
 Starlette and numpy (the ``serve`` extra; prometheus_client once ``/metrics`` is
 answered here; grpcio and protobuf with gRPC), and of multipy only what host and
 interpreters share of ``multipy.serve`` (the request path: messages, protocol, batching,
@@ -46,15 +46,15 @@ from typing import Any, Callable
 
 import _multipy_bootstrap
 
-from ..serve.app import create_app, logging_config
-from ..serve.connection import Limits, guarded
-from ..serve.inbox import FORCE, receive, send
-from ..serve.metrics import Metrics
-from ..serve.messages import ProtocolError
-from ..serve.poison import Table, check
-from ..serve.repository import READY
-from ..serve.requests import NO_ID, ModelRequests, Started, named
-from ..serve.uvicorn_server import Config, Server
+from ..serve.http.app import create_app, logging_config
+from ..serve.http.connection import Limits, guarded
+from ..serve.http.inbox import FORCE, receive, send
+from ..serve.request.metrics import Metrics
+from ..serve.request.messages import ProtocolError
+from ..serve.request.poison import Table, check
+from ..serve.request.repository import READY
+from ..serve.request.requests import NO_ID, ModelRequests, Started, named
+from ..serve.http.uvicorn_server import Config, Server
 from .serving import Served
 
 
@@ -76,15 +76,15 @@ _STOPS_WITHIN = 0.5
 
 class FrontEnd:
     """This interpreter's front end for the models it has loaded (name -> Served), as
-    settings say: ``inbox`` (the read end of its inbox, multipy.serve.inbox, which the
+    settings say: ``inbox`` (the read end of its inbox, multipy.serve.http.inbox, which the
     host owns), ``names`` (every model, in the server's order),
     ``described`` (name -> the model's metadata), ``interpreters``, ``row`` and
     ``board`` (this front end's row of the metrics board at that address),
     ``max_batch_size``, ``batch_delay`` (seconds), ``timeout`` (seconds or None),
-    ``max_request_size`` (bytes), ``limits`` (multipy.serve.connection.Limits, as a dict),
+    ``max_request_size`` (bytes), ``limits`` (multipy.serve.http.connection.Limits, as a dict),
     ``graceful_timeout`` (seconds or None), ``grpc`` (the "HOST:PORT" its gRPC server
     shares with the other interpreters', or None for none), ``states`` (each model's
-    (state, reason), multipy.serve.repository), ``model_control``, ``slots`` (the
+    (state, reason), multipy.serve.request.repository), ``model_control``, ``slots`` (the
     metrics' room for models) and ``control`` (the write end of its control pipe).
 
     The host calls ``run`` on a thread of its own; it returns once a STOP or FORCE from
@@ -128,7 +128,7 @@ class FrontEnd:
         self._protocol: Any = None
         self._stopping = False
 
-    # -- what the application asks (see multipy.serve.app.create_app) --
+    # -- what the application asks (see multipy.serve.http.app.create_app) --
 
     def model(self, name: str, version: str | None = None) -> _Model | None:
         return named(self.models, self.states, name, version)
@@ -337,8 +337,8 @@ class FrontEnd:
     # -- gRPC while this interpreter is stuck --
 
     async def _serve_grpc(self) -> None:
-        """Starts a gRPC server here (multipy.serve.rpc), unless the front end stops."""
-        from ..serve.rpc import create_server
+        """Starts a gRPC server here (multipy.serve.rpc.server), unless the front end stops."""
+        from ..serve.rpc.server import create_server
 
         if not self._stopping:
             self._grpc = create_server(self, self._grpc_address)

@@ -20,7 +20,7 @@ import os
 import sys
 from typing import Any
 
-from ..serve.protocol import ProtocolError
+from ..serve.request.protocol import ProtocolError
 from .serving import _outputs, _raise_plainly, declaration
 
 

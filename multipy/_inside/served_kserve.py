@@ -25,7 +25,7 @@ import inspect
 import sys
 from typing import Any
 
-from ..serve.messages import InvalidInput
+from ..serve.request.messages import InvalidInput
 from .served_class import ServedClass
 from .serving import declaration
 

@@ -4,7 +4,7 @@ The serving host never imports torch.  It sends numpy arrays, lent without copie
 (multipy._sharing); here they become tensors over the same memory (``torch.from_numpy``),
 the model runs under ``torch.no_grad()``, and its outputs go back as numpy arrays over
 the outputs' own memory, lent the same way.  A model served on a CUDA device has its
-weights in device memory that the host copied there once (multipy.serve.archive.
+weights in device memory that the host copied there once (multipy.serve.host.archive.
 on_device), aliased here; its inputs are copied to the device and its outputs back.  On
 the CPU, the weights alias this interpreter's mapping of the archive's file (the page
 cache's pages, shared by every interpreter).  BF16 has no numpy dtype: a BF16 tensor

@@ -5,7 +5,7 @@ Serve").
 Each replica of the deployment (``Replica``) is a Ray actor process that is what a
 ``multipy serve`` process is, built from the same Options: a Service (an
 InterpreterManager of ``options.interpreters`` interpreters, every model materialised in
-each) and multipy.serve.app's Starlette application over it, which Ray Serve runs as the
+each) and multipy.serve.http.app's Starlette application over it, which Ray Serve runs as the
 replica's ASGI ingress (``@serve.ingress()`` with ``__serve_build_asgi_app__``, called
 once the models are loaded).  Decoding, batching, calling and encoding are the same code
 as under uvicorn; Ray Serve's HTTP proxy routes each request to a replica, and the
@@ -41,8 +41,8 @@ from ray import serve
 from .._launch import has_room, launch_environment, tunables_at_start
 from .._pool import capacity
 from ..manager import cores
-from .app import create_app
-from .service import Options, Service
+from .http.app import create_app
+from .host.service import Options, Service
 
 logger = logging.getLogger("multipy.serve")
 
@@ -55,7 +55,7 @@ _RAY_DEFAULT_ONGOING = 5
 @serve.ingress()
 class Replica:
     """One replica: a Service of options' models on options.interpreters interpreters of
-    this process, answering the Open Inference Protocol through multipy.serve.app.
+    this process, answering the Open Inference Protocol through multipy.serve.http.app.
 
     Raises, so that Ray reports the replica as failed, if this process lacks room for
     15 interpreters or the models fail to load.

@@ -10,7 +10,7 @@ import importlib.machinery
 import os
 import sys
 
-from ..errors import InterpreterError, RemoteTraceback
+from ...errors import InterpreterError, RemoteTraceback
 
 
 class ClassError(ValueError):

@@ -1,11 +1,11 @@
 """A model served by ``multipy serve``, as the host sees it: one torch.package archive
-or one Python class (multipy.serve.model_class), materialised in every interpreter of
+or one Python class (multipy.serve.host.model_class), materialised in every interpreter of
 the manager.
 
 The host never imports torch.  Each interpreter loads the archive itself with
 ``multipy._inside.serving.load`` (its own PackageImporter), its tensors aliasing the
 archive's storages in its own mapping of the file, where the host found them
-(multipy.serve.archive): the page cache's pages, so the weights are in memory once
+(multipy.serve.host.archive): the page cache's pages, so the weights are in memory once
 whatever the number of interpreters; on a CUDA device, in device memory once, copied
 there by the host through the driver (``archive.on_device``).  Once every
 model is ready, each interpreter's front end answers requests with its own copy (multipy._inside.front_end);
@@ -20,16 +20,17 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InterpreterError
-from ..replicated import ReplicatedObj
-from . import archive, model_class
-from .messages import ProtocolError
-from .poison import Table, check
-from .requests import ModelError, ModelRequests, Started
+from ...errors import InterpreterError
+from ...replicated import ReplicatedObj
+from . import archive
+from . import model_class
+from ..request.messages import ProtocolError
+from ..request.poison import Table, check
+from ..request.requests import ModelError, ModelRequests, Started
 
 if TYPE_CHECKING:
-    from ..session import Interpreter, Obj
-    from .metrics import Metrics
+    from ...session import Interpreter, Obj
+    from ..request.metrics import Metrics
 
 _INSIDE = "multipy._inside.serving"
 _INSIDE_CLASS = "multipy._inside.served_class"

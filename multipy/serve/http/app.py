@@ -1,10 +1,10 @@
 """The HTTP face of a server: the Open Inference Protocol's REST endpoints, Triton's
 statistics extension and ``/metrics``, as a Starlette application, with inference
 requests answered before it, as a plain ASGI application.  Inference requests go through
-the path that every transport shares (multipy.serve.inference).
+the path that every transport shares (multipy.serve.request.inference).
 
 Every error answer is the protocol's ``{"error": "..."}``, with the status that
-multipy.serve.inference gives it (404 also for an unknown route).  Each request is
+multipy.serve.request.inference gives it (404 also for an unknown route).  Each request is
 answered on its own: a failed one changes nothing for the others.
 """
 from __future__ import annotations
@@ -21,19 +21,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import repository
-from .contract import Server
-from .inference import (decode_apart, infer as infer_through, ready_model, server_metadata,
-                        statistics)
-from .messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor, compress,
-                       error_body, json_object)
+from ..request import repository
+from ..request.contract import Server
+from ..request.inference import (decode_apart, infer as infer_through, ready_model,
+                                 server_metadata, statistics)
+from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
+                                compress, error_body, json_object)
 from .uvicorn_server import LOGGING_CONFIG, write_answer
 
 
 def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Callable:
-    """The ASGI application serving service: the host's (multipy.serve.service.Service)
+    """The ASGI application serving service: the host's (multipy.serve.host.service.Service)
     or an interpreter's front end's (multipy._inside.front_end), each of which has
-    ``ready``, ``model(name, version)`` (a multipy.serve.requests.ModelRequests, or None
+    ``ready``, ``model(name, version)`` (a multipy.serve.request.requests.ModelRequests, or None
     while it loads), ``metrics``, ``max_request_size`` and ``drain()``.  on_startup()
     runs when the server starts (the host starts loading the models there), and batches
     still waiting run at shutdown.  A Starlette application answers every request but
@@ -191,7 +191,7 @@ class _Inference:
     """The inference endpoint of service, a plain ASGI application (its request's
     ``path_params`` name the model and version): it reads the headers it needs from one
     dict of them and writes its answer itself.  The protocol's decoding and encoding
-    (multipy.serve.protocol, and numpy with it) are imported when it first decodes a
+    (multipy.serve.request.protocol, and numpy with it) are imported when it first decodes a
     request: the host, which decodes one only when it serves a model itself (rare: see
     multipy.serve.main), need not import them."""
 
@@ -200,8 +200,8 @@ class _Inference:
         self._codec: tuple[Callable, Callable] | None = None  # (imported at the first decode)
 
     def _imported(self) -> tuple[Callable, Callable]:
-        """(decode_request, encode_response) of multipy.serve.protocol, imported now."""
-        from .protocol import decode_request, encode_response  # (numpy: see the class)
+        """(decode_request, encode_response) of multipy.serve.request.protocol, imported now."""
+        from ..request.protocol import decode_request, encode_response  # (numpy: see the class)
 
         self._codec = decode_request, encode_response
         return self._codec
@@ -270,7 +270,7 @@ _HEADER_LENGTH = HEADER_LENGTH.lower().encode()
 async def _answer(send: Callable, status: int, body: bytes, headers: Mapping[str, str]) -> None:
     """Sends an answer of status with body and headers (and its Content-Length), as a
     Starlette Response sends it: written at once where uvicorn serves the connection
-    (multipy.serve.uvicorn_server.write_answer), else as the two ASGI messages."""
+    (multipy.serve.http.uvicorn_server.write_answer), else as the two ASGI messages."""
     raw = [_JSON_RAW] if headers == _JSON else [
         (key.lower().encode("latin-1"), value.encode("latin-1")) for key, value in headers.items()]
     if write_answer(send, status, _JSON_HEAD if headers == _JSON else

@@ -1,4 +1,4 @@
-"""A server process's side of ``multipy serve --processes`` (multipy.serve.supervisor):
+"""A server process's side of ``multipy serve --processes`` (multipy.serve.processes.supervisor):
 its link to the supervisor, read on the process's event loop.
 
 The supervisor hands it connections (served as a single server serves those it
@@ -7,7 +7,7 @@ board, where the supervisor reads it even after this process has died), checks i
 health (answered from its event loop) and has it do the model repository's requests; it
 tells the supervisor when its models are loaded, and asks it to have every process do
 the repository requests that its own front ends receive (``load_now`` and
-``unload_now``, which multipy.serve.control calls as it would the service's).
+``unload_now``, which multipy.serve.host.control calls as it would the service's).
 """
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ import os
 import socket
 from typing import Any, Callable
 
-from .control import do
+from ..host.control import do
 from .link import Link, TooLarge
-from .messages import ProtocolError
+from ..request.messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
 
 
 class Supervised:
-    """This process's link to the supervisor, for service (multipy.serve.service.Service)."""
+    """This process's link to the supervisor, for service (multipy.serve.host.service.Service)."""
 
     def __init__(self, link: Link, service: Any) -> None:
         self._link, self._service = link, service
@@ -113,7 +113,7 @@ class Supervised:
         except OSError:  # the supervisor has gone
             pass
 
-    # -- what multipy.serve.control calls, on its thread --
+    # -- what multipy.serve.host.control calls, on its thread --
 
     def watch(self, watcher: Any) -> None:
         self._service.watch(watcher)
@@ -135,7 +135,7 @@ class Supervised:
         try:
             self._link.send({"op": "ask", "number": number, "what": what, "name": name,
                              "archive": archive})
-        except TooLarge as error:  # (multipy.serve.repository bounds what a request says)
+        except TooLarge as error:  # (multipy.serve.request.repository bounds what a request says)
             self._asked.pop(number, None)
             raise ProtocolError(f"the request is too large: {error}") from None
         except OSError:

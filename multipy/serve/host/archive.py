@@ -22,7 +22,7 @@ import weakref
 import zipfile
 from typing import Any
 
-from .. import _cuda
+from ... import _cuda
 
 #: A zip local file header: its fixed size and where the name and extra lengths are.
 _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")

@@ -8,7 +8,7 @@ parallel.  The server is ready when all of that is done.  A model written as a c
 loaded on the first interpreter before the server listens (``prepare``), so that an
 error in its code stops the server before anything connects.  Then, with
 ``--model-control explicit``, the model repository's requests load and unload models
-(``load``, ``unload``: multipy.serve.repository), one at a time, and tell the front ends.
+(``load``, ``unload``: multipy.serve.request.repository), one at a time, and tell the front ends.
 """
 from __future__ import annotations
 
@@ -20,18 +20,19 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .. import _glibc, _runtime
-from .._pool import capacity
-from ..manager import InterpreterManager, cores
-from . import archive, model_class
-from .connection import Limits
-from .metrics import STUCK_AFTER, Metrics
+from ... import _glibc, _runtime
+from ..._pool import capacity
+from ...manager import InterpreterManager, cores
+from . import archive
+from . import model_class
+from ..http.connection import Limits
+from ..request.metrics import STUCK_AFTER, Metrics
 from .models import ModelSpec, ServedModel, Turns
-from .poison import Table
+from ..request.poison import Table
 from .progress import Progress
-from .messages import MAX_REQUEST_SIZE, ProtocolError
-from .repository import LOADING, READY, REASON_CHARACTERS, UNAVAILABLE
-from .requests import named
+from ..request.messages import MAX_REQUEST_SIZE, ProtocolError
+from ..request.repository import LOADING, READY, REASON_CHARACTERS, UNAVAILABLE
+from ..request.requests import named
 
 logger = logging.getLogger("multipy.serve")
 
@@ -61,7 +62,7 @@ class Options:
     among the interpreters); max_request_size: --max-request-size, in bytes; limits: what
     a connection may send (--max-header-size, --max-headers, --read-timeout);
     graceful_timeout: --graceful-timeout, seconds (None: no limit); model_control:
-    --model-control (multipy.serve.repository.MODEL_CONTROLS); model_repository: the
+    --model-control (multipy.serve.request.repository.MODEL_CONTROLS); model_repository: the
     directories (real paths) whose archives the repository's loads may read
     (--model-repository; none: only the archives the server started with); device: where
     the archives' models run (--device: "cpu", "cuda", "cuda:N")."""
@@ -92,7 +93,7 @@ class Place:
     supervisor): one of ``processes``, counting in slot ``index`` of the ``slots`` of the
     shared metrics board mapped from the file descriptor ``board`` (None: a board of its
     own, one process), refusing the inputs that the table mapped from ``refused`` names
-    (multipy.serve.poison; None: none)."""
+    (multipy.serve.request.poison; None: none)."""
 
     index: int = 0
     processes: int = 1
@@ -124,7 +125,7 @@ class Service:
                                stuck_after=options.timeout or STUCK_AFTER,
                                slots=options.slots, fd=place.board,
                                first=place.index * rows, processes=place.processes)
-        #: the inputs refused for having crashed processes (multipy.serve.poison)
+        #: the inputs refused for having crashed processes (multipy.serve.request.poison)
         self.refused = None if place.refused is None else Table(fd=place.refused)
         if options.torch_threads is None and place.processes > 1:  # the cores, shared
             options = dataclasses.replace(options, torch_threads=max(
@@ -254,7 +255,7 @@ class Service:
 
     def load_now(self, name: str, archive_of: dict[str, str]) -> None:
         """Loads model name on every interpreter, from the archive that archive_of names
-        (multipy.serve.repository.archive; see _spec for where it may be), else from the
+        (multipy.serve.request.repository.archive; see _spec for where it may be), else from the
         one it was served from; a model loaded from that archive already stays as it is.
         A model loaded from another archive serves on while the new one loads, and is
         replaced only once it has loaded.  ProtocolError: 503 while the server starts,

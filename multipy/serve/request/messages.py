@@ -1,5 +1,5 @@
 """The Open Inference Protocol's requests and errors, as every layer of ``multipy
-serve`` passes them (multipy.serve.protocol decodes and encodes them): with no numpy, so
+serve`` passes them (multipy.serve.request.protocol decodes and encodes them): with no numpy, so
 that the host, which decodes no request before its models are ready, need not import
 it.  Also what a body needs besides its tensors: its JSON object, its compression, the
 error answer.

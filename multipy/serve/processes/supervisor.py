@@ -10,7 +10,7 @@ up to 15 P interpreters.
 How:
 
 - The supervisor listens on the HTTP port itself, accepts every connection and hands it
-  to a process through that process's link (multipy.serve.link: a Unix socket, the
+  to a process through that process's link (multipy.serve.processes.link: a Unix socket, the
   connection's descriptor passed with SCM_RIGHTS), round robin over the processes that
   take connections (``_takers``): ready, answering their health checks, and with an
   interpreter free of a stuck call.  It keeps its own copy of each connection until the
@@ -31,7 +31,7 @@ How:
   has not answered for UNRESPONSIVE_AFTER seconds gets no new connection; for
   --health-timeout seconds, it is killed (SIGKILL) and replaced.  One whose every
   interpreter is stuck gets no new connection until one is free.
-- The metrics board (multipy.serve.metrics) is one shared memory file that every process
+- The metrics board (multipy.serve.request.metrics) is one shared memory file that every process
   maps, with rows for each of P + 1 slots (the spare one for a process that replaces
   another while it still runs): ``/metrics`` and the statistics extension count every
   process, whichever answers.  A process that ends leaves its counts; what its rows said
@@ -41,7 +41,7 @@ How:
   at once if it had loaded its models or died in a call; else after a pause that
   doubles (1, 2, 4, 8 s), and after START_FAILURES such deaths in a row the server stops
   with exit status 1.  The call that crashed it is known by its digest
-  (multipy.serve.poison): a request identical to one that has crashed two processes is
+  (multipy.serve.request.poison): a request identical to one that has crashed two processes is
   refused, for a while, by every front end.
 - With ``--model-control explicit``, a load or unload that any process receives is
   asked of the supervisor, which has every ready process do it, one request at a time,
@@ -73,11 +73,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from .._launch import launch_environment
-from .connection import accept, bind, listen
+from ..._launch import launch_environment
+from ..http.connection import accept, bind, listen
 from .link import Link, pair
-from .metrics import Board, board_width
-from .poison import Crashes, Table
+from ..request.metrics import Board, board_width
+from ..request.poison import Crashes, Table
 
 logger = logging.getLogger("multipy.serve")
 

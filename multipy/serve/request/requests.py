@@ -1,7 +1,7 @@
 """One model's inference requests, from decoded request to outputs: the path that every
 front end of a server shares, in each interpreter (``multipy._inside.front_end``) and in
 the host (Ray Serve's replicas, and connections that arrive while the interpreters
-start: ``multipy.serve.models``).  Each side says only how the model runs there.
+start: ``multipy.serve.host.models``).  Each side says only how the model runs there.
 """
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ class Started:
     """A call as it begins, in the metrics (``with started:`` around the call): its
     requests leave the queue, the model has one more call and one more busy interpreter
     while it runs, and the call's request count is observed.  ``digest``: its one
-    request's (multipy.serve.poison), which ``pin`` notes from the thread that runs it."""
+    request's (multipy.serve.request.poison), which ``pin`` notes from the thread that runs it."""
 
     __slots__ = ("_series", "_places", "_began", "digest")
 
@@ -247,7 +247,7 @@ class Started:
 class Timing:
     """Where one request's time went, in nanoseconds: decoding it (input), waiting for
     its call (queue), the call (infer: a batch's, for each of its requests) and encoding
-    its answer (output); filled in as it goes (multipy.serve.inference.infer)."""
+    its answer (output); filled in as it goes (multipy.serve.request.inference.infer)."""
 
     __slots__ = ("input_ns", "queue_ns", "infer_ns", "output_ns")
 

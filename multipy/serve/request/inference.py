@@ -1,8 +1,8 @@
 """One inference request's way through a server, whatever carries it: the model it
 names, its decoding, the model's call, its encoding, and its counts and timings in the
-metrics.  The HTTP face (multipy.serve.app) and the gRPC face (multipy.serve.rpc) each
+metrics.  The HTTP face (multipy.serve.http.app) and the gRPC face (multipy.serve.rpc.server) each
 only translate their wire format to and from the protocol's records
-(multipy.serve.protocol) around ``infer``, so that validation, turns, batching, metrics
+(multipy.serve.request.protocol) around ``infer``, so that validation, turns, batching, metrics
 and statistics are written once.
 
 Every failure comes out as a ProtocolError whose status is an HTTP status (the gRPC
@@ -48,7 +48,7 @@ def server_metadata() -> dict[str, Any]:
 def statistics(service: Server, name: str | None, version: str | None) -> dict[str, Any]:
     """The statistics extension's answer for model name (and version) of service, or for
     every model when name is None: its counts and durations since the server started,
-    from the same counters as /metrics (multipy.serve.metrics.Metrics.statistics).
+    from the same counters as /metrics (multipy.serve.request.metrics.Metrics.statistics).
     ProtocolError (404) for a model or version that service does not serve."""
     if name is None:
         return service.metrics.statistics(service.metrics.names)
@@ -75,7 +75,7 @@ async def infer(service: Server, name: str, version: str | None,
                 encode: Callable[[InferRequest, list[Tensor]], Answer],
                 gone: Callable[[], Awaitable[None]] | None = None) -> Answer:
     """The answer to one inference request for model name of service (see
-    multipy.serve.app.create_app for what a service has): ``decode()`` reads and decodes
+    multipy.serve.http.app.create_app for what a service has): ``decode()`` reads and decodes
     the request, the model answers it, and ``encode(request, outputs)`` makes the
     answer.  ``gone()``, if given, returns once the client has gone away (it is awaited
     once the request is decoded): the request is then cancelled, its call too.  The
@@ -142,7 +142,7 @@ async def decode_apart(service: Server, size: int, decode: Callable[..., InferRe
     goes on answering other requests (the thread gives up the interpreter's GIL every
     few milliseconds while it runs Python, though not within one call of C, such as
     json.loads), and counts in service's metrics as busy meanwhile, so that the host
-    hands new connections to other front ends (multipy.serve.main.FrontEnds.hand)."""
+    hands new connections to other front ends (multipy.serve.host.front_ends.FrontEnds.hand)."""
     if size <= LARGE_REQUEST:
         return decode(*args)
     with service.metrics.decoding():

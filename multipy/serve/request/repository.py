@@ -5,7 +5,7 @@ carries it: what its requests ask, checked once for HTTP and gRPC, and its index
 A server's repository is the models it knows: those it was started with and those
 loaded since by name and path.  Each is READY (every interpreter has it), LOADING, or
 UNAVAILABLE (unloaded, or its load failed: the reason says which).  Loading and unloading
-are the host's work (multipy.serve.service.Service), whichever front end receives the
+are the host's work (multipy.serve.host.service.Service), whichever front end receives the
 request; they run one at a time, while the other models serve on.  With
 ``--model-control none``, the default (Triton's name for it), the index answers and
 load and unload are refused.

@@ -1,7 +1,7 @@
 """The Open Inference Protocol (KServe's v2 protocol, which Triton speaks too) over
 HTTP/REST: inference requests and responses as JSON tensors, with the binary tensor data
 extension.  numpy only; nothing here knows about models or interpreters.  The requests
-and errors themselves are multipy.serve.messages', which needs no numpy.
+and errors themselves are multipy.serve.request.messages', which needs no numpy.
 
 A tensor's data is a numpy array of its shape.  BF16 has no numpy dtype: its arrays hold
 the bits, as uint16 (what the interpreters turn into bfloat16 tensors), and JSON carries

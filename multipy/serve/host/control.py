@@ -1,10 +1,10 @@
 """The host's side of the model repository's requests that the interpreters' front ends
-receive (multipy.serve.repository): a front end cannot load a model into the other
+receive (multipy.serve.request.repository): a front end cannot load a model into the other
 interpreters, so it asks the host, through a control pipe of its own (the int32
-messages of multipy.serve.inbox, each a request's number), and waits for the answer.
+messages of multipy.serve.http.inbox, each a request's number), and waits for the answer.
 
 ``Control`` reads the pipes on a thread of its own, fetches each request from its front
-end, has the service do it (multipy.serve.service.Service.load_now, unload_now: one at a
+end, has the service do it (multipy.serve.host.service.Service.load_now, unload_now: one at a
 time) and answers; as the service's watcher, it tells every front end what changed.
 """
 from __future__ import annotations
@@ -15,9 +15,9 @@ import selectors
 import threading
 from typing import Any, Callable
 
-from .contract import FrontEndCalls
-from .inbox import receive
-from .messages import ProtocolError
+from ..request.contract import FrontEndCalls
+from ..http.inbox import receive
+from ..request.messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
 
@@ -52,7 +52,7 @@ class Control:
     objects, each in its interpreter of interpreters) for service.  ``start`` reads them
     on a thread until ``close``, which closes them.  The requests are done by
     repository's ``load_now`` and ``unload_now``: the service's own (the default), or,
-    in a process of --processes, every process's (multipy.serve.supervised)."""
+    in a process of --processes, every process's (multipy.serve.processes.supervised)."""
 
     def __init__(self, service: Any, fronts: list[FrontEndCalls], interpreters: list[Any],
                  pipes: list[tuple[int, int]], repository: Any = None) -> None:

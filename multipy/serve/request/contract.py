@@ -1,6 +1,6 @@
-"""The seams of ``multipy serve``, typed: what the request path (multipy.serve.app, rpc,
+"""The seams of ``multipy serve``, typed: what the request path (multipy.serve.http.app, rpc,
 inference, repository) asks of the server it answers for (``Server``: the host's
-multipy.serve.service.Service, or an interpreter's front end, multipy._inside.front_end.
+multipy.serve.host.service.Service, or an interpreter's front end, multipy._inside.front_end.
 FrontEnd), and the host's calls of a front end through its handle (``FrontEndCalls``),
 each method named once, here, so that a rename is caught (tests/test_layers.py checks
 them against FrontEnd) and found.
@@ -19,7 +19,7 @@ class Server(Protocol):
 
     #: whether it answers (its models are loaded)
     ready: bool
-    #: each model's (state, reason), multipy.serve.repository's
+    #: each model's (state, reason), multipy.serve.request.repository's
     states: Mapping[str, tuple[str, str]]
     metrics: Metrics
     #: --max-request-size, bytes
@@ -31,10 +31,10 @@ class Server(Protocol):
         """The model called name, None while it loads; ProtocolError (404) if unknown."""
 
     async def load(self, name: str, archive: dict[str, str]) -> None:
-        """Loads model name (multipy.serve.repository.load)."""
+        """Loads model name (multipy.serve.request.repository.load)."""
 
     async def unload(self, name: str) -> None:
-        """Unloads model name (multipy.serve.repository.unload)."""
+        """Unloads model name (multipy.serve.request.repository.unload)."""
 
     async def drain(self) -> None:
         """Runs what waits in the batchers, and waits for it (at shutdown)."""

@@ -8,7 +8,7 @@ every interpreter addresses (one process, one address space): each writer has a 
 its own that only it writes, and ``render``, wherever ``/metrics`` is answered, sums the
 rows (an aligned float64 is read whole).  With ``multipy serve --processes P``, the
 supervisor makes the board, a shared memory file that every server process maps, with
-rows for each process's host and front ends (multipy.serve.supervisor): whichever process
+rows for each process's host and front ends (multipy.serve.processes.supervisor): whichever process
 answers, the counts are every process's.  Per model: requests, failures (by HTTP
 status), latency, requests queued (waiting for their batch, or for the model to be
 free), interpreters busy with it, and calls (a batch is one), with how many requests
@@ -38,7 +38,7 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _BATCHED = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The HTTP statuses an inference request can fail with (499: the client went away);
 #: any other is counted as 500.  (408 and 431 are a connection's, before any model is
-#: named: multipy.serve.connection.)
+#: named: multipy.serve.http.connection.)
 STATUSES = (400, 404, 413, 499, 500, 503)
 #: Seconds after which an interpreter in one call counts as stuck, without --timeout.
 STUCK_AFTER = 30.0
@@ -46,7 +46,7 @@ STUCK_AFTER = 30.0
 # A row: [connections closed, since when it runs a call (time.monotonic(), 0 if it
 # runs none), 1 + the index of the model whose call its request gave up on (0 if
 # none), large requests it decodes on a thread, the digest of the one request of the
-# call it runs (multipy.serve.poison; 0: none, or a batch), and in a process's first row
+# call it runs (multipy.serve.request.poison; 0: none, or a batch), and in a process's first row
 # (its host's) 1 + the interpreter whose call crashed it (multipy._host.crash_cell; 0:
 # none; -1: a signal another process sent) and the number of the last connection its
 # supervisor handed it that it has taken, then per model: requests, failures by
@@ -210,7 +210,7 @@ class ModelSeries:
 
     def running(self, digest: int) -> None:
         """The call that begins now runs the one request of that digest
-        (multipy.serve.poison; 0: it has ended)."""
+        (multipy.serve.request.poison; 0: it has ended)."""
         self._values[_INPUT] = digest
 
     def abandoned(self, running: bool) -> None:
@@ -220,7 +220,7 @@ class ModelSeries:
 
     def answered(self, status: int, elapsed_ns: int, timing: Any = None) -> None:
         """One request answered with that HTTP status elapsed_ns after it arrived: its
-        latency, and its success with timing's parts (multipy.serve.requests.Timing), or
+        latency, and its success with timing's parts (multipy.serve.request.requests.Timing), or
         its failure."""
         own = self._own
         seconds = elapsed_ns / 1e9

@@ -6,7 +6,7 @@ A message is a JSON object with an ``op``:
 
 - supervisor to process: ``start`` (its slot of the metrics board, of how many, and how
   many processes serve; carries the metrics board and the table of refused inputs,
-  multipy.serve.poison), ``connection`` (carries one accepted connection under a
+  multipy.serve.request.poison), ``connection`` (carries one accepted connection under a
   ``number``), ``do`` (a model repository request to do here: ``what`` "load" or
   "unload", ``name``, ``archive``; under a ``number``), ``answer`` (to an ``ask``:
   ``number``, ``status``, ``message``), ``ping`` (a health check);
@@ -37,7 +37,7 @@ from typing import Any
 logger = logging.getLogger("multipy.serve")
 
 #: The most bytes one message may take (a repository request's names and paths, which
-#: multipy.serve.repository bounds well below it).
+#: multipy.serve.request.repository bounds well below it).
 LARGEST = 1 << 16
 
 

@@ -1,13 +1,13 @@
 """The gRPC face of a server: the Open Inference Protocol's
 ``inference.GRPCInferenceService``, with Triton's statistics and model repository
 extensions, on grpcio's
-asyncio server, next to the HTTP face (multipy.serve.app) on the same event loop.  Its
+asyncio server, next to the HTTP face (multipy.serve.http.app) on the same event loop.  Its
 messages are generated from multipy/serve/inference.proto; each RPC is registered here
 under the protocol's service name.
 
 It only translates: a ModelInferRequest becomes the same request record as an HTTP body
-(multipy.serve.protocol.parse_request, with its checks and limits), and the answer goes
-through the same path (multipy.serve.inference).  Typed ``contents`` and
+(multipy.serve.request.protocol.parse_request, with its checks and limits), and the answer goes
+through the same path (multipy.serve.request.inference).  Typed ``contents`` and
 ``raw_input_contents`` are read; outputs go back as ``raw_output_contents``, as Triton
 answers.  Errors are gRPC status codes with the messages of the HTTP answers.
 BYTES in ``bytes_contents`` are bounded as HTTP's binary data are: no more elements
@@ -25,11 +25,11 @@ import grpc
 from google.protobuf import json_format
 
 from . import inference_pb2 as messages
-from . import repository
-from .contract import Server
-from .inference import decode_apart, infer, ready_model, server_metadata, statistics
-from .protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor, parse_request,
-                       tensor_bytes)
+from ..request import repository
+from ..request.contract import Server
+from ..request.inference import decode_apart, infer, ready_model, server_metadata, statistics
+from ..request.protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor,
+                                parse_request, tensor_bytes)
 
 #: The gRPC code of each HTTP status that a ProtocolError can have here.
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
@@ -48,7 +48,7 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
 
 
 def create_server(service: Server, address: str) -> grpc.aio.Server:
-    """A gRPC server, not yet started, of service (as multipy.serve.app.create_app
+    """A gRPC server, not yet started, of service (as multipy.serve.http.app.create_app
     takes it) on address ("HOST:PORT"), which other processes' and interpreters' servers
     may share (SO_REUSEPORT).  RuntimeError if it cannot listen there."""
     server = grpc.aio.server(options=[
@@ -160,7 +160,7 @@ def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
 async def _decoded(service: Server, request: Any) -> InferRequest:
     """The request record of a ModelInferRequest to service, checked as an HTTP body's
     is: translated to the protocol's JSON form (typed contents as its data), raw
-    contents as its binary data, and decoded by multipy.serve.inference.decode_apart
+    contents as its binary data, and decoded by multipy.serve.request.inference.decode_apart
     (its size: the raw contents' bytes, and LENGTH_PREFIX for each typed value).
     ProtocolError (413) if its bytes_contents hold more elements than a body of
     service.max_request_size bytes holds as binary data, before any is read."""

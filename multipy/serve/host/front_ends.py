@@ -1,0 +1,188 @@
+"""The interpreters' front ends of a server, as the host runs them (``FrontEnds``): each
+in its interpreter, on a host thread of its own, handed connections through its inbox
+(multipy.serve.http.inbox) and told of the model repository's changes through
+multipy.serve.host.control."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+from ..http.inbox import FORCE, STOP, open_inbox, receive, send
+from ..request.contract import FrontEndCalls
+from .control import Control
+from .service import Service
+
+logger = logging.getLogger("multipy.serve")
+
+#: seconds a front end may take to start serving
+_START_TIMEOUT = 60.0
+
+
+class FrontEnds:
+    """The interpreters' front ends (multipy._inside.front_end), once the models are
+    ready: each runs in its interpreter on a host thread of its own.  ``hand`` gives
+    each new connection to the one with the fewest open connections (then the fewest
+    calls running), skipping any that has stopped, by writing its file descriptor into
+    that front end's inbox: the host never waits for an interpreter's GIL to hand one.
+    The host owns the inboxes: what a front end leaves in its inbox when it ends, the
+    host closes."""
+
+    def __init__(self) -> None:
+        self._fronts: list[FrontEndCalls] = []  # the FrontEnd in each interpreter
+        self._threads: list[threading.Thread] = []
+        self._inboxes: list[tuple[int, int]] = []  # (read end, write end) of each
+        self._handed: list[int] = []  # connections handed to each, ever
+        self._metrics: Any = None
+        self._control: Control | None = None
+        self._stopping = False
+        self._forced = False
+        self._lock = threading.Lock()
+
+    def start(self, service: Service, grpc: str | None = None,
+              repository: Any = None) -> None:
+        """Makes a front end in each interpreter of service, which is loaded, and runs
+        them, each also serving gRPC on grpc ("HOST:PORT") if given, their model
+        repository requests done by repository (default: the service; see
+        multipy.serve.host.control); raises what failed."""
+        options, metrics = service.options, service.metrics
+        settings = {"names": list(service.models), "interpreters": service.interpreters,
+                    "board": metrics.board.address, "rows": metrics.board.rows,
+                    "first": metrics.first, "processes": metrics.processes,
+                    "max_batch_size": options.max_batch_size,
+                    "batch_delay": options.batch_timeout_ms / 1000, "timeout": options.timeout,
+                    "max_request_size": options.max_request_size,
+                    "limits": dataclasses.asdict(options.limits),
+                    "stuck_after": metrics.stuck_after,
+                    "graceful_timeout": options.graceful_timeout, "grpc": grpc,
+                    "states": service.states, "model_control": service.model_control,
+                    "refused": None if service.refused is None else service.refused.address,
+                    "slots": metrics.slots,
+                    "described": {name: model.described for name, model in service.models.items()}}
+        fronts, inboxes, controls = [], [], []
+        interpreters = service.manager.all_instances()
+        try:
+            for k, interpreter in enumerate(interpreters):
+                inboxes.append(open_inbox())
+                controls.append(open_inbox())
+                loaded = {name: model.instance(interpreter)
+                          for name, model in service.models.items()}
+                make = interpreter.global_("multipy._inside.front_end", "FrontEnd")
+                fronts.append(FrontEndCalls(make(loaded, {
+                    **settings, "row": k + 1, "inbox": inboxes[k][0],
+                    "control": controls[k][1]})))
+        except BaseException:
+            for pipe in inboxes + controls:
+                os.close(pipe[0])
+                os.close(pipe[1])
+            raise
+        self._control = Control(service, fronts, interpreters, controls, repository)
+        self._control.start()
+        threads = [threading.Thread(target=self._run, args=(k,), daemon=True,
+                                    name=f"multipy-serve-front-{k}") for k in range(len(fronts))]
+        with self._lock:
+            self._fronts, self._threads, self._inboxes = fronts, threads, inboxes
+            self._metrics, self._handed = metrics, [0] * len(fronts)
+            for thread in threads:
+                thread.start()
+            if self._stopping:  # stopped while they were made
+                self._tell(STOP)
+        for k, front in enumerate(fronts):  # (gRPC connections find a server listening)
+            if not front.wait_serving(_START_TIMEOUT) and not self._stopping:
+                raise RuntimeError(f"interpreter {k}'s front end did not start serving "
+                                   f"within {_START_TIMEOUT} s (its error, if any, is above)")
+
+    def _run(self, k: int) -> None:
+        try:
+            self._fronts[k].run()
+        except BaseException as error:
+            if not self._stopping:
+                logger.error("interpreter %d's front end failed; the others serve its "
+                             "connections from now on: %s: %s", k, type(error).__name__,
+                             error, exc_info=error)
+        finally:
+            with self._lock:  # nothing is written into its inbox any more
+                read, write = self._inboxes[k]
+                self._inboxes[k] = (-1, -1)
+            _close_left(read)
+            os.close(write)
+
+    def _open(self) -> list[int]:
+        """Under the lock: the front ends that run and are not stuck (multipy.serve.
+        metrics.Metrics.stuck)."""
+        if self._stopping:
+            return []
+        return [k for k, (_, write) in enumerate(self._inboxes)
+                if write >= 0 and self._metrics.stuck(k + 1) is None]
+
+    def can_take(self) -> bool:
+        """Whether a front end runs that is not stuck."""
+        with self._lock:
+            return bool(self._open())
+
+    def hand(self, connection: socket.socket, busy_ones: bool) -> bool:
+        """Gives connection to the front end with the fewest open connections (then the
+        least busy) among those that run and are not stuck, and, unless busy_ones, are
+        not busy (in a call, or decoding a large request: Metrics.busy); False if there
+        is none (the caller serves it)."""
+        with self._lock:
+            metrics = self._metrics
+            running = [k for k in self._open() if busy_ones or not metrics.busy(k + 1)]
+            if not running:
+                return False
+            k = min(running, key=lambda k: (
+                self._handed[k] - metrics.closed_connections(k + 1), metrics.busy(k + 1)))
+            fd = connection.detach()
+            try:
+                send(self._inboxes[k][1], fd)
+            except OSError as error:  # its inbox is full: thousands wait there
+                os.close(fd)
+                logger.error("interpreter %d's front end has not taken the connections "
+                             "handed to it (%s): closing a new one", k, error)
+                return True
+            self._handed[k] += 1
+        return True
+
+    def stop(self) -> None:
+        """Stops every front end gracefully (each serves the connections handed to it
+        and answers what it has received) and waits for them, until ``force``."""
+        with self._lock:
+            self._stopping = True
+            self._tell(STOP)
+        for thread in self._threads:
+            while thread.is_alive() and not self._forced:
+                thread.join(0.1)
+        if self._control is not None and not self._forced:
+            self._control.close()
+
+    def force(self) -> None:
+        """Stops the front ends at once, as uvicorn does on a second SIGINT (a model
+        call still ends first), and ends ``stop``'s wait."""
+        self._forced = True
+        with self._lock:
+            self._tell(FORCE)
+
+    def _tell(self, message: int) -> None:
+        """Under the lock: message to every front end that runs."""
+        for k, (_, write) in enumerate(self._inboxes):
+            if write >= 0:
+                try:
+                    send(write, message)
+                except OSError as error:
+                    logger.error("interpreter %d's front end could not be told to stop: %s",
+                                 k, error)
+
+
+def _close_left(inbox: int) -> None:
+    """Closes the connections left in an inbox that no front end reads any more, and
+    the inbox."""
+    try:
+        while left := receive(inbox):
+            for fd in left:
+                if fd >= 0:
+                    os.close(fd)
+    finally:
+        os.close(inbox)

@@ -21,7 +21,7 @@ LAYERS = ["errors", "_launch", "_host", "_keys", "_bootstrap", "_glibc", "_cuda"
 SERVE_LAYERS = ["request", "request.messages", "request.protocol", "request.batching",
                 "request.metrics", "request.poison", "request.requests", "request.contract",
                 "request.repository", "request.inference",
-                "http", "http.uvicorn_server", "http.connection", "http.inbox", "http.app",
+                "http", "http.connection", "http.uvicorn_server", "http.inbox", "http.app",
                 "rpc", "rpc.inference_pb2", "rpc.server",
                 "host", "host.archive", "host.model_class", "host.models", "host.control",
                 "host.progress", "host.service", "host.front_ends",

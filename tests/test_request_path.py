@@ -19,7 +19,8 @@ pytest.importorskip("httptools")
 pytest.importorskip("prometheus_client")
 
 from multipy.serve.request.batching import Batcher  # noqa: E402
-from multipy.serve.http.connection import Limits, guarded  # noqa: E402
+from multipy.serve.http.connection import Limits  # noqa: E402
+from multipy.serve.http.uvicorn_server import guarded  # noqa: E402
 from multipy.serve.http.inbox import open_inbox, receive  # noqa: E402
 from multipy.serve.host.front_ends import FrontEnds  # noqa: E402
 from multipy.serve.request.metrics import Metrics  # noqa: E402
@@ -184,7 +185,7 @@ def test_a_request_that_does_not_arrive_in_time_is_408():
 
 
 def test_an_answer_s_head_leaves_with_its_body_in_one_write():
-    from multipy.serve.http.connection import _Coalescing
+    from multipy.serve.http.connection import Coalescing
 
     class Transport:
         def __init__(self):
@@ -197,7 +198,7 @@ def test_an_answer_s_head_leaves_with_its_body_in_one_write():
             self.closed = True
 
     transport = Transport()
-    coalescing = _Coalescing(transport)
+    coalescing = Coalescing(transport)
     coalescing.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
     assert transport.writes == []  # held for its body
     coalescing.write(b"ok")

@@ -46,8 +46,8 @@ from .host import model_class
 from .host.front_ends import FrontEnds
 from .host.service import Place, Service
 from .http.app import create_app, logging_config
-from .http.connection import Limits, accept, bind, guarded, listen, request_line
-from .http.uvicorn_server import Config, Server
+from .http.connection import Limits, accept, bind, listen, request_line
+from .http.uvicorn_server import Config, Server, guarded
 from .processes.link import Link
 from .processes.supervised import Supervised
 from .processes.supervisor import HEALTH_TIMEOUT, Supervisor, Tunables

@@ -1,0 +1,83 @@
+"""What multipy serve relies on of uvicorn beyond its public API
+(multipy.serve.http.uvicorn_server.RELIED_ON), checked on the installed uvicorn: each
+name is one test, which fails with that name when an upgrade removes or changes it."""
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import textwrap
+
+import pytest
+
+pytest.importorskip("uvicorn")
+pytest.importorskip("httptools")
+
+from multipy.serve.http.uvicorn_server import RELIED_ON  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _find(where: str):
+    """The module, or the class in its module, that where names."""
+    try:
+        return importlib.import_module(where)
+    except ImportError:
+        module, _, name = where.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def _set_on_self(cls: type) -> set[str]:
+    """The attributes that cls's own code (and its bases' in uvicorn) sets on self, read
+    from the source, with those its class body declares."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("uvicorn"):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                        and target.value.id == "self":
+                    names.add(target.attr)
+                elif isinstance(target, ast.Name):  # a class body's declaration
+                    names.add(target.id)
+    return names
+
+
+@pytest.mark.parametrize("where, name, kind", RELIED_ON,
+                         ids=[f"{where.rsplit('.', 1)[-1]}.{name}" for where, name, _ in RELIED_ON])
+def test_uvicorn_has_what_multipy_relies_on(where, name, kind):
+    found = _find(where)
+    if kind == "name":
+        assert hasattr(found, name), f"uvicorn's {where} has no {name}"
+    elif kind == "attribute":
+        assert name in _set_on_self(found), f"uvicorn's {where} sets no attribute {name}"
+    else:
+        method, _, parameters = name.partition("(")
+        wanted = [p for p in parameters.rstrip(")").replace(" ", "").split(",") if p]
+        function = getattr(found, method, None)
+        assert callable(function), f"uvicorn's {where} has no method {method}"
+        given = [p for p in inspect.signature(function).parameters if p != "self"]
+        assert given == wanted, f"uvicorn's {where}.{method} takes {given}, not {wanted}"
+
+
+def test_every_name_of_uvicorn_that_the_adapter_uses_is_declared():
+    """The adapter reads no attribute of a uvicorn cycle or protocol that RELIED_ON does
+    not name (a new use must be declared, and so checked)."""
+    from multipy.serve.http import uvicorn_server
+
+    tree = ast.parse(inspect.getsource(uvicorn_server))
+    declared = {name.partition("(")[0] for _, name, _ in RELIED_ON}
+    used = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "cycle":
+            used.add(node.attr)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self" \
+                and node.value.attr in ("cycle", "flow", "server_state"):
+            used.add(node.attr)
+    assert used and used <= declared, sorted(used - declared)

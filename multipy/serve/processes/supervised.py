@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from ..host.control import do
 from .link import Link, TooLarge
+from .tasks import Tasks
 from ..request.messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
@@ -34,6 +35,7 @@ class Supervised:
         self._asked: dict[int, concurrent.futures.Future] = {}
         self._numbers = itertools.count(1)
         self._reading = False
+        self._tasks = Tasks()
 
     # -- on the event loop --
 
@@ -86,7 +88,7 @@ class Supervised:
             elif op == "ping":
                 self._tell("pong", **self._service.metrics.health())
             elif op == "do":
-                asyncio.get_running_loop().create_task(self._do(message))
+                self._tasks.start(self._do(message), "a model repository request")
             elif op == "answer":
                 future = self._asked.pop(message["number"], None)
                 if future is not None and not future.done():

@@ -76,6 +76,7 @@ from typing import Any, Iterable, Iterator
 from ..._launch import launch_environment
 from ..http.connection import accept, bind, listen
 from .link import Link, pair
+from .tasks import Tasks
 from ..request.metrics import Board, board_width
 from ..request.poison import Crashes, Table
 
@@ -233,6 +234,7 @@ class Supervisor:
         self.refused = Table.shared()
         self._crashes = Crashes(self.refused)
         self._processes: list[_Process] = []
+        self._tasks = Tasks()
         self._takers: list[_Process] = []  # where new connections go: see _order
         self._starting: dict[int, int] = {}  # slot -> index of the processes starting
         self._turn = itertools.count()
@@ -266,7 +268,7 @@ class Supervisor:
         loop.add_signal_handler(signal.SIGHUP, self._reload)
         for k in range(self._count):
             await self._start(k)
-        checking = loop.create_task(self._check_health())
+        checking = self._tasks.start(self._check_health(), "the health checks")
         # listening once a process has checked its models as a single server does
         # before it listens: a class whose code fails stops the server before then
         prepared = loop.create_task(self._prepared.wait())
@@ -335,7 +337,7 @@ class Supervisor:
         self._processes.append(record)
         loop = asyncio.get_running_loop()
         loop.add_reader(here.fileno(), self._read, record)
-        loop.create_task(self._watch(record))
+        self._tasks.start(self._watch(record), f"watching {record.name()}")
         if self._stopping:  # stopped while it started
             os.kill(process.pid, signal.SIGTERM)
         return record
@@ -432,9 +434,10 @@ class Supervisor:
                 self._order()
             elif op == "ready":
                 record.loaded = True
-                asyncio.get_running_loop().create_task(self._ready(record))
+                self._tasks.start(self._ready(record), f"readying {record.name()}")
             elif op == "ask":
-                asyncio.get_running_loop().create_task(self._ask(record, message))
+                self._tasks.start(self._ask(record, message),
+                                  f"a model repository request of {record.name()}")
             elif op == "done" and message.get("number") in record.doing:
                 future = record.doing.pop(message["number"])
                 if not future.done():
@@ -541,8 +544,8 @@ class Supervisor:
                         and self._rolling is None and self._served(record) >= record.recycle_at:
                     logger.info("%s has answered %d requests (--max-requests): replacing it",
                                 record.name(), self._served(record))
-                    self._rolling = asyncio.get_running_loop().create_task(
-                        self._roll([record]))
+                    self._rolling = self._tasks.start(self._roll([record]),
+                                                      "replacing a process")
 
     def _served(self, record: _Process) -> int:
         return self.board.requests(record.slot * self._rows, self._rows) - record.baseline
@@ -557,8 +560,8 @@ class Supervisor:
             return
         logger.info("SIGHUP: replacing the %d server processes, one at a time",
                     len(self._processes))
-        self._rolling = asyncio.get_running_loop().create_task(
-            self._roll(sorted(self._processes, key=lambda p: p.index)))
+        self._rolling = self._tasks.start(
+            self._roll(sorted(self._processes, key=lambda p: p.index)), "SIGHUP's round")
 
     async def _roll(self, old: list[_Process]) -> None:
         """Replaces each process of old in turn: a new one starts beside it, and once

@@ -49,12 +49,12 @@ import _multipy_bootstrap
 from ..serve.http.app import create_app, logging_config
 from ..serve.http.connection import Limits
 from ..serve.http.inbox import FORCE, receive, send
-from ..serve.request.metrics import Metrics
+from ..serve.http.uvicorn_server import Config, Server, guarded
 from ..serve.request.messages import ProtocolError
+from ..serve.request.metrics import Metrics
 from ..serve.request.poison import Table, check
 from ..serve.request.repository import READY
 from ..serve.request.requests import NO_ID, ModelRequests, Started, named
-from ..serve.http.uvicorn_server import Config, Server, guarded
 from .serving import Served
 
 

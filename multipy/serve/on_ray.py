@@ -41,8 +41,8 @@ from ray import serve
 from .._launch import has_room, launch_environment, tunables_at_start
 from .._pool import capacity
 from ..manager import cores
-from .http.app import create_app
 from .host.service import Options, Service
+from .http.app import create_app
 
 logger = logging.getLogger("multipy.serve")
 

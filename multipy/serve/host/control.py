@@ -13,11 +13,16 @@ import logging
 import os
 import selectors
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
-from ..request.contract import FrontEndCalls
 from ..http.inbox import receive
+from ..request.contract import FrontEndCalls
 from ..request.messages import ProtocolError
+
+if TYPE_CHECKING:
+    from ...session import Interpreter
+    from .models import ServedModel
+    from .service import Service
 
 logger = logging.getLogger("multipy.serve")
 
@@ -28,7 +33,28 @@ MESSAGE_CHARACTERS = 10_000
 _READY_WAIT = 60.0
 
 
-def do(repository: Any, what: str, name: str, archive: dict[str, str] | None = None
+class Watcher(Protocol):
+    """Told of the model repository's changes (Service.watch)."""
+
+    def added(self, name: str, model: ServedModel) -> None:
+        """Model name is loaded on every interpreter, as model."""
+
+    def changed(self, name: str, state: str, reason: str) -> None:
+        """Model name is no longer ready (state, for reason)."""
+
+
+class Repository(Protocol):
+    """What does the model repository's requests: the service itself, or in a process of
+    --processes every process (multipy.serve.processes.supervised.Supervised)."""
+
+    def load_now(self, name: str, archive: dict[str, str]) -> None:
+        """Loads model name (Service.load_now); ProtocolError as it fails."""
+
+    def unload_now(self, name: str) -> None:
+        """Unloads model name (Service.unload_now); ProtocolError as it fails."""
+
+
+def do(repository: Repository, what: str, name: str, archive: dict[str, str] | None = None
        ) -> tuple[int, str]:
     """(status, message) of having repository load model name (what "load", from
     archive) or unload it: (200, "") done; a ProtocolError's status and message; 500 for
@@ -54,8 +80,9 @@ class Control:
     repository's ``load_now`` and ``unload_now``: the service's own (the default), or,
     in a process of --processes, every process's (multipy.serve.processes.supervised)."""
 
-    def __init__(self, service: Any, fronts: list[FrontEndCalls], interpreters: list[Any],
-                 pipes: list[tuple[int, int]], repository: Any = None) -> None:
+    def __init__(self, service: Service, fronts: list[FrontEndCalls],
+                 interpreters: list[Interpreter], pipes: list[tuple[int, int]],
+                 repository: Repository | None = None) -> None:
         self._service, self._fronts, self._interpreters = service, fronts, interpreters
         self._repository = service if repository is None else repository
         self._pipes = pipes
@@ -77,7 +104,7 @@ class Control:
 
     # -- the service's watcher --
 
-    def added(self, name: str, model: Any) -> None:
+    def added(self, name: str, model: ServedModel) -> None:
         described = model.described
         for k, interpreter in enumerate(self._interpreters):
             self._tell(k, lambda front: front.add_model(name, model.instance(interpreter),

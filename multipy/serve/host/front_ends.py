@@ -9,11 +9,11 @@ import logging
 import os
 import socket
 import threading
-from typing import Any
 
 from ..http.inbox import FORCE, STOP, open_inbox, receive, send
 from ..request.contract import FrontEndCalls
-from .control import Control
+from ..request.metrics import Metrics
+from .control import Control, Repository
 from .service import Service
 
 logger = logging.getLogger("multipy.serve")
@@ -36,14 +36,14 @@ class FrontEnds:
         self._threads: list[threading.Thread] = []
         self._inboxes: list[tuple[int, int]] = []  # (read end, write end) of each
         self._handed: list[int] = []  # connections handed to each, ever
-        self._metrics: Any = None
+        self._metrics: Metrics | None = None
         self._control: Control | None = None
         self._stopping = False
         self._forced = False
         self._lock = threading.Lock()
 
     def start(self, service: Service, grpc: str | None = None,
-              repository: Any = None) -> None:
+              repository: Repository | None = None) -> None:
         """Makes a front end in each interpreter of service, which is loaded, and runs
         them, each also serving gRPC on grpc ("HOST:PORT") if given, their model
         repository requests done by repository (default: the service; see

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import InterpreterError
 from ...replicated import ReplicatedObj
-from . import archive
-from . import model_class
 from ..request.messages import ProtocolError
 from ..request.poison import Table, check
 from ..request.requests import ModelError, ModelRequests, Started
+from . import archive
+from . import model_class
 
 if TYPE_CHECKING:
+    from ...manager import InterpreterManager
     from ...session import Interpreter, Obj
     from ..request.metrics import Metrics
 
@@ -74,7 +75,8 @@ class ServedModel(ModelRequests):
     others wait in arrival order.
     """
 
-    def __init__(self, spec: ModelSpec, manager: Any, metrics: Metrics, turns: Turns,
+    def __init__(self, spec: ModelSpec, manager: InterpreterManager, metrics: Metrics,
+                 turns: Turns,
                  max_batch_size: int = 1, batch_delay: float = 0.0,
                  timeout: float | None = None, device: str = "cpu",
                  refused: Table | None = None) -> None:

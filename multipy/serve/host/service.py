@@ -23,16 +23,16 @@ from typing import Any, Callable
 from ... import _glibc, _runtime
 from ..._pool import capacity
 from ...manager import InterpreterManager, cores
-from . import archive
-from . import model_class
 from ..http.connection import Limits
-from ..request.metrics import STUCK_AFTER, Metrics
-from .models import ModelSpec, ServedModel, Turns
-from ..request.poison import Table
-from .progress import Progress
 from ..request.messages import MAX_REQUEST_SIZE, ProtocolError
+from ..request.metrics import STUCK_AFTER, Metrics
+from ..request.poison import Table
 from ..request.repository import LOADING, READY, REASON_CHARACTERS, UNAVAILABLE
 from ..request.requests import named
+from . import archive, model_class
+from .control import Watcher
+from .models import ModelSpec, ServedModel, Turns
+from .progress import Progress
 
 logger = logging.getLogger("multipy.serve")
 
@@ -139,7 +139,7 @@ class Service:
         self.failure: BaseException | None = None
         self._turns: Turns | None = None
         self._loading: list[ServedModel] = []  # the models that start makes ready, until then
-        self._watchers: list[Any] = []
+        self._watchers: list[Watcher] = []
         self._changing = threading.Lock()  # one load or unload at a time
 
     # -- start-up: on its own thread --
@@ -239,7 +239,7 @@ class Service:
 
     # -- the model repository: each on a thread of its own --
 
-    def watch(self, watcher: Any) -> None:
+    def watch(self, watcher: Watcher) -> None:
         """Has watcher told as models change: ``watcher.added(name, model)`` once model
         is on every interpreter, ``watcher.changed(name, state, reason)`` when it is no
         longer ready (the front ends forget it then)."""

@@ -19,10 +19,11 @@ import os
 import socket
 from typing import Any, Callable
 
-from ..host.control import do
+from ..host.control import Watcher, do
+from ..host.service import Service
+from ..request.messages import ProtocolError
 from .link import Link, TooLarge
 from .tasks import Tasks
-from ..request.messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")
 
@@ -30,7 +31,7 @@ logger = logging.getLogger("multipy.serve")
 class Supervised:
     """This process's link to the supervisor, for service (multipy.serve.host.service.Service)."""
 
-    def __init__(self, link: Link, service: Any) -> None:
+    def __init__(self, link: Link, service: Service) -> None:
         self._link, self._service = link, service
         self._asked: dict[int, concurrent.futures.Future] = {}
         self._numbers = itertools.count(1)
@@ -117,7 +118,7 @@ class Supervised:
 
     # -- what multipy.serve.host.control calls, on its thread --
 
-    def watch(self, watcher: Any) -> None:
+    def watch(self, watcher: Watcher) -> None:
         self._service.watch(watcher)
 
     def load_now(self, name: str, archive: dict[str, str]) -> None:

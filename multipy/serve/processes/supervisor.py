@@ -75,10 +75,10 @@ from typing import Any, Iterable, Iterator
 
 from ..._launch import launch_environment
 from ..http.connection import accept, bind, listen
-from .link import Link, pair
-from .tasks import Tasks
 from ..request.metrics import Board, board_width
 from ..request.poison import Crashes, Table
+from .link import Link, pair
+from .tasks import Tasks
 
 logger = logging.getLogger("multipy.serve")
 

@@ -11,8 +11,8 @@ import time
 from typing import Any, Collection, Mapping
 
 from .batching import Batcher
-from .metrics import ModelSeries
 from .messages import InferRequest, ProtocolError, Tensor
+from .metrics import ModelSeries
 
 
 class ModelError(Exception):

@@ -24,12 +24,12 @@ from typing import Any, Awaitable, Callable
 import grpc
 from google.protobuf import json_format
 
-from . import inference_pb2 as messages
 from ..request import repository
 from ..request.contract import Server
 from ..request.inference import decode_apart, infer, ready_model, server_metadata, statistics
 from ..request.protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor,
                                 parse_request, tensor_bytes)
+from . import inference_pb2 as messages
 
 #: The gRPC code of each HTTP status that a ProtocolError can have here.
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable
 
+from ._parallel import on_each
 from .errors import WrongInterpreterError
 from .session import current_timeout, timeout
 
@@ -161,28 +162,14 @@ class ReplicatedObj:
         """
         call = bool(args or kwargs)
         seconds = current_timeout()
-        interpreters = self._manager.all_instances()
-        errors: list[BaseException | None] = [None] * len(interpreters)
 
-        def warm(position: int, interpreter: Interpreter) -> None:
-            try:
-                with timeout(seconds), interpreter.acquire_session():
-                    instance = self.instance(interpreter)
-                    if call:
-                        instance.call_value(None, args, kwargs)
-            except BaseException as error:  # raised in the caller's thread below
-                errors[position] = error
+        def warm(interpreter: Interpreter) -> None:
+            with timeout(seconds), interpreter.acquire_session():
+                instance = self.instance(interpreter)
+                if call:
+                    instance.call_value(None, args, kwargs)
 
-        threads = [threading.Thread(target=warm, args=(position, interpreter), daemon=True,
-                                    name=f"multipy-warm-up-{interpreter.index}")
-                   for position, interpreter in enumerate(interpreters)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        for error in errors:
-            if error is not None:
-                raise error
+        on_each(self._manager.all_instances(), warm, "multipy-warm-up")
 
     def __repr__(self) -> str:
         return f"<multipy.ReplicatedObj loaded in {len(self._instances)} interpreter(s)>"

@@ -73,6 +73,8 @@ class _Server(Server):
         self._supervised = supervised
         self._protocol: Any = None
         self._accepting: asyncio.Task | None = None
+        #: set once the server has started (or stopped without): the models load then
+        self.begun = threading.Event()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -94,6 +96,12 @@ class _Server(Server):
                              daemon=True).start()
 
     async def startup(self, sockets: list | None = None) -> None:
+        try:
+            await self._start()
+        finally:
+            self.begun.set()
+
+    async def _start(self) -> None:
         await super().startup([])  # the lifespan; connections come from accept below
         if self.should_exit:
             return
@@ -219,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                     timeout_graceful_shutdown=served.graceful_timeout)
     server = _Server(config, fronts, served.limits, listener, supervised)
     server.run()
+    server.begun.set()  # (stopped before it started)
     if reserved is not None:
         reserved.close()
     if loader.is_alive():  # stopped while loading: the interpreters stop at exit
@@ -279,13 +288,12 @@ def _host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _load(service: Service, server: Server, fronts: FrontEnds, grpc: str | None,
+def _load(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None,
           supervised: Supervised | None) -> None:
     """Loads the models once the server listens, then starts the interpreters' front
     ends (with gRPC on grpc, "HOST:PORT", if given); stops the server if either fails.
     A supervised process then tells its supervisor."""
-    while not server.started and not server.should_exit:
-        time.sleep(0.01)
+    server.begun.wait()
     if server.should_exit:
         return
     started = time.monotonic()

@@ -15,6 +15,7 @@ import selectors
 import threading
 from typing import TYPE_CHECKING, Callable, Protocol
 
+from ..._parallel import on_each
 from ..http.inbox import receive
 from ..request.contract import FrontEndCalls
 from ..request.messages import ProtocolError
@@ -113,13 +114,8 @@ class Control:
     def changed(self, name: str, state: str, reason: str) -> None:
         """Tells every front end at once, and waits for them: each answers the model's
         requests it has received first (FrontEnd.set_state)."""
-        telling = [threading.Thread(
-            target=self._tell, args=(k, lambda front: front.set_state(name, state, reason)),
-            name=f"multipy-serve-tell-{k}", daemon=True) for k in range(len(self._fronts))]
-        for thread in telling:
-            thread.start()
-        for thread in telling:
-            thread.join()
+        on_each(range(len(self._fronts)), lambda k: self._tell(
+            k, lambda front: front.set_state(name, state, reason)), "multipy-serve-tell")
 
     def _tell(self, k: int, call: Callable[[FrontEndCalls], None]) -> None:
         """call(front end k); logs its failure (a front end that has ended serves

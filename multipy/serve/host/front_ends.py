@@ -41,6 +41,7 @@ class FrontEnds:
         self._stopping = False
         self._forced = False
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a front end ended, or force
 
     def start(self, service: Service, grpc: str | None = None,
               repository: Repository | None = None) -> None:
@@ -104,9 +105,10 @@ class FrontEnds:
                              "connections from now on: %s: %s", k, type(error).__name__,
                              error, exc_info=error)
         finally:
-            with self._lock:  # nothing is written into its inbox any more
+            with self._changed:  # nothing is written into its inbox any more
                 read, write = self._inboxes[k]
                 self._inboxes[k] = (-1, -1)
+                self._changed.notify_all()
             _close_left(read)
             os.close(write)
 
@@ -149,21 +151,25 @@ class FrontEnds:
     def stop(self) -> None:
         """Stops every front end gracefully (each serves the connections handed to it
         and answers what it has received) and waits for them, until ``force``."""
-        with self._lock:
+        with self._changed:
             self._stopping = True
             self._tell(STOP)
+            self._changed.wait_for(lambda: self._forced or all(
+                write < 0 for _, write in self._inboxes))
+            if self._forced:
+                return
         for thread in self._threads:
-            while thread.is_alive() and not self._forced:
-                thread.join(0.1)
-        if self._control is not None and not self._forced:
+            thread.join()
+        if self._control is not None:
             self._control.close()
 
     def force(self) -> None:
         """Stops the front ends at once, as uvicorn does on a second SIGINT (a model
         call still ends first), and ends ``stop``'s wait."""
-        self._forced = True
-        with self._lock:
+        with self._changed:
+            self._forced = True
             self._tell(FORCE)
+            self._changed.notify_all()
 
     def _tell(self, message: int) -> None:
         """Under the lock: message to every front end that runs."""

@@ -18,9 +18,10 @@ import gc
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from ... import _glibc, _runtime
+from ..._parallel import on_each
 from ..._pool import capacity
 from ...manager import InterpreterManager, cores
 from ..http.connection import Limits
@@ -33,6 +34,9 @@ from . import archive, model_class
 from .control import Watcher
 from .models import ModelSpec, ServedModel, Turns
 from .progress import Progress
+
+if TYPE_CHECKING:
+    from ...session import Interpreter
 
 logger = logging.getLogger("multipy.serve")
 
@@ -209,26 +213,13 @@ class Service:
                            self.options.timeout, self.options.device, self.refused)
 
     def _materialise(self, models: list[ServedModel], progress: Progress | None) -> None:
-        errors: list[BaseException] = []
+        def on(interpreter: Interpreter) -> None:
+            for model in models:
+                model.materialise(interpreter)
+                if progress is not None:
+                    progress.advance(1, f"{model.name} on interpreter {interpreter.index}")
 
-        def on(interpreter: Any) -> None:
-            try:
-                for model in models:
-                    model.materialise(interpreter)
-                    if progress is not None:
-                        progress.advance(1, f"{model.name} on interpreter {interpreter.index}")
-            except BaseException as error:  # raised on the start-up thread below
-                errors.append(error)
-
-        threads = [threading.Thread(target=on, args=(interpreter,), daemon=True,
-                                    name=f"multipy-serve-load-{interpreter.index}")
-                   for interpreter in self.manager.all_instances()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        on_each(self.manager.all_instances(), on, "multipy-serve-load")
 
     # -- serving: on the event loop --
 

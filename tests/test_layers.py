@@ -153,6 +153,7 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
                  *(f"multipy.serve.{name}" for name in SHARED_SERVE)}  # in a server only
     assert set(names) <= {"multipy", "multipy._inside", "multipy._inside.package",
                           "multipy._inside.serving", "multipy._inside.served_class",
+                          "multipy._inside.classes",
                           "multipy._inside.served_kserve",
                           "multipy._protocol", "multipy._cuda",  # (the driver, both sides)
                           "multipy._sharing", *front_end}, names

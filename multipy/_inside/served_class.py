@@ -13,10 +13,7 @@ raised in ``predict`` is a 400 with its message; anything else a 500.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
-import os
 import sys
 from typing import Any
 
@@ -24,37 +21,13 @@ from ..serve.request.protocol import ProtocolError
 from .serving import _outputs, _raise_plainly, declaration
 
 
-def load(path: str, module: str, name: str, served_as: str) -> ServedClass:
-    """An instance of class name of module (imported by name, or from the file at path,
-    whose folder goes on sys.path), loaded (``load()``) and ready to serve as model
-    served_as; a ``kserve.Model`` subclass as KServe serves it (``served_kserve``)."""
-    if path:
-        folder = os.path.dirname(path)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        spec = importlib.util.spec_from_file_location(module, path)
-        found = importlib.util.module_from_spec(spec)
-        sys.modules[module] = found
-        try:
-            spec.loader.exec_module(found)
-        except BaseException:
-            del sys.modules[module]
-            raise
-    else:
-        found = importlib.import_module(module)
-    kind = getattr(found, name, None)
-    if not inspect.isclass(kind):
-        raise TypeError(f"{module} has no class {name}")
-    if not callable(getattr(kind, "predict", None)):
-        raise TypeError(f"{module}.{name} has no predict method")
-    from . import served_kserve  # (which imports this module)
-
-    if served_kserve.is_kserve_model(kind):
-        return served_kserve.load(kind, served_as)
+def load(kind: type, described_as: str) -> ServedClass:
+    """An instance of the class kind (which has a ``predict``), loaded (``load()``) and
+    ready to serve; its ``inputs`` and ``outputs``, if declared, read as described_as."""
     config = None
     if getattr(kind, "inputs", None) is not None:
         config = declaration({"inputs": kind.inputs, "outputs": getattr(kind, "outputs", [])},
-                             f"{module}.{name}.inputs and .outputs")
+                             f"{described_as}.inputs and .outputs")
     instance = kind()
     if callable(getattr(instance, "load", None)):
         instance.load()

@@ -1,7 +1,7 @@
 """A model written as a Python class (``multipy serve MODULE:CLASS`` or
 ``FILE.py:CLASS``), as the host sees it: named, found and checked without importing it
 (the host never imports the model's code, nor torch).  The interpreters load it with
-``multipy._inside.served_class``, which documents the class's contract.
+``multipy._inside.classes`` (and ``served_class``, which documents the class's contract).
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ..request.metrics import Metrics
 
 _INSIDE = "multipy._inside.serving"
-_INSIDE_CLASS = "multipy._inside.served_class"
+_INSIDE_CLASS = "multipy._inside.classes"
 
 
 @dataclass

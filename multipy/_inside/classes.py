@@ -1,0 +1,41 @@
+"""Finding a model written as a class, inside one interpreter, and serving it as its
+kind says: a ``kserve.Model`` subclass as KServe serves it (``served_kserve``), any
+other class with a ``predict`` as ``served_class`` does."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any
+
+from . import served_class, served_kserve
+
+
+def load(path: str, module: str, name: str, served_as: str) -> Any:
+    """An instance of class name of module (imported by name, or from the file at path,
+    whose folder goes on sys.path), loaded and ready to serve as model served_as.
+    TypeError if module has no such class, or the class no ``predict``."""
+    if path:
+        folder = os.path.dirname(path)
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+        spec = importlib.util.spec_from_file_location(module, path)
+        found = importlib.util.module_from_spec(spec)
+        sys.modules[module] = found
+        try:
+            spec.loader.exec_module(found)
+        except BaseException:
+            del sys.modules[module]
+            raise
+    else:
+        found = importlib.import_module(module)
+    kind = getattr(found, name, None)
+    if not inspect.isclass(kind):
+        raise TypeError(f"{module} has no class {name}")
+    if not callable(getattr(kind, "predict", None)):
+        raise TypeError(f"{module}.{name} has no predict method")
+    if served_kserve.is_kserve_model(kind):
+        return served_kserve.load(kind, served_as)
+    return served_class.load(kind, f"{module}.{name}")

@@ -25,7 +25,8 @@ SERVE_LAYERS = ["request", "request.messages", "request.protocol", "request.batc
                 "rpc", "rpc.inference_pb2", "rpc.server",
                 "host", "host.archive", "host.model_class", "host.models", "host.control",
                 "host.progress", "host.service", "host.front_ends",
-                "processes", "processes.link", "processes.tasks", "processes.supervised", "processes.supervisor",
+                "processes", "processes.link", "processes.tasks", "processes.policy",
+                "processes.handover", "processes.supervised", "processes.supervisor",
                 "on_ray", "command", "main", "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy: of multipy.serve, the
 #: request path that the host and each interpreter's front end share.

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.timeout(300)
 MODELS = '''
 import ctypes
 import os
+import time
 
 import numpy as np
 

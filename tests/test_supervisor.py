@@ -16,7 +16,7 @@ from multipy.serve.request import poison  # noqa: E402
 from multipy.serve.processes.link import LARGEST, Link, TooLarge, pair  # noqa: E402
 from multipy.serve.request.messages import ProtocolError  # noqa: E402
 from multipy.serve.request.repository import PATH_MAX, archive  # noqa: E402
-from multipy.serve.processes.supervisor import START_FAILURES, _Present, decide  # noqa: E402
+from multipy.serve.processes.policy import START_FAILURES, Present, decide  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,13 +56,13 @@ def test_models_that_fail_at_the_first_start_stop_the_server_at_once():
 
 # -- the repository's present state --
 
-def _replayed(present: _Present) -> list[tuple]:
+def _replayed(present: Present) -> list[tuple]:
     return [(r["what"], r["name"], tuple(sorted(r["archive"].items())))
             for r in present.requests()]
 
 
 def test_the_present_is_one_entry_per_name_however_many_requests_came():
-    present = _Present(["a", "b"])
+    present = Present(["a", "b"])
     for _ in range(50):
         present.note("unload", "a", {}, [200, 200])
         present.note("load", "a", {}, [200, 200])
@@ -78,7 +78,7 @@ def test_the_present_is_one_entry_per_name_however_many_requests_came():
 
 
 def test_a_new_name_whose_load_failed_keeps_its_place_and_is_tried_again():
-    present = _Present(["a"])
+    present = Present(["a"])
     present.note("load", "d", {"path": "d.pt"}, [500, 500])  # in the index, UNAVAILABLE
     present.note("load", "e", {"path": "e.pt"}, [400, 400])  # not an archive: nothing
     present.note("unload", "zzz", {}, [404, 404])

@@ -16,7 +16,8 @@ from .host.archive import ArchiveError
 from .host.models import ModelSpec
 from .host.service import (GRACEFUL_TIMEOUT, MORE_MODELS, Options, default_interpreters)
 from .http.connection import MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits
-from .processes.supervisor import HEALTH_TIMEOUT, PING_EVERY, UNRESPONSIVE_AFTER
+from .processes.handover import UNRESPONSIVE_AFTER
+from .processes.supervisor import HEALTH_TIMEOUT, PING_EVERY
 from .request.messages import MAX_REQUEST_SIZE, ProtocolError
 from .request.repository import MODEL_CONTROLS, check_name
 

@@ -1,63 +1,21 @@
 """``multipy serve --processes P``: P server processes of --interpreters interpreters each,
 behind one port, started and watched by the ``multipy serve`` process itself, the
-supervisor, which runs no interpreter and imports no torch.
+supervisor, which runs no interpreter and imports no torch (docs/design.md, "Server
+processes", says why and how).
 
-Why: one process is one address space, so a model that crashes (a segfault in a C
-extension, an abort, the OOM killer) ends every request in it; and glibc gives a process
-at most 15 interpreters.  P processes lose one P-th of the server to a crash, and hold
-up to 15 P interpreters.
-
-How:
-
-- The supervisor listens on the HTTP port itself, accepts every connection and hands it
-  to a process through that process's link (multipy.serve.processes.link: a Unix socket, the
-  connection's descriptor passed with SCM_RIGHTS), round robin over the processes that
-  take connections (``_takers``): ready, answering their health checks, and with an
-  interpreter free of a stuck call.  It keeps its own copy of each connection until the
-  process has taken it, before reading a byte (the process notes the last one it took
-  on the metrics board: ``_release``): one that dies first has the connections it had
-  not taken handed to another.  It binds the port first, and listens
-  once a process has prepared (loaded each model written as a class on its first
-  interpreter, as a single server does before it listens: Service.prepare); a process
-  that exits with status 2 before then (a class whose code fails) stops the server with
-  status 2 before it ever listens.  gRPC is served by every front end of every process
-  on the port the supervisor reserves (SO_REUSEPORT: the kernel spreads connections;
-  those still queued in a process that dies are reset, and gRPC clients retry).
-- Processes are started fresh (exec of ``python -m multipy.serve`` with the same options
-  and ``--processes 1``, in a new session), never forked from a process with
-  interpreters: forking one is unsafe, and the supervisor starts none.
-- Health: every PING_EVERY seconds each process is pinged over its link, and answers
-  from its event loop with how many of its interpreters are stuck and busy.  One that
-  has not answered for UNRESPONSIVE_AFTER seconds gets no new connection; for
-  --health-timeout seconds, it is killed (SIGKILL) and replaced.  One whose every
-  interpreter is stuck gets no new connection until one is free.
-- The metrics board (multipy.serve.request.metrics) is one shared memory file that every process
-  maps, with rows for each of P + 1 slots (the spare one for a process that replaces
-  another while it still runs): ``/metrics`` and the statistics extension count every
-  process, whichever answers.  A process that ends leaves its counts; what its rows said
-  of the present (calls running, requests queued) goes back to 0.
-- A process that dies is logged (its signal or exit status, its calls in progress; the
-  crash report it wrote names the model and request) and replaced as ``decide`` says:
-  at once if it had loaded its models or died in a call; else after a pause that
-  doubles (1, 2, 4, 8 s), and after START_FAILURES such deaths in a row the server stops
-  with exit status 1.  The call that crashed it is known by its digest
-  (multipy.serve.request.poison): a request identical to one that has crashed two processes is
-  refused, for a while, by every front end.
-- With ``--model-control explicit``, a load or unload that any process receives is
-  asked of the supervisor, which has every ready process do it, one request at a time,
-  and answers with the first failure (else success).  It keeps the repository's present
-  state (``_Present``): a replacement redoes what makes that state, once its start-up
-  models are loaded and before it is handed a connection, so that it serves what the
-  others serve (and its metrics' slots are theirs).
-- Rolling replacement: SIGHUP replaces every process, one at a time, and a process that
-  has answered about --max-requests requests (plus up to --max-requests-jitter) is
-  replaced alone: the new process starts in the spare slot and, once it is ready, the
-  old one gets no new connection and is stopped gracefully (SIGTERM).  A new process
-  that fails to start stops a SIGHUP's round; the old ones serve on.
-- SIGTERM or SIGINT: the supervisor stops accepting and passes the signal on to every
-  process, which stops as a single server does (every request it received answered,
-  within --graceful-timeout); then it exits 0.  A second SIGINT is passed on too (each
-  stops at once).
+The supervisor binds the port, starts each process fresh (exec, never fork), listens
+once one has prepared (a class whose code fails stops the server with status 2 first),
+accepts every connection and hands it over (multipy.serve.processes.handover).  It
+pings each process every PING_EVERY seconds: one that has not answered for
+--health-timeout seconds is killed.  A process that ends is replaced as
+multipy.serve.processes.policy.decide says, and the request whose call crashed it is
+known by its digest (multipy.serve.request.poison): one that crashed two processes is
+refused by every front end.  With ``--model-control explicit``, a process's load or
+unload is done by every ready process, one at a time, and a replacement redoes the
+repository's present state before it takes connections.  SIGHUP, and a process past
+--max-requests, replace processes one at a time, each new one ready before its old one
+stops.  SIGTERM or SIGINT: every process answers what it has received (within
+--graceful-timeout), then the supervisor exits 0; a second SIGINT is passed on too.
 """
 from __future__ import annotations
 
@@ -70,139 +28,27 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterable
 
 from ..._launch import launch_environment
 from ..http.connection import accept, bind, listen
 from ..request.metrics import Board, board_width
 from ..request.poison import Crashes, Table
-from .link import Link, pair
+from .handover import Handover, ServerProcess
+from .link import pair
+from .policy import Present, decide
 from .tasks import Tasks
 
 logger = logging.getLogger("multipy.serve")
 
-#: Replacements in a row that die while starting before the server gives up.
-START_FAILURES = 5
 #: Seconds between two health checks of a process.
 PING_EVERY = 1.0
-#: Seconds without an answer to a health check after which a process gets no new
-#: connection.
-UNRESPONSIVE_AFTER = 3.0
 #: Seconds without an answer after which a process is killed, by default
 #: (--health-timeout).
 HEALTH_TIMEOUT = 20.0
-#: Connections the supervisor holds while no process takes them (one is starting).
-_HELD = 4096
-#: Connections handed to a process above which the supervisor closes its copies of
-#: those it has taken (it does every second too).
-_KEPT = 32
 #: The signals by which a process's own fault ends it (its call crashed).
 _FAULTS = {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGFPE, -signal.SIGILL, -signal.SIGABRT}
-
-
-@dataclass(frozen=True)
-class Restart:
-    """What the supervisor does when a process has ended: start a replacement after
-    ``pause`` seconds, or (``stop`` not None) stop the server with that exit status;
-    ``failures``: the processes in a row that have died while starting, from now on."""
-
-    pause: float = 0.0
-    stop: int | None = None
-    failures: int = 0
-    why: str = ""
-
-
-def decide(status: int, served: bool, failures: int, listening: bool,
-           ever_ready: bool) -> Restart:
-    """What follows the end (returncode status) of a process that had ``served`` (loaded
-    its models, or was running a call: a request's crash is never a start failure),
-    after ``failures`` processes in a row died while starting, the server ``listening``
-    (a process had prepared) and ``ever_ready`` (every process has been ready once)."""
-    if served:
-        return Restart(0.0, None, 0, "a replacement starts now")
-    failures += 1
-    if not listening and status == 2:
-        return Restart(stop=2, failures=failures,
-                       why="before the server listened: a model cannot be served (see above)")
-    if not ever_ready and status in (1, 2):
-        return Restart(stop=1, failures=failures, why="its models failed to load (see above)")
-    if failures >= START_FAILURES:
-        return Restart(stop=1, failures=failures,
-                       why=f"{failures} processes in a row died while starting")
-    pause = 2.0 ** (failures - 1)
-    return Restart(pause, None, failures, f"a replacement starts in {pause:g} s")
-
-
-class _Present:
-    """The model repository as every process serves it now, kept from the requests that
-    changed it (``note``), whatever their number: what each model name loaded since
-    the start last loaded (its archive), and whether it is loaded, unloaded, or failed
-    to load (a name new to the server keeps its place in the index and its slot of the
-    metrics all the same).  ``requests`` redo it on a process that has just loaded the
-    start-up models (``started_with``), in the order the names came."""
-
-    def __init__(self, started_with: Iterable[str]) -> None:
-        self._started_with = frozenset(started_with)
-        self._names: dict[str, tuple[dict[str, str], str]] = {}  # name -> (archive, state)
-
-    def note(self, what: str, name: str, archive: dict[str, str],
-             statuses: list[int | None]) -> None:
-        """Request what ("load", "unload") of model name (from archive) had statuses
-        from the processes (None: one ended first)."""
-        known = name in self._names or name in self._started_with
-        if what == "load":
-            if 200 in statuses:
-                self._names[name] = (archive, "loaded")
-            elif 500 in statuses and not known:  # its load failed where it was tried
-                self._names[name] = (archive, "failed")
-        elif 200 in statuses and known:
-            self._names[name] = (self._names.get(name, ({}, ""))[0], "unloaded")
-
-    def requests(self) -> Iterator[dict[str, Any]]:
-        """The requests that make a freshly started process's repository this one."""
-        for name, (archive, state) in self._names.items():
-            if state != "unloaded" or name not in self._started_with:
-                yield {"what": "load", "name": name, "archive": archive}
-            if state == "unloaded":
-                yield {"what": "unload", "name": name, "archive": {}}
-
-
-@dataclass
-class _Process:
-    """One server process, as the supervisor knows it."""
-
-    index: int  #: which of the P processes it is (the logs' "server process k")
-    slot: int  #: its rows of the metrics board
-    link: Link
-    process: Any  # asyncio.subprocess.Process
-    baseline: int  #: the requests its slot had counted when it started
-    started: float = field(default_factory=time.monotonic)
-    #: it has checked its models (a class loaded on its first interpreter): it takes
-    #: connections while no process is ready, and its health is checked
-    prepared: bool = False
-    loaded: bool = False  #: it has loaded its start-up models
-    ready: bool = False  #: it has redone the repository's requests: it takes connections
-    retiring: bool = False  #: replaced: it takes no new connection, and stops
-    replaces: _Process | None = None  #: the process it replaces while that one runs
-    #: since when a health check waits for its answer (time.monotonic(); None: none waits)
-    waiting: float | None = None
-    health: dict[str, int] = field(default_factory=dict)  #: what it answered last
-    recycle_at: int | None = None  #: the requests after which it is replaced
-    #: numbers of the connections handed to it and not yet taken -> the connection
-    handed: dict[int, socket.socket] = field(default_factory=dict)
-    #: numbers of the ``do`` requests sent to it -> the future of its ``done``
-    doing: dict[int, asyncio.Future] = field(default_factory=dict)
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def responsive(self, now: float) -> bool:
-        return self.waiting is None or now - self.waiting < UNRESPONSIVE_AFTER
-
-    def all_stuck(self) -> bool:
-        return self.health.get("stuck", 0) >= self.health.get("interpreters", 1)
-
-    def name(self) -> str:
-        return f"server process {self.index} (pid {self.process.pid})"
 
 
 @dataclass(frozen=True)
@@ -233,14 +79,12 @@ class Supervisor:
         self.board = Board.shared(self._slots * self._rows, board_width(slots))
         self.refused = Table.shared()
         self._crashes = Crashes(self.refused)
-        self._processes: list[_Process] = []
+        self._processes: list[ServerProcess] = []
         self._tasks = Tasks()
-        self._takers: list[_Process] = []  # where new connections go: see _order
         self._starting: dict[int, int] = {}  # slot -> index of the processes starting
-        self._turn = itertools.count()
-        self._held: list[socket.socket] = []
-        self._numbers = itertools.count(1)
-        self._present = _Present(models)
+        self._handover = Handover(self.board, self._rows)
+        self._numbers = itertools.count(1)  # of the repository's requests
+        self._present = Present(models)
         self._repository: asyncio.Lock | None = None
         self._rolling: asyncio.Task | None = None  # a SIGHUP's round, or a recycling
         self._failures = 0  # processes in a row that died while starting
@@ -286,7 +130,7 @@ class Supervisor:
 
     async def _serve(self, listener: socket.socket) -> None:
         """Accepts connections on listener until the server stops."""
-        accepting = asyncio.get_running_loop().create_task(accept(listener, self._hand))
+        accepting = asyncio.get_running_loop().create_task(accept(listener, self._handover.hand))
         logger.info("listening on http://%s:%d with %d server processes of %d interpreter(s) "
                     "each; loading models", self._host, self._port, self._count,
                     self._interpreters)
@@ -295,12 +139,11 @@ class Supervisor:
         finally:
             accepting.cancel()
             listener.close()
-            for held in self._held:
-                held.close()
+            self._handover.stop()
 
     # -- the processes --
 
-    async def _start(self, k: int, replaces: _Process | None = None) -> _Process:
+    async def _start(self, k: int, replaces: ServerProcess | None = None) -> ServerProcess:
         """Starts a process as process k (beside replaces, which it replaces once it is
         ready), in a free slot, and watches it until it ends."""
         slot = min(set(range(self._slots)) - {p.slot for p in self._processes}
@@ -311,7 +154,7 @@ class Supervisor:
         finally:
             del self._starting[slot]
 
-    async def _spawn(self, k: int, slot: int, replaces: _Process | None) -> _Process:
+    async def _spawn(self, k: int, slot: int, replaces: ServerProcess | None) -> ServerProcess:
         here, there = pair()
         command = [sys.executable, "-m", "multipy.serve", *self._argv, "--processes", "1",
                    "--port", str(self._port), "--link", str(there.fileno())]
@@ -328,7 +171,7 @@ class Supervisor:
             there.close()
         here.send({"op": "start", "process": slot, "processes": self._count,
                    "slots": self._slots}, (self.board.fd, self.refused.fd))
-        record = _Process(k, slot, here, process,
+        record = ServerProcess(k, slot, here, process,
                           self.board.requests(slot * self._rows, self._rows), replaces=replaces)
         tunables = self._tunables
         if tunables.max_requests is not None:
@@ -342,7 +185,7 @@ class Supervisor:
             os.kill(process.pid, signal.SIGTERM)
         return record
 
-    async def _watch(self, record: _Process) -> None:
+    async def _watch(self, record: ServerProcess) -> None:
         status = await record.process.wait()
         loop = asyncio.get_running_loop()
         self._read(record)  # what it said before it ended
@@ -352,17 +195,17 @@ class Supervisor:
             if not future.done():
                 future.set_result((None, "the process ended"))
         first = record.slot * self._rows
-        self._release(record)
+        self._handover.release(record)
         calls = self.board.busy(first, self._rows)
         crashed = self.board.crashed_input(first, self._rows) if status in _FAULTS else None
         self.board.reset(first, self._rows)
         self._processes.remove(record)
-        self._order()
+        self._handover.order(self._processes)
         record.ended.set()
         untaken = list(record.handed.values())
         record.handed.clear()
         for connection in untaken:  # handed to it, never read: another serves them
-            self._hand(connection)
+            self._handover.hand(connection)
         if self._stopping:
             if status not in (0, -signal.SIGTERM, -signal.SIGINT):
                 logger.error("%s %s", record.name(), _status(status))
@@ -416,7 +259,7 @@ class Supervisor:
                 logger.error("server process %d could not be started (%s); trying again in "
                              "%g s", k, error, pause)
 
-    def _read(self, record: _Process) -> None:
+    def _read(self, record: ServerProcess) -> None:
         messages = record.link.receive()
         if messages is None:  # it is ending: _watch says how
             asyncio.get_running_loop().remove_reader(record.link.fileno())
@@ -427,11 +270,11 @@ class Supervisor:
             op = message["op"]
             if op == "pong":
                 record.waiting, record.health = None, message
-                self._order()
+                self._handover.order(self._processes)
             elif op == "prepared":
                 record.prepared = True
                 self._prepared.set()
-                self._order()
+                self._handover.order(self._processes)
             elif op == "ready":
                 record.loaded = True
                 self._tasks.start(self._ready(record), f"readying {record.name()}")
@@ -443,7 +286,7 @@ class Supervisor:
                 if not future.done():
                     future.set_result((message.get("status"), message.get("message", "")))
 
-    async def _ready(self, record: _Process) -> None:
+    async def _ready(self, record: ServerProcess) -> None:
         """Process record has loaded its start-up models: it redoes the repository's
         present state, then takes connections (and the process it replaces retires)."""
         redone = 0
@@ -464,7 +307,7 @@ class Supervisor:
         logger.info("%s ready in %.1f s%s", record.name(), time.monotonic() - record.started,
                     f" (its models as the repository has them: {redone} request(s) redone)"
                     if redone else "")
-        self._order()
+        self._handover.order(self._processes)
         if record.replaces is not None:
             self._retire(record.replaces)
             record.replaces = None
@@ -476,7 +319,7 @@ class Supervisor:
                         "http://%s:%d/v2/models/NAME/infer%s", self._count,
                         self._interpreters, self._host, self._port, also)
 
-    async def _do(self, record: _Process, request: dict[str, Any]) -> tuple[int | None, str]:
+    async def _do(self, record: ServerProcess, request: dict[str, Any]) -> tuple[int | None, str]:
         """(status, message) of process record doing request; (None, why) if it ended."""
         number = next(self._numbers)
         future = asyncio.get_running_loop().create_future()
@@ -488,7 +331,7 @@ class Supervisor:
             return None, str(error)
         return await future
 
-    async def _ask(self, record: _Process, message: dict[str, Any]) -> None:
+    async def _ask(self, record: ServerProcess, message: dict[str, Any]) -> None:
         """A repository request that process record received: every ready process does
         it; record gets the first failure, else success."""
         try:
@@ -523,9 +366,9 @@ class Supervisor:
             await asyncio.sleep(PING_EVERY)
             now = time.monotonic()
             self._crashes.forget(now)
-            self._order()  # (one that stopped answering is passed over from now on)
+            self._handover.order(self._processes)  # (one that stopped answering is passed over from now on)
             for record in list(self._processes):
-                self._release(record)
+                self._handover.release(record)
                 if not record.prepared or record.process.returncode is not None:
                     continue
                 if record.waiting is None:
@@ -547,7 +390,7 @@ class Supervisor:
                     self._rolling = self._tasks.start(self._roll([record]),
                                                       "replacing a process")
 
-    def _served(self, record: _Process) -> int:
+    def _served(self, record: ServerProcess) -> int:
         return self.board.requests(record.slot * self._rows, self._rows) - record.baseline
 
     def _reload(self) -> None:
@@ -563,7 +406,7 @@ class Supervisor:
         self._rolling = self._tasks.start(
             self._roll(sorted(self._processes, key=lambda p: p.index)), "SIGHUP's round")
 
-    async def _roll(self, old: list[_Process]) -> None:
+    async def _roll(self, old: list[ServerProcess]) -> None:
         """Replaces each process of old in turn: a new one starts beside it, and once
         it is ready the old one retires (and has stopped before the next starts).  A new
         one that dies first ends the round."""
@@ -600,12 +443,12 @@ class Supervisor:
         finally:
             self._rolling = None
 
-    def _retire(self, record: _Process) -> None:
+    def _retire(self, record: ServerProcess) -> None:
         """Process record, replaced, takes no new connection and stops gracefully."""
         if record not in self._processes:
             return
         record.retiring = True
-        self._order()
+        self._handover.order(self._processes)
         logger.info("%s is replaced: it answers what it has received, and stops",
                     record.name())
         try:
@@ -614,64 +457,6 @@ class Supervisor:
             pass
 
     # -- connections --
-
-    def _taking(self, record: _Process, now: float | None = None) -> bool:
-        """Whether record takes new connections before any other kind: ready, not
-        retiring, answering, with an interpreter free of a stuck call."""
-        now = time.monotonic() if now is None else now
-        return record.ready and not record.retiring and record.responsive(now) \
-            and not record.all_stuck()
-
-    def _order(self) -> None:
-        """Decides which processes new connections go to (``_takers``), as their state
-        changes (and every second), and hands them what was held meanwhile: those
-        ``_taking``; else, while none is, those ready and answering (each answers what
-        it can: a stuck one, 503); else those that have prepared and answer (none is
-        ready: they answer health and readiness themselves)."""
-        now = time.monotonic()
-        alive = [p for p in self._processes if p.prepared and not p.retiring
-                 and p.process.returncode is None and p.responsive(now)]
-        self._takers = [p for p in alive if self._taking(p, now)] or \
-            [p for p in alive if p.ready] or alive
-        if self._held and self._takers:
-            held, self._held = self._held, []
-            for connection in held:
-                self._hand(connection)
-
-    def _hand(self, connection: socket.socket) -> None:
-        """Gives connection to the next process that takes it (``_takers``), keeping a
-        copy until that one has taken it; holds it while none takes connections (closes
-        it once the server stops)."""
-        if self._stopping:
-            connection.close()
-            return
-        takers = self._takers
-        turn = next(self._turn)
-        for k in range(len(takers)):
-            record = takers[(turn + k) % len(takers)]
-            number = next(self._numbers)
-            try:
-                record.link.send({"op": "connection", "number": number},
-                                 (connection.fileno(),))
-            except OSError:  # ending, or its link is full: the next
-                continue
-            record.handed[number] = connection
-            if len(record.handed) > _KEPT:
-                self._release(record)
-            return
-        if len(self._held) < _HELD:
-            self._held.append(connection)
-        else:
-            connection.close()
-
-    def _release(self, record: _Process) -> None:
-        """Closes this side's copies of the connections process record has taken."""
-        taken = self.board.taken(record.slot * self._rows)
-        while record.handed:
-            number = next(iter(record.handed))
-            if number > taken:
-                break
-            record.handed.pop(number).close()
 
     # -- stopping --
 
@@ -692,6 +477,7 @@ class Supervisor:
     def _finish(self, status: int) -> None:
         self._status = max(self._status, status)
         self._stopping = True
+        self._handover.stop()
         if not self._finished.done():
             self._finished.set_result(None)
 

@@ -179,6 +179,49 @@ def test_a_client_that_expects_100_continue_gets_it_at_once():
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\nhi")
 
 
+@pytest.mark.parametrize("coding", [b"gzip, chunked", b"deflate,chunked", b"identity",
+                                    b"gzip"])
+def test_a_transfer_coding_other_than_chunked_is_501(coding):
+    """A body whose Transfer-Encoding is not chunked alone is refused (501), not read as
+    chunked (httptools reads "gzip, chunked" so, and would give the model gzip's bytes);
+    chunked alone is read."""
+    body = b"3\r\nabc\r\n0\r\n\r\n"
+    answer = asyncio.run(_answers(Limits(), b"POST / HTTP/1.1\r\nHost: x\r\n"
+                                            b"Transfer-Encoding: " + coding + b"\r\n\r\n" + body))
+    assert answer.startswith(b"HTTP/1.1 501 ") and b"only chunked" in answer
+    answer = asyncio.run(_answers(Limits(), b"POST / HTTP/1.1\r\nHost: x\r\n"
+                                            b"Transfer-Encoding: Chunked\r\n\r\n" + body))
+    assert answer.startswith(b"HTTP/1.1 200 ")
+
+
+def test_http_1_0_keep_alive_answers_every_request_or_closes():
+    """HTTP/1.0 with Connection: keep-alive, two requests on one connection (sent
+    together, or the second after the first answer): each is answered, or the
+    connection is closed after the first answer; never left waiting."""
+    request = b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+
+    async def sized(scope, receive, send):  # (as every answer of the server's)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def exchange(together: bool) -> tuple[bytes, bytes]:
+        async with _serving(Limits(), sized) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request * 2 if together else request)
+            first = await asyncio.wait_for(reader.readuntil(b"\r\n\r\nok"), 10)
+            if not together:
+                writer.write(request)
+            rest = await asyncio.wait_for(reader.read(), 10)  # (until the server closes)
+            writer.close()
+            return first, rest
+
+    for together in (True, False):
+        first, rest = asyncio.run(exchange(together))
+        assert first.startswith(b"HTTP/1.1 200 ")
+        assert rest == b"" or (rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b"ok"))
+
+
 def test_a_request_that_does_not_arrive_in_time_is_408():
     answer = asyncio.run(_answers(Limits(read_timeout=0.2), b"GET / HTTP/1.1\r\nHost"))
     assert answer.startswith(b"HTTP/1.1 408 ") and b"--read-timeout" in answer
@@ -196,6 +239,9 @@ def test_an_answer_s_head_leaves_with_its_body_in_one_write():
 
         def close(self):
             self.closed = True
+
+        def get_extra_info(self, name):
+            return None  # (no socket)
 
     transport = Transport()
     coalescing = Coalescing(transport)

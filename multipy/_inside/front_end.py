@@ -9,7 +9,9 @@ before it.  From then on, every request on it is parsed, decoded, checked, run a
 answered here, by uvicorn and the same Starlette application as the host's
 (multipy.serve.http.app), on an event loop that runs on the host thread that called ``run``.
 A model runs on that thread, blocking the loop: one call at a time in this interpreter,
-as in one worker process of other servers.  With a per-request timeout, calls run one at
+as in one worker process of other servers; a thread of this interpreter watches the
+call's client meanwhile, and cancels the call if the client goes (multipy._inside.
+hangups).  With a per-request timeout, calls run one at
 a time on a thread of this interpreter instead, where a call whose request has waited
 too long, or whose client went away, is cancelled as the host cancels one
 (``_multipy_bootstrap.call`` and ``cancel``: the cancel reaches that call only); while
@@ -54,7 +56,8 @@ from ..serve.request.messages import ProtocolError
 from ..serve.request.metrics import Metrics
 from ..serve.request.poison import Table, check
 from ..serve.request.repository import READY
-from ..serve.request.requests import NO_ID, ModelRequests, Started, named
+from ..serve.request.requests import NO_ID, ModelRequests, Started, client, named
+from .hangups import Hangups, serials
 from .serving import Served
 
 
@@ -66,9 +69,6 @@ _NO_LIMIT = 365 * 24 * 3600.0
 _LEAVE_WAIT = 30.0
 #: What a crash report names while a front end runs no model call.
 _SERVING = (b"serving", b"the HTTP requests of multipy serve")
-#: Serial numbers of the worker's calls (_multipy_bootstrap.call): from 2**63 up, out of
-#: reach of the host's (``_host.next_serial``, from 1), whose calls share the registry.
-_serials = itertools.count(1 << 63)
 #: Seconds within which a cancelled call that stops (Python code stops at its next
 #: bytecode; C, when it returns) does not make its interpreter stuck.
 _STOPS_WITHIN = 0.5
@@ -109,6 +109,8 @@ class FrontEnd:
         self._graceful_timeout = settings["graceful_timeout"]
         self.ready = True
         self._worker = None if settings["timeout"] is None else _Worker(self._stuck_changed)
+        #: the watch of calls on the loop (without a worker) for their clients' going
+        self._hangups = Hangups() if self._worker is None else None
         self._refused = None if settings.get("refused") is None else \
             Table(address=settings["refused"])
         self._settings = settings
@@ -177,7 +179,7 @@ class FrontEnd:
         calls them from a thread of its own while the loop reads them.)"""
         self.metrics.add(name)
         settings = self._settings
-        model = _Model(name, served, self.metrics.models[name], self._worker,
+        model = _Model(name, served, self.metrics.models[name], self._worker, self._hangups,
                        settings["max_batch_size"], settings["batch_delay"], settings["timeout"],
                        self._refused)
         model.describe(described)
@@ -260,6 +262,8 @@ class FrontEnd:
             self._serving.set()
             if self._worker is not None:
                 self._worker.stop()
+            if self._hangups is not None:
+                self._hangups.stop()
 
     def wait_serving(self, timeout: float) -> bool:
         """Waits (at most timeout seconds) until ``run`` serves, gRPC included, or has
@@ -414,10 +418,12 @@ class _Model(ModelRequests):
     """A model loaded in this interpreter; see ModelRequests."""
 
     def __init__(self, name: str, served: Served, series: Any, worker: _Worker | None,
-                 max_batch_size: int, batch_delay: float, timeout: float | None,
-                 refused: Table | None) -> None:
+                 hangups: Hangups | None, max_batch_size: int, batch_delay: float,
+                 timeout: float | None, refused: Table | None) -> None:
         super().__init__(name, series, max_batch_size, batch_delay, timeout)
         self._served, self._worker = served, worker
+        # (a batch's call answers several clients: not cancelled for one)
+        self._hangups = hangups if self._batcher is None else None
         self._refused = refused  # with --processes: the inputs that crashed processes
         self._asynchronous = getattr(served, "asynchronous", False)  # a class's async predict
         self._noted = f"model {name!r}, "  # what a crash report names, before the requests
@@ -425,8 +431,8 @@ class _Model(ModelRequests):
         self._anonymous = (b"inference", (self._noted + NO_ID).encode())
 
     @property
-    def cancellable(self) -> bool:
-        return self._worker is not None or self._batcher is not None
+    def cancellable(self) -> bool:  # (an async predict gives the loop its turns)
+        return self._worker is not None or self._batcher is not None or self._asynchronous
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
@@ -446,7 +452,11 @@ class _Model(ModelRequests):
                     if self._asynchronous:
                         return await self._served.infer_async(names, datatypes, *arrays,
                                                               **given)
-                    return self._served.infer(names, datatypes, *arrays, **given)
+                    watched = client.get() if self._hangups is not None else None
+                    if watched is None:
+                        return self._served.infer(names, datatypes, *arrays, **given)
+                    return self._hangups.call(watched, lambda: self._served.infer(
+                        names, datatypes, *arrays, **given))
             finally:
                 started.pin(False)
                 _multipy_bootstrap.note(*_SERVING)
@@ -524,7 +534,7 @@ class _Job:
     def __init__(self, call: Callable[[], tuple], started: Started,
                  loop: asyncio.AbstractEventLoop) -> None:
         self._call, self._started, self._loop = call, started, loop
-        self._serial = next(_serials)
+        self._serial = next(serials)
         self.answer = loop.create_future()
         #: done (on the loop) once the call has ended, answered or not
         self.ended = loop.create_future()

@@ -27,7 +27,8 @@ from ..request.inference import (decode_apart, infer as infer_through, ready_mod
                                  server_metadata, statistics)
 from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
                                 compress, error_body, json_object)
-from .uvicorn_server import LOGGING_CONFIG, write_answer
+from ..request.requests import client
+from .uvicorn_server import LOGGING_CONFIG, connection_of, write_answer
 
 
 def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Callable:
@@ -246,6 +247,9 @@ class _Inference:
 
         params = scope["path_params"]
         name = params["model"]
+        fd = connection_of(send)
+        if fd >= 0:  # (its call watches it: see multipy.serve.request.requests.client)
+            client.set((fd, None))
         try:
             body, answer_headers = await infer_through(service, name, params.get("version"),
                                                        decode, encode, gone)

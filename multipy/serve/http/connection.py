@@ -50,13 +50,16 @@ class Coalescing:
     until the first piece of its body, the answer's end or the connection's close, and
     writes the two together: one system call, and for a small answer one TCP segment,
     instead of two.  An interim answer (1xx: the 100 Continue that a client waits for
-    before it sends its body) is written at once.  The rest is the transport's own."""
+    before it sends its body) is written at once.  The rest is the transport's own;
+    ``fd``: its socket's file descriptor (-1 if it has none)."""
 
-    __slots__ = ("_transport", "_head")
+    __slots__ = ("_transport", "_head", "fd")
 
     def __init__(self, transport: Any) -> None:
         self._transport = transport
         self._head: bytes | None = None
+        connection = transport.get_extra_info("socket")
+        self.fd = -1 if connection is None else connection.fileno()
 
     def write(self, data: bytes) -> None:
         if self._head is not None:

@@ -23,6 +23,8 @@ A connection served by ``guarded``'s protocol:
 
 - has its request's head counted as it comes (431 past --max-header-size or
   --max-headers), and its request timed from its first byte (408 past --read-timeout);
+  a Transfer-Encoding other than chunked alone (``gzip, chunked``) is a 501, where
+  httptools would read the body as chunked and the model get it still encoded;
 - is closed once idle for uvicorn's keep-alive timeout, by one timer per connection that
   watches both, made again only when it would come too late (uvicorn's own makes and
   cancels one an answer);
@@ -83,7 +85,8 @@ _uvicorn.Config, _uvicorn.Server = Config, Server  # as its __init__ sets them
 # (the HTTP protocol that Config picks, httptools's: its status lines and request cycle)
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle  # noqa: E402
 
-__all__ = ["Config", "LOGGING_CONFIG", "RELIED_ON", "Server", "guarded", "write_answer"]
+__all__ = ["Config", "LOGGING_CONFIG", "RELIED_ON", "Server", "connection_of", "guarded",
+           "write_answer"]
 
 _PROTOCOL = "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol"
 _CYCLE = "uvicorn.protocols.http.httptools_impl.RequestResponseCycle"
@@ -151,6 +154,13 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
 #: not end a connection's idle time.
 _EMPTY_LINES = b"\r\n"
 
+
+
+def connection_of(send: Callable) -> int:
+    """The file descriptor of the connection whose request send (a cycle's of
+    ``guarded``'s protocol) answers; -1 for another server's send."""
+    cycle = getattr(send, "__self__", None)
+    return cycle.transport.fd if type(cycle) is RequestResponseCycle else -1
 
 
 def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:
@@ -269,6 +279,12 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
             if len(self.headers) >= limits.max_headers:  # (the request's fields so far)
                 self._refusal = (431, f"the request has more than the {limits.max_headers} "
                                       f"header fields this server takes (--max-headers)")
+                raise _Refused
+            if len(name) == 17 and name.lower() == b"transfer-encoding" \
+                    and value.strip().lower() != b"chunked":  # (see the module's docstring)
+                shown = value[:40].decode("latin-1")
+                self._refusal = (501, f"Transfer-Encoding {shown!r} is not supported: "
+                                      f"only chunked")
                 raise _Refused
             on_header(self, name, value)
 

@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable, TypeVar
 
 from .batching import BatchError
 from .contract import Server
-from .messages import InferRequest, ProtocolError, Tensor
+from .messages import TRACEBACK_LIMIT, InferRequest, ProtocolError, Tensor, bounded
 from .repository import LOADING, UNAVAILABLE
 from .requests import ModelError, ModelRequests, ServiceTimeout, Timing
 
@@ -109,8 +109,9 @@ async def infer(service: Server, name: str, version: str | None,
         logger.error("%s", error)
         raise ProtocolError(str(error), 500) from None
     except (ModelError, BatchError) as error:  # logged with the model's traceback
-        logger.error("%s%s", error, _model_traceback(error))
-        raise ProtocolError(str(error), 500) from None
+        failure = ProtocolError(str(error), 500)  # (its message bounded)
+        logger.error("%s%s", failure, bounded(_model_traceback(error), TRACEBACK_LIMIT))
+        raise failure from None
     except Exception as error:  # multipy's own failure: logged whole
         logger.exception("inference on model %r failed", name)
         raise ProtocolError(f"internal error: {type(error).__name__}: {error}", 500) from None

@@ -27,6 +27,11 @@ _NOT_UTF8 = (b"\xef", b"\xfe", b"\xff")
 #: json has its C part), which reads one JSON value from a given index
 _DECODER = json.JSONDecoder()
 _SCAN = _DECODER.scan_once
+#: The most characters of a message that an error answer or a log line carries (a
+#: model's exception's, say): the rest is cut, with a note of how much (``bounded``).
+MESSAGE_LIMIT = 4096
+#: ... and of a traceback in the log.
+TRACEBACK_LIMIT = 64 << 10
 
 
 def _loads(document: str) -> Any:
@@ -43,12 +48,19 @@ def _loads(document: str) -> Any:
     return found
 
 
+def bounded(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """text, or its first limit characters and a note of how many more were cut."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters cut]"
+
+
 class ProtocolError(Exception):
     """A request that the protocol refuses: answered with {"error": message} and status
-    (400, the client's fault, unless said otherwise)."""
+    (400, the client's fault, unless said otherwise); message bounded (``bounded``)."""
 
     def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
+        super().__init__(bounded(message))
         self.status = status
 
 

@@ -8,15 +8,33 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from typing import Any, Collection, Mapping
+from contextvars import ContextVar
+from typing import Any, Collection, Mapping, Optional, Tuple
 
 from .batching import Batcher
 from .messages import InferRequest, ProtocolError, Tensor
 from .metrics import ModelSeries
 
 
+#: A request's client as a call that holds its event loop watches it
+#: (multipy._inside.hangups): its connection's file descriptor (-1: none to watch), and
+#: the time (time.monotonic) past which it waits no more (None: no such time).
+Client = Tuple[int, Optional[float]]
+#: The client of the request being answered, where its face knows it: set by the HTTP
+#: and gRPC faces in the request's own task (its context).
+client: ContextVar[Client | None] = ContextVar("multipy_serve_client", default=None)
+
+
 class ModelError(Exception):
     """The model failed on a request (its fault, not the client's): answered with 500."""
+
+
+def _text(error: BaseException) -> str:
+    """str(error), or what says that it has none (its __str__ raised)."""
+    try:
+        return str(error)
+    except Exception as failure:
+        return f"(its message cannot be shown: str() raised {type(failure).__name__})"
 
 
 class ServiceTimeout(Exception):
@@ -136,11 +154,11 @@ class ModelRequests(abc.ABC):
                                       Started(self._series, places), given)
         except (ModelError, ProtocolError):  # said already
             raise
-        except (asyncio.CancelledError, GeneratorExit):  # the caller's end, not the model's
+        except asyncio.CancelledError:  # the caller's end, not the model's
             raise
-        except BaseException as error:
+        except BaseException as error:  # GeneratorExit too: asyncio cancels, never closes
             raise ModelError(f"model {self.name!r} raised {type(error).__name__}: "
-                             f"{error}") from error
+                             f"{_text(error)}") from error
         output_names, output_datatypes, *arrays = outputs
         return list(map(Tensor, output_names, output_datatypes, arrays))
 

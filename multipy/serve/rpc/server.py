@@ -19,6 +19,7 @@ interpreter, as an HTTP keep-alive connection does.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -29,6 +30,7 @@ from ..request.contract import Server
 from ..request.inference import decode_apart, infer, ready_model, server_metadata, statistics
 from ..request.protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor,
                                 parse_request, tensor_bytes)
+from ..request.requests import client
 from . import inference_pb2 as messages
 
 #: The gRPC code of each HTTP status that a ProtocolError can have here.
@@ -119,6 +121,10 @@ class _Servicer:
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> Any:
             return _encoded(request.model_name, decoded.id, outputs)
+
+        remaining = context.time_remaining()
+        if remaining is not None:  # (its call stops at the deadline: see requests.client)
+            client.set((-1, time.monotonic() + remaining))
 
         return await infer(self._service, request.model_name, request.model_version or None,
                            decode, encode)

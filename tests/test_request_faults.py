@@ -1,0 +1,148 @@
+"""Faults on the request path of a server without --timeout, whose calls run on its
+interpreter's event loop: a call whose client has gone (an HTTP connection closed, a
+gRPC deadline passed) is cancelled; every exception a model raises is the protocol's
+JSON error, its message bounded in the answer and in the log; HTTP/1.0 keep-alive is
+answered or closed, never left waiting.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+import pytest
+
+np = pytest.importorskip("numpy")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+from test_serve import _grpc_port, _infer_json, _metrics, _start, _stop  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+CLASSES = '''
+import time
+
+import numpy as np
+
+
+class Spins:
+    """Runs Python for "seconds" (a day, if need be), then says how many turns it took."""
+
+    def predict(self, inputs):
+        end = time.monotonic() + float(inputs["seconds"][0])
+        turns = 0
+        while time.monotonic() < end:
+            turns += 1
+        return {"turns": np.array([turns], np.int64)}
+
+
+class Raises:
+    """kind 0: GeneratorExit; 1: a ValueError of a 10 MiB message; 2: KeyboardInterrupt."""
+
+    def predict(self, inputs):
+        kind = int(inputs["kind"][0])
+        if kind == 0:
+            raise GeneratorExit
+        if kind == 1:
+            raise ValueError("x" * (10 << 20))
+        raise KeyboardInterrupt
+'''
+
+#: A call of Spins that no test waits for: it ends only if it is cancelled.
+_FOREVER = 86400.0
+
+
+def _spin(seconds: float) -> dict:
+    return {"inputs": [{"name": "seconds", "shape": [1], "datatype": "FP64",
+                        "data": [seconds]}]}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Spins and Raises on one interpreter, over HTTP and gRPC, without --timeout."""
+    folder = tmp_path_factory.mktemp("request_faults")
+    (folder / "models.py").write_text(CLASSES)
+    started = _start(folder, [f"{folder}/models.py:Spins", f"{folder}/models.py:Raises"],
+                     "--interpreters", "1", "--grpc-port", "0")
+    try:
+        yield started
+    finally:
+        _stop(started)
+
+
+def _gone(server) -> float:
+    return _metrics(server).get(("multipy_inference_failures_total",
+                                 (("model", "spins"), ("status", "499"))), 0.0)
+
+
+def test_a_call_whose_http_client_closed_its_connection_is_cancelled(server):
+    """The client sends a call that would run for a day and closes its connection: the
+    call is cancelled (counted as 499), and the interpreter, the only one, answers the
+    next request."""
+    before = _gone(server)
+    body = json.dumps(_spin(_FOREVER)).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as connection:
+        connection.sendall(b"POST /v2/models/spins/infer HTTP/1.1\r\nHost: x\r\n"
+                           b"Content-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        time.sleep(0.5)  # (its call has begun)
+    status, answer = _infer_json(server, "spins", _spin(0.01))  # (waits for the day else)
+    assert status == 200 and answer["outputs"][0]["data"][0] > 0
+    assert _gone(server) == before + 1
+
+
+def test_a_grpc_call_whose_deadline_passed_is_cancelled(server):
+    """A gRPC call past its client's deadline is cancelled at the deadline, though it
+    holds the interpreter's loop: the next call is answered."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}")
+    tensor = grpcclient.InferInput("seconds", [1], "FP64")
+    tensor.set_data_from_numpy(np.array([_FOREVER]))
+    with pytest.raises(Exception) as info:
+        client.infer("spins", [tensor], client_timeout=0.5)
+    assert "Deadline" in str(info.value) or "DEADLINE" in str(info.value)
+    tensor.set_data_from_numpy(np.array([0.01]))
+    answer = client.infer("spins", [tensor], client_timeout=60)
+    assert answer.as_numpy("turns")[0] > 0
+
+
+@pytest.mark.parametrize("kind, named", [(0, "GeneratorExit"), (2, "KeyboardInterrupt")])
+def test_a_base_exception_of_a_model_is_the_protocol_s_json_500(server, kind, named):
+    status, answer = _infer_json(server, "raises", {"inputs": [
+        {"name": "kind", "shape": [1], "datatype": "INT64", "data": [kind]}]})
+    assert status == 500 and answer == {"error": f"model 'raises' raised {named}: "}
+    status, answer = _infer_json(server, "spins", _spin(0.01))  # (and it serves on)
+    assert status == 200
+
+
+def test_a_model_s_long_message_is_cut_in_the_answer_and_in_the_log(server):
+    """A model's exception of a 10 MiB message: the answer carries its first 4,096
+    characters and says how many more were cut; the log line is bounded too."""
+    logged = os.path.getsize(server.log)
+    status, answer = _infer_json(server, "raises", {"inputs": [
+        {"name": "kind", "shape": [1], "datatype": "INT64", "data": [1]}]})
+    assert status == 500
+    message, said = answer["error"], "model 'raises' raised ValueError: "
+    assert message == f"{said}{'x' * (4096 - len(said))}... " \
+                      f"[{len(said) + (10 << 20) - 4096} more characters cut]"
+    time.sleep(0.5)  # (the log's lines are written after the answer)
+    assert os.path.getsize(server.log) - logged < 200_000
+    assert "more characters cut" in server.output()[logged:]
+
+
+def test_http_1_0_keep_alive_is_answered_or_closed(server):
+    """Two HTTP/1.0 requests with Connection: keep-alive on one connection, sent
+    together: the first is answered, and the second is too, or the connection is closed
+    after the first; it is never left waiting."""
+    request = b"GET /v2/health/live HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as connection:
+        connection.sendall(request * 2)
+        received = b""
+        while True:
+            piece = connection.recv(65536)  # (socket.timeout fails the test: left waiting)
+            if not piece:
+                break
+            received += piece
+            if received.count(b"HTTP/1.1 200 ") == 2:
+                break
+    assert received.startswith(b"HTTP/1.1 200 ")

@@ -1,14 +1,16 @@
 """Faults on the request path of a server without --timeout, whose calls run on its
 interpreter's event loop: a call whose client has gone (an HTTP connection closed, a
-gRPC deadline passed) is cancelled; every exception a model raises is the protocol's
-JSON error, its message bounded in the answer and in the log; HTTP/1.0 keep-alive is
-answered or closed, never left waiting.
+gRPC deadline passed) is cancelled; an unload answers the gRPC calls received before
+it; every exception a model raises is the protocol's JSON error, its message bounded
+in the answer and in the log; HTTP/1.0 keep-alive is answered or closed, never left
+waiting.
 """
 from __future__ import annotations
 
 import json
 import os
 import socket
+import threading
 import time
 
 import pytest
@@ -16,7 +18,8 @@ import pytest
 np = pytest.importorskip("numpy")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import _grpc_port, _infer_json, _metrics, _start, _stop  # noqa: E402
+from test_serve import (_grpc_port, _infer_json, _metrics, _request, _start,  # noqa: E402
+                        _stop)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,6 +38,14 @@ class Spins:
         while time.monotonic() < end:
             turns += 1
         return {"turns": np.array([turns], np.int64)}
+
+
+class Sleeps:
+    """Sleeps for "seconds" (holding its interpreter's loop, not its GIL)."""
+
+    def predict(self, inputs):
+        time.sleep(float(inputs["seconds"][0]))
+        return {"slept": inputs["seconds"]}
 
 
 class Raises:
@@ -60,11 +71,13 @@ def _spin(seconds: float) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """Spins and Raises on one interpreter, over HTTP and gRPC, without --timeout."""
+    """Spins, Sleeps and Raises on one interpreter, over HTTP and gRPC, without
+    --timeout, which the model repository's requests may unload."""
     folder = tmp_path_factory.mktemp("request_faults")
     (folder / "models.py").write_text(CLASSES)
-    started = _start(folder, [f"{folder}/models.py:Spins", f"{folder}/models.py:Raises"],
-                     "--interpreters", "1", "--grpc-port", "0")
+    started = _start(folder, [f"{folder}/models.py:{name}"
+                              for name in ("Spins", "Sleeps", "Raises")],
+                     "--interpreters", "1", "--grpc-port", "0", "--model-control", "explicit")
     try:
         yield started
     finally:
@@ -104,6 +117,45 @@ def test_a_grpc_call_whose_deadline_passed_is_cancelled(server):
     tensor.set_data_from_numpy(np.array([0.01]))
     answer = client.infer("spins", [tensor], client_timeout=60)
     assert answer.as_numpy("turns")[0] > 0
+
+
+def test_an_unload_answers_the_grpc_calls_received_before_it(server):
+    """Four gRPC calls of 1.5 s on two channels to the one interpreter (one runs, three
+    wait in the gRPC server), then the model's unload: every call is answered, and a
+    call after the unload is refused."""
+    port = _grpc_port(server)
+    channels = [grpcclient.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(2)]
+
+    def sleep(channel, seconds: float):
+        tensor = grpcclient.InferInput("seconds", [1], "FP64")
+        tensor.set_data_from_numpy(np.array([seconds]))
+        return channel.infer("sleeps", [tensor], client_timeout=60)
+
+    answers: list[str] = []
+
+    def call(channel) -> None:
+        try:
+            answers.append(str(sleep(channel, 1.5).as_numpy("slept")[0]))
+        except Exception as error:
+            answers.append(str(error))
+
+    calls = [threading.Thread(target=call, args=(channels[k % 2],)) for k in range(4)]
+    for each in calls:
+        each.start()
+    try:
+        time.sleep(1.0)  # (every call sent: the first runs)
+        status, _, said = _request(server, "POST", "/v2/repository/models/sleeps/unload",
+                                   b"{}")
+        for each in calls:
+            each.join(60)
+        assert status == 200, said
+        assert answers == ["1.5"] * 4
+        with pytest.raises(Exception, match="not loaded"):
+            sleep(channels[0], 0.0)
+    finally:
+        for channel in channels:
+            channel.close()
+        assert _request(server, "POST", "/v2/repository/models/sleeps/load", b"{}")[0] == 200
 
 
 @pytest.mark.parametrize("kind, named", [(0, "GeneratorExit"), (2, "KeyboardInterrupt")])

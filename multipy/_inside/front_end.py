@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextvars
 import fcntl
 import itertools
 import logging.config
+import os
 import queue
 import socket
 import termios
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import _multipy_bootstrap
 
@@ -69,6 +71,12 @@ _NO_LIMIT = 365 * 24 * 3600.0
 _LEAVE_WAIT = 30.0
 #: What a crash report names while a front end runs no model call.
 _SERVING = (b"serving", b"the HTTP requests of multipy serve")
+#: The models and states of the front end as its gRPC server took up the call under way,
+#: which it answers with (a call taken up before an unload is answered, as HTTP's are).
+_taken: contextvars.ContextVar[tuple[Mapping[str, Any], Mapping[str, tuple[str, str]]] | None] \
+    = contextvars.ContextVar("taken", default=None)
+#: Numbers for each gRPC server's address of its own (``through``).
+_private = itertools.count()
 #: Seconds within which a cancelled call that stops (Python code stops at its next
 #: bytecode; C, when it returns) does not make its interpreter stuck.
 _STOPS_WITHIN = 0.5
@@ -122,6 +130,7 @@ class FrontEnd:
         self._inbox = settings["inbox"]
         self._grpc_address = settings["grpc"]
         self._grpc: Any = None  # the gRPC server serving here, if one does
+        self._grpc_private = ""  # its address of its own (see _grpc_through)
         self._grpc_stops: dict[Any, asyncio.Future] = {}  # server stopped -> its stop
         self._server: _Server | None = None
         self._connecting: set[asyncio.Task] = set()
@@ -133,7 +142,9 @@ class FrontEnd:
     # -- what the application asks (see multipy.serve.http.app.create_app) --
 
     def model(self, name: str, version: str | None = None) -> _Model | None:
-        return named(self.models, self.states, name, version)
+        taken = _taken.get()  # (a gRPC call's, as it came)
+        models, states = (self.models, self.states) if taken is None else taken
+        return named(models, states, name, version)
 
     async def load(self, name: str, archive: dict[str, str]) -> None:
         await self._ask("load", name, archive)
@@ -208,6 +219,12 @@ class FrontEnd:
                 if asyncio.get_running_loop().time() > deadline:
                     break
                 await asyncio.sleep(0.001)
+            if self._grpc is not None:  # the gRPC calls received before are taken up
+                try:
+                    await self._grpc_through(max(0.0, deadline - asyncio.get_running_loop().time()))
+                except Exception as error:  # (past the deadline, say: it serves on)
+                    logger.warning("model %r is unloaded while gRPC calls received before "
+                                   "may wait: %s", name, error)
             for _ in range(2):  # turns in which the requests read look their model up
                 await asyncio.sleep(0)
             self._leave(name, state, reason)
@@ -345,8 +362,21 @@ class FrontEnd:
         from ..serve.rpc.server import create_server
 
         if not self._stopping:
-            self._grpc = create_server(self, self._grpc_address)
+            self._grpc_private = (f"unix-abstract:multipy-serve-{os.getpid()}-"  # (rows: one
+                                  f"{self._settings['row']}-{next(_private)}")  # a front end)
+            self._grpc = create_server(self, self._grpc_address, self._grpc_private,
+                                       self._take)
             await self._grpc.start()
+
+    def _take(self) -> None:
+        """A gRPC call is taken up: it is answered with the models it finds now."""
+        _taken.set((self.models, self.states))
+
+    async def _grpc_through(self, timeout: float) -> None:
+        """Returns once the gRPC server has taken up every call it had received."""
+        from ..serve.rpc.server import through
+
+        await through(self._grpc_private, timeout)
 
     def _stop_grpc(self, grace: float) -> None:
         """Stops the gRPC server: no new calls (GOAWAY: its clients' channels connect

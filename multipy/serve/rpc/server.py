@@ -49,17 +49,47 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
-def create_server(service: Server, address: str) -> grpc.aio.Server:
+def create_server(service: Server, address: str, private: str | None = None,
+                  on_call: Callable[[], None] | None = None) -> grpc.aio.Server:
     """A gRPC server, not yet started, of service (as multipy.serve.http.app.create_app
     takes it) on address ("HOST:PORT"), which other processes' and interpreters' servers
-    may share (SO_REUSEPORT).  RuntimeError if it cannot listen there."""
-    server = grpc.aio.server(options=[
-        ("grpc.so_reuseport", 1),
-        ("grpc.max_receive_message_length", service.max_request_size),
-        ("grpc.max_send_message_length", -1)])
+    may share (SO_REUSEPORT), and on private, an address of its own if given (see
+    ``through``).  on_call(), if given, runs as the server takes up each call, in the
+    call's context, before its message is read.  RuntimeError if it cannot listen."""
+    server = grpc.aio.server(
+        interceptors=() if on_call is None else (_OnCall(on_call),), options=[
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", service.max_request_size),
+            ("grpc.max_send_message_length", -1)])
     server.add_generic_rpc_handlers((_Servicer(service).handler(),))
     server.add_insecure_port(address)
+    if private is not None:
+        server.add_insecure_port(private)
     return server
+
+
+async def through(private: str, timeout: float) -> None:
+    """Returns once a call of ServerLive on private, the address of a server's own, has
+    been answered: once that server has taken up every call it had received before, on
+    any connection (it takes them up in the order they came).  grpc.aio.AioRpcError if
+    not within timeout seconds."""
+    async with grpc.aio.insecure_channel(private) as channel:
+        await channel.unary_unary(
+            f"/{SERVICE}/ServerLive",
+            request_serializer=messages.ServerLiveRequest.SerializeToString,
+            response_deserializer=messages.ServerLiveResponse.FromString,
+        )(messages.ServerLiveRequest(), timeout=timeout)
+
+
+class _OnCall(grpc.aio.ServerInterceptor):
+    """Runs a function as the server takes up each call (create_server's on_call)."""
+
+    def __init__(self, on_call: Callable[[], None]) -> None:
+        self._on_call = on_call
+
+    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
+        self._on_call()
+        return await continuation(details)
 
 
 class _Servicer:

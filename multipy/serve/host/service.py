@@ -69,7 +69,9 @@ class Options:
     --model-control (multipy.serve.request.repository.MODEL_CONTROLS); model_repository: the
     directories (real paths) whose archives the repository's loads may read
     (--model-repository; none: only the archives the server started with); device: where
-    the archives' models run (--device: "cpu", "cuda", "cuda:N")."""
+    the archives' models run (--device: "cpu", "cuda", "cuda:N"); http_restricted,
+    grpc_restricted: --http-restricted-api and --grpc-restricted-protocol, as
+    multipy.serve.request.restricted.parse gives them."""
 
     models: tuple[ModelSpec, ...]
     interpreters: int
@@ -83,6 +85,8 @@ class Options:
     model_control: str = "none"
     model_repository: tuple[str, ...] = ()
     device: str = "cpu"
+    http_restricted: tuple[tuple[str, str, str], ...] = ()
+    grpc_restricted: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def slots(self) -> int:
@@ -120,6 +124,8 @@ class Service:
         self.interpreters = options.interpreters
         self.max_request_size = options.max_request_size
         self.model_control = options.model_control
+        self.http_restricted = options.http_restricted
+        self.grpc_restricted = options.grpc_restricted
         #: each model's (state, reason), as the repository's index says them
         self.states = {name: (LOADING, "") for name in self.specs}
         # row 0 the host's, row k + 1 interpreter k's front end's (of each process)

@@ -26,6 +26,10 @@ class Server(Protocol):
     max_request_size: int
     #: --model-control
     model_control: str
+    #: --http-restricted-api and --grpc-restricted-protocol: (category, KEY, VALUE) of
+    #: each restricted category (multipy.serve.request.restricted)
+    http_restricted: tuple[tuple[str, str, str], ...]
+    grpc_restricted: tuple[tuple[str, str, str], ...]
 
     def model(self, name: str, version: str | None = None) -> ModelRequests | None:
         """The model called name, None while it loads; ProtocolError (404) if unknown."""

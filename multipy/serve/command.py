@@ -33,6 +33,19 @@ named after the file's stem; each FILE.py:CLASS or MODULE:CLASS, as one named af
 class, in lower case (docs/serving.md, "Models written as classes")."""
 
 
+#: What --strict-readiness takes for true and for false, as Triton's booleans.
+_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True,
+             "false": False, "0": False, "no": False, "off": False}
+
+
+def _boolean(text: str) -> bool:
+    """text as a boolean option's value (_BOOLEANS, in any case)."""
+    try:
+        return _BOOLEANS[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false") from None
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse's parser, but an error is one line, without the usage (a dozen lines,
     which ``--help`` prints)."""
@@ -95,6 +108,12 @@ def parser() -> argparse.ArgumentParser:
                        help="also serve the protocol over gRPC on this port, once the models "
                             "are ready (8001 by convention; 0: a free one, which the ready "
                             "line names; default: no gRPC)")
+    parse.add_argument("--strict-readiness", type=_boolean, default=True, metavar="BOOL",
+                       help="true (default): /v2/health/ready (and gRPC's ServerReady) says "
+                            "ready only while every model that the repository's unload has "
+                            "not unloaded is ready, one at least (a model loading, or whose "
+                            "load failed, is not); false: once the models it started with "
+                            "are loaded (as Triton's option)")
     parse.add_argument("--http-restricted-api", action="append",
                        metavar="API[,API...]:KEY=VALUE",
                        help=f"a request to these APIs' HTTP endpoints must carry the header "
@@ -267,7 +286,7 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
                    graceful_timeout=args.graceful_timeout or None,
                    model_control=args.model_control, model_repository=repositories,
                    device=args.device, http_restricted=http_restricted,
-                   grpc_restricted=grpc_restricted)
+                   grpc_restricted=grpc_restricted, strict_readiness=args.strict_readiness)
 
 
 def refuse(error: ArchiveError | model_class.ClassError,

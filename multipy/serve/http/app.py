@@ -68,8 +68,9 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
     async def ready(request: Request) -> Response:
         if not service.ready:
             return Response(status_code=400)
-        stuck = service.metrics.all_stuck()
-        return _error(400, stuck) if stuck else Response(status_code=200)
+        reason = service.metrics.all_stuck() or repository.not_ready(
+            service.states, service.strict_readiness)
+        return _error(400, reason) if reason else Response(status_code=200)
 
     async def metadata(request: Request) -> Response:
         return JSONResponse(server_metadata())

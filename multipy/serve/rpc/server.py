@@ -107,7 +107,8 @@ class _Servicer:
     async def ServerReady(self, request: Any, context: Any) -> Any:
         service = self._service
         return messages.ServerReadyResponse(
-            ready=bool(service.ready) and not service.metrics.all_stuck())
+            ready=bool(service.ready) and not service.metrics.all_stuck()
+            and not repository.not_ready(service.states, service.strict_readiness))
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         model = self._service.model(request.name, request.version or None)

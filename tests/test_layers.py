@@ -20,7 +20,7 @@ LAYERS = ["errors", "_launch", "_parallel", "_host", "_keys", "_bootstrap", "_gl
 #: command.
 SERVE_LAYERS = ["request", "request.messages", "request.protocol", "request.batching",
                 "request.metrics", "request.poison", "request.requests", "request.contract",
-                "request.repository", "request.inference",
+                "request.restricted", "request.repository", "request.inference",
                 "http", "http.connection", "http.uvicorn_server", "http.inbox", "http.app",
                 "rpc", "rpc.inference_pb2", "rpc.server",
                 "host", "host.archive", "host.model_class", "host.models", "host.control",

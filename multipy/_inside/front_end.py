@@ -92,8 +92,10 @@ class FrontEnd:
     ``max_request_size`` (bytes), ``limits`` (multipy.serve.http.connection.Limits, as a dict),
     ``graceful_timeout`` (seconds or None), ``grpc`` (the "HOST:PORT" its gRPC server
     shares with the other interpreters', or None for none), ``states`` (each model's
-    (state, reason), multipy.serve.request.repository), ``model_control``, ``slots`` (the
-    metrics' room for models) and ``control`` (the write end of its control pipe).
+    (state, reason), multipy.serve.request.repository), ``model_control``,
+    ``strict_readiness``, ``http_restricted`` and ``grpc_restricted`` (as
+    multipy.serve.request.contract.Server has them), ``slots`` (the metrics' room for
+    models) and ``control`` (the write end of its control pipe).
 
     The host calls ``run`` on a thread of its own; it returns once a STOP or FORCE from
     the inbox has stopped the server."""
@@ -107,6 +109,9 @@ class FrontEnd:
                                first=settings["first"], processes=settings["processes"])
         self.states: dict[str, tuple[str, str]] = dict(settings["states"])
         self.model_control = settings["model_control"]
+        self.strict_readiness = settings["strict_readiness"]
+        self.http_restricted = settings["http_restricted"]
+        self.grpc_restricted = settings["grpc_restricted"]
         self._control = settings["control"]
         self._asked: dict[int, tuple[tuple, asyncio.Future]] = {}  # number -> (request, answer)
         self._numbers = itertools.count(1)

@@ -18,6 +18,7 @@ from .host.service import (GRACEFUL_TIMEOUT, MORE_MODELS, Options, default_inter
 from .http.connection import MAX_HEADER_SIZE, MAX_HEADERS, READ_TIMEOUT, Limits
 from .processes.handover import UNRESPONSIVE_AFTER
 from .processes.supervisor import HEALTH_TIMEOUT, PING_EVERY
+from .request import restricted
 from .request.messages import MAX_REQUEST_SIZE, ProtocolError
 from .request.repository import MODEL_CONTROLS, check_name
 
@@ -30,6 +31,19 @@ interpreter runs every model, requests go to free interpreters, and the host pro
 never imports torch.  Each PATH's object at (--module, --resource) is served as a model
 named after the file's stem; each FILE.py:CLASS or MODULE:CLASS, as one named after the
 class, in lower case (docs/serving.md, "Models written as classes")."""
+
+
+#: What --strict-readiness takes for true and for false, as Triton's booleans.
+_BOOLEANS = {"true": True, "1": True, "yes": True, "on": True,
+             "false": False, "0": False, "no": False, "off": False}
+
+
+def _boolean(text: str) -> bool:
+    """text as a boolean option's value (_BOOLEANS, in any case)."""
+    try:
+        return _BOOLEANS[text.lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true or false") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -94,6 +108,24 @@ def parser() -> argparse.ArgumentParser:
                        help="also serve the protocol over gRPC on this port, once the models "
                             "are ready (8001 by convention; 0: a free one, which the ready "
                             "line names; default: no gRPC)")
+    parse.add_argument("--strict-readiness", type=_boolean, default=True, metavar="BOOL",
+                       help="true (default): /v2/health/ready (and gRPC's ServerReady) says "
+                            "ready only while every model that the repository's unload has "
+                            "not unloaded is ready, one at least (a model loading, or whose "
+                            "load failed, is not); false: once the models it started with "
+                            "are loaded (as Triton's option)")
+    parse.add_argument("--http-restricted-api", action="append",
+                       metavar="API[,API...]:KEY=VALUE",
+                       help=f"a request to these APIs' HTTP endpoints must carry the header "
+                            f"KEY: VALUE, else it gets 403 (as Triton's option; repeatable, "
+                            f"each API once). APIs: {', '.join(restricted.CATEGORIES)} "
+                            f"(/metrics is in none)")
+    parse.add_argument("--grpc-restricted-protocol", action="append",
+                       metavar="PROTOCOL[,PROTOCOL...]:KEY=VALUE",
+                       help=f"with --grpc-port: a call of these protocols' RPCs must carry "
+                            f"the metadata {restricted.GRPC_PREFIX}KEY: VALUE, else it gets "
+                            f"PERMISSION_DENIED (as Triton's option; repeatable, each "
+                            f"protocol once)")
     parse.add_argument("--max-batch-size", type=int, default=1, metavar="B",
                        help="batch requests along their first dimension up to B rows "
                             "(default: 1, no batching)")
@@ -199,6 +231,16 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
     if args.ray and args.model_control != "none":
         parse.error("--model-control explicit is not served with --ray: redeploy to change "
                     "the models")
+    try:
+        http_restricted = restricted.parse(args.http_restricted_api or (),
+                                           "--http-restricted-api")
+        grpc_restricted = restricted.parse(args.grpc_restricted_protocol or (),
+                                           "--grpc-restricted-protocol")
+    except ValueError as error:
+        parse.error(str(error))
+    if grpc_restricted and args.grpc_port is None:
+        parse.error("--grpc-restricted-protocol restricts the gRPC endpoints: give "
+                    "--grpc-port too" + (" (which --ray does not serve)" if args.ray else ""))
     repositories = tuple(os.path.realpath(d) for d in args.model_repository or ())
     if repositories and args.model_control != "explicit":
         parse.error("--model-repository is for --model-control explicit")
@@ -243,7 +285,8 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
                    limits=Limits(args.max_header_size, args.max_headers, args.read_timeout),
                    graceful_timeout=args.graceful_timeout or None,
                    model_control=args.model_control, model_repository=repositories,
-                   device=args.device)
+                   device=args.device, http_restricted=http_restricted,
+                   grpc_restricted=grpc_restricted, strict_readiness=args.strict_readiness)
 
 
 def refuse(error: ArchiveError | model_class.ClassError,

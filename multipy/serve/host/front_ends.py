@@ -60,6 +60,9 @@ class FrontEnds:
                     "stuck_after": metrics.stuck_after,
                     "graceful_timeout": options.graceful_timeout, "grpc": grpc,
                     "states": service.states, "model_control": service.model_control,
+                    "strict_readiness": service.strict_readiness,
+                    "http_restricted": service.http_restricted,
+                    "grpc_restricted": service.grpc_restricted,
                     "refused": None if service.refused is None else service.refused.address,
                     "slots": metrics.slots,
                     "described": {name: model.described for name, model in service.models.items()}}

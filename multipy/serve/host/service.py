@@ -28,7 +28,7 @@ from ..http.connection import Limits
 from ..request.messages import MAX_REQUEST_SIZE, ProtocolError
 from ..request.metrics import STUCK_AFTER, Metrics
 from ..request.poison import Table
-from ..request.repository import LOADING, READY, REASON_CHARACTERS, UNAVAILABLE
+from ..request.repository import LOADING, READY, REASON_CHARACTERS, UNAVAILABLE, UNLOADED
 from ..request.requests import named
 from . import archive, model_class
 from .control import Watcher
@@ -69,7 +69,10 @@ class Options:
     --model-control (multipy.serve.request.repository.MODEL_CONTROLS); model_repository: the
     directories (real paths) whose archives the repository's loads may read
     (--model-repository; none: only the archives the server started with); device: where
-    the archives' models run (--device: "cpu", "cuda", "cuda:N")."""
+    the archives' models run (--device: "cpu", "cuda", "cuda:N"); http_restricted,
+    grpc_restricted: --http-restricted-api and --grpc-restricted-protocol, as
+    multipy.serve.request.restricted.parse gives them; strict_readiness:
+    --strict-readiness (multipy.serve.request.repository.not_ready)."""
 
     models: tuple[ModelSpec, ...]
     interpreters: int
@@ -83,6 +86,9 @@ class Options:
     model_control: str = "none"
     model_repository: tuple[str, ...] = ()
     device: str = "cpu"
+    http_restricted: tuple[tuple[str, str, str], ...] = ()
+    grpc_restricted: tuple[tuple[str, str, str], ...] = ()
+    strict_readiness: bool = True
 
     @property
     def slots(self) -> int:
@@ -120,6 +126,9 @@ class Service:
         self.interpreters = options.interpreters
         self.max_request_size = options.max_request_size
         self.model_control = options.model_control
+        self.http_restricted = options.http_restricted
+        self.grpc_restricted = options.grpc_restricted
+        self.strict_readiness = options.strict_readiness
         #: each model's (state, reason), as the repository's index says them
         self.states = {name: (LOADING, "") for name in self.specs}
         # row 0 the host's, row k + 1 interpreter k's front end's (of each process)
@@ -293,14 +302,18 @@ class Service:
     def unload_now(self, name: str) -> None:
         """Unloads model name from every interpreter: its requests are refused from now on
         (those in flight are answered), its readiness is false, and what it held is given
-        back once they are.  Nothing if it is not loaded.  ProtocolError: 503 while the
-        server starts, 404 for a model it does not know."""
+        back once they are; its state is UNAVAILABLE, UNLOADED.  A model whose load
+        failed is only marked so (the server's readiness no longer counts it); nothing
+        for one already unloaded.  ProtocolError: 503 while the server starts, 404 for
+        a model it does not know."""
         self._started()
         with self._changing:
             named(self.models, self.specs, name)  # 404 for a model it does not know
             if name not in self.models:
+                if self.states.get(name, (READY, ""))[1] != UNLOADED:  # (a failed load)
+                    self._change(name, UNAVAILABLE, UNLOADED)
                 return
-            self._drop(name, UNAVAILABLE, "unloaded")
+            self._drop(name, UNAVAILABLE, UNLOADED)
         logger.info("model %r unloaded", name)
 
     def wait_ready(self, timeout: float) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 from itertools import repeat
 from typing import Any, AsyncIterator, Callable, Mapping
 
@@ -28,6 +29,7 @@ from ..request.inference import (decode_apart, infer as infer_through, ready_mod
 from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
                                 compress, error_body, json_object)
 from ..request.requests import client
+from ..request.restricted import HTTP_ROUTES, Restrictions
 from .uvicorn_server import LOGGING_CONFIG, connection_of, write_answer
 
 
@@ -39,7 +41,27 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
     runs when the server starts (the host starts loading the models there), and batches
     still waiting run at shutdown.  A Starlette application answers every request but
     inference requests, which go to the inference endpoint without it
-    (``_inference_first``)."""
+    (``_inference_first``).  A request to an endpoint of a category that
+    ``service.http_restricted`` restricts is answered 403 unless it carries the header
+    that the category needs (multipy.serve.request.restricted)."""
+    restrictions = Restrictions(service.http_restricted)
+
+    def guarded(path: str, endpoint: Callable) -> Callable:
+        """The endpoint of route path, behind the restriction of its category, if it is
+        restricted (a Starlette endpoint, or an ASGI application: the inference one)."""
+        category = HTTP_ROUTES[path]
+        header = restrictions.header(category)
+        if header is None:
+            return endpoint
+        required = header.encode("latin-1")
+        if not inspect.isfunction(endpoint):
+            return _Restricted(endpoint, restrictions, category, required)
+
+        async def checked(request: Request) -> Response:
+            refused = restrictions.refused(category, _header(request.scope, required))
+            return _error(403, refused) if refused else await endpoint(request)
+
+        return checked
 
     async def live(request: Request) -> Response:
         return Response(status_code=200)
@@ -47,8 +69,9 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
     async def ready(request: Request) -> Response:
         if not service.ready:
             return Response(status_code=400)
-        stuck = service.metrics.all_stuck()
-        return _error(400, stuck) if stuck else Response(status_code=200)
+        reason = service.metrics.all_stuck() or repository.not_ready(
+            service.states, service.strict_readiness)
+        return _error(400, reason) if reason else Response(status_code=200)
 
     async def metadata(request: Request) -> Response:
         return JSONResponse(server_metadata())
@@ -127,34 +150,38 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
         yield
         await service.drain()
 
-    infer = _Inference(service)
+    def route(path: str, endpoint: Callable, method: str) -> Route:
+        return Route(path, guarded(path, endpoint), methods=[method])
+
+    inference = _Inference(service)
     model_path = "/v2/models/{model}"
     version_path = "/v2/models/{model}/versions/{version}"
     routes = [
         # (under a root path: else _inference_first answers these before Starlette)
-        Route(f"{model_path}/infer", infer, methods=["POST"]),
-        Route(f"{version_path}/infer", infer, methods=["POST"]),
-        Route("/v2/health/live", live, methods=["GET"]),
-        Route("/v2/health/ready", ready, methods=["GET"]),
-        Route("/v2", metadata, methods=["GET"]),
-        Route("/v2/models/stats", model_statistics, methods=["GET"]),
-        Route(f"{model_path}/stats", model_statistics, methods=["GET"]),
-        Route(f"{version_path}/stats", model_statistics, methods=["GET"]),
-        Route(model_path, model_metadata, methods=["GET"]),
-        Route(version_path, model_metadata, methods=["GET"]),
-        Route(f"{model_path}/ready", model_ready, methods=["GET"]),
-        Route(f"{version_path}/ready", model_ready, methods=["GET"]),
-        Route("/v2/repository/index", repository_index, methods=["POST"]),
-        Route("/v2/repository/models/{model}/load", repository_load, methods=["POST"]),
-        Route("/v2/repository/models/{model}/unload", repository_unload, methods=["POST"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        route(f"{model_path}/infer", inference, "POST"),
+        route(f"{version_path}/infer", inference, "POST"),
+        route("/v2/health/live", live, "GET"),
+        route("/v2/health/ready", ready, "GET"),
+        route("/v2", metadata, "GET"),
+        route("/v2/models/stats", model_statistics, "GET"),
+        route(f"{model_path}/stats", model_statistics, "GET"),
+        route(f"{version_path}/stats", model_statistics, "GET"),
+        route(model_path, model_metadata, "GET"),
+        route(version_path, model_metadata, "GET"),
+        route(f"{model_path}/ready", model_ready, "GET"),
+        route(f"{version_path}/ready", model_ready, "GET"),
+        route("/v2/repository/index", repository_index, "POST"),
+        route("/v2/repository/models/{model}/load", repository_load, "POST"),
+        route("/v2/repository/models/{model}/unload", repository_unload, "POST"),
+        route("/metrics", metrics, "GET"),
     ]
+    infer = routes[0].endpoint  # (the inference endpoint, behind its restriction if any)
     return _inference_first(infer, Starlette(routes=routes,
                                              exception_handlers={HTTPException: http_error},
                                              lifespan=lifespan))
 
 
-def _inference_first(infer: _Inference, app: Starlette) -> Callable:
+def _inference_first(infer: Callable, app: Starlette) -> Callable:
     """app, but an inference request (POST to one of the protocol's two inference paths,
     with no root path) goes straight to infer, without Starlette's middleware, routing
     and request objects: what every other request, and every other method on those
@@ -260,6 +287,31 @@ class _Inference:
                 await _answer(send, error.status, error_body(str(error)), _JSON)
             return
         await _answer(send, 200, body, answer_headers)
+
+
+class _Restricted:
+    """An ASGI application: app's answer to a request that carries the header (in lower
+    case, as ASGI names headers) that category's restriction requires, else 403."""
+
+    def __init__(self, app: Callable, restrictions: Restrictions, category: str,
+                 header: bytes) -> None:
+        self._app, self._restrictions = app, restrictions
+        self._category, self._header = category, header
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        refused = self._restrictions.refused(self._category, _header(scope, self._header))
+        if refused:
+            await _answer(send, 403, error_body(refused), _JSON)
+            return
+        await self._app(scope, receive, send)
+
+
+def _header(scope: dict, name: bytes) -> bytes | None:
+    """The value of the request's first header called name (in lower case), or None."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
 
 
 #: the headers of a JSON answer, the one of them as ASGI gives it, and as its line

@@ -4,6 +4,7 @@ wire format), checked and run (``requests``: one model's requests, batched by
 ``batching``, refused if it crashed server processes, ``poison``), answered
 (``inference``: the one path every transport takes), counted (``metrics``, over a board
 every interpreter writes a row of), the model repository's requests checked
-(``repository``), and the seams typed (``contract``).  Nothing here imports the host's
+(``repository``), the restricted APIs' headers checked (``restricted``), and the seams
+typed (``contract``).  Nothing here imports the host's
 API: each module runs inside interpreters as well as in the host.
 """

@@ -26,6 +26,12 @@ class Server(Protocol):
     max_request_size: int
     #: --model-control
     model_control: str
+    #: --strict-readiness (multipy.serve.request.repository.not_ready)
+    strict_readiness: bool
+    #: --http-restricted-api and --grpc-restricted-protocol: (category, KEY, VALUE) of
+    #: each restricted category (multipy.serve.request.restricted)
+    http_restricted: tuple[tuple[str, str, str], ...]
+    grpc_restricted: tuple[tuple[str, str, str], ...]
 
     def model(self, name: str, version: str | None = None) -> ModelRequests | None:
         """The model called name, None while it loads; ProtocolError (404) if unknown."""

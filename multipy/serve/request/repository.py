@@ -4,7 +4,8 @@ carries it: what its requests ask, checked once for HTTP and gRPC, and its index
 
 A server's repository is the models it knows: those it was started with and those
 loaded since by name and path.  Each is READY (every interpreter has it), LOADING, or
-UNAVAILABLE (unloaded, or its load failed: the reason says which).  Loading and unloading
+UNAVAILABLE (unloaded, or its load failed: the reason says which, UNLOADED or why).
+The server's readiness counts them (``not_ready``).  Loading and unloading
 are the host's work (multipy.serve.host.service.Service), whichever front end receives the
 request; they run one at a time, while the other models serve on.  With
 ``--model-control none``, the default (Triton's name for it), the index answers and
@@ -21,6 +22,9 @@ from .contract import Server
 from .messages import ProtocolError
 
 READY, LOADING, UNAVAILABLE = "READY", "LOADING", "UNAVAILABLE"
+#: The reason of a model UNAVAILABLE because the repository's unload unloaded it (any
+#: other reason of UNAVAILABLE says why its load failed).
+UNLOADED = "unloaded"
 #: --model-control's choices: "none" (the models given at start, for good) or "explicit"
 #: (loaded and unloaded by the repository's requests).
 MODEL_CONTROLS = ("none", "explicit")
@@ -50,6 +54,26 @@ def index(states: Mapping[str, tuple[str, str]], ready_only: bool = False) -> li
     return [{"name": name, "version": "1", "state": state, "reason": reason}
             for name, (state, reason) in list(states.items())
             if state == READY or not ready_only]
+
+
+def not_ready(states: Mapping[str, tuple[str, str]], strict: bool = True) -> str | None:
+    """Why a server whose models are in states (name -> (state, reason)) is not ready,
+    or None if, as far as its models go, it is.  With strict (--strict-readiness), every
+    model that was not unloaded (UNLOADED) must be READY, and one at least; a model
+    LOADING, or whose load failed, makes it not ready.  Without, the models do not
+    count."""
+    if not strict:
+        return None
+    waiting = [(name, state, reason) for name, (state, reason) in list(states.items())
+               if state != READY and (state, reason) != (UNAVAILABLE, UNLOADED)]
+    if waiting:
+        name, state, reason = waiting[0]
+        more = f" (and {len(waiting) - 1} more model(s) not ready)" if len(waiting) > 1 else ""
+        return f"model {name!r} is {state}{': ' + reason if reason else ''}{more}"
+    if not any(state == READY for state, _ in list(states.values())):
+        return ("no model is loaded: every one was unloaded "
+                "(POST /v2/repository/models/NAME/load loads one)")
+    return None
 
 
 async def load(service: Server, name: str, parameters: Mapping[str, Any]) -> None:

@@ -9,7 +9,9 @@ It only translates: a ModelInferRequest becomes the same request record as an HT
 (multipy.serve.request.protocol.parse_request, with its checks and limits), and the answer goes
 through the same path (multipy.serve.request.inference).  Typed ``contents`` and
 ``raw_input_contents`` are read; outputs go back as ``raw_output_contents``, as Triton
-answers.  Errors are gRPC status codes with the messages of the HTTP answers.
+answers.  Errors are gRPC status codes with the messages of the HTTP answers; a call to
+an RPC of a restricted category without the header it requires is PERMISSION_DENIED
+(multipy.serve.request.restricted).
 BYTES in ``bytes_contents`` are bounded as HTTP's binary data are: no more elements
 than a body of --max-request-size holds, at a 4-byte length each.
 
@@ -31,10 +33,12 @@ from ..request.inference import decode_apart, infer, ready_model, server_metadat
 from ..request.protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor,
                                 parse_request, tensor_bytes)
 from ..request.requests import client
+from ..request.restricted import GRPC_PREFIX, RPCS as CATEGORIES, Restrictions
 from . import inference_pb2 as messages
 
 #: The gRPC code of each HTTP status that a ProtocolError can have here.
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
+          404: grpc.StatusCode.NOT_FOUND,
           413: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
           500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
 
@@ -70,15 +74,21 @@ def create_server(service: Server, address: str, private: str | None = None,
 
 async def through(private: str, timeout: float) -> None:
     """Returns once a call of ServerLive on private, the address of a server's own, has
-    been answered: once that server has taken up every call it had received before, on
+    been answered (its status whatever it is: PERMISSION_DENIED, where health is
+    restricted): once that server has taken up every call it had received before, on
     any connection (it takes them up in the order they came).  grpc.aio.AioRpcError if
-    not within timeout seconds."""
+    not within timeout seconds, or if the server does not answer."""
     async with grpc.aio.insecure_channel(private) as channel:
-        await channel.unary_unary(
-            f"/{SERVICE}/ServerLive",
-            request_serializer=messages.ServerLiveRequest.SerializeToString,
-            response_deserializer=messages.ServerLiveResponse.FromString,
-        )(messages.ServerLiveRequest(), timeout=timeout)
+        try:
+            await channel.unary_unary(
+                f"/{SERVICE}/ServerLive",
+                request_serializer=messages.ServerLiveRequest.SerializeToString,
+                response_deserializer=messages.ServerLiveResponse.FromString,
+            )(messages.ServerLiveRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.UNAVAILABLE):
+                raise
 
 
 class _OnCall(grpc.aio.ServerInterceptor):
@@ -118,10 +128,14 @@ class _Servicer:
         self._service = service
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """The RPCs, as grpcio serves them under SERVICE (any other is UNIMPLEMENTED)."""
+        """The RPCs, as grpcio serves them under SERVICE (any other is UNIMPLEMENTED),
+        each behind the restriction of its category, if the service's
+        grpc_restricted restricts it (multipy.serve.request.restricted)."""
+        restrictions = Restrictions(self._service.grpc_restricted, GRPC_PREFIX)
         return grpc.method_handlers_generic_handler(SERVICE, {
             name: grpc.unary_unary_rpc_method_handler(
-                _answering(getattr(self, name)), request_deserializer=request.FromString,
+                _answering(_restricted(getattr(self, name), restrictions, CATEGORIES[name])),
+                request_deserializer=request.FromString,
                 response_serializer=response.SerializeToString)
             for name, (request, response) in self.RPCS.items()})
 
@@ -131,7 +145,8 @@ class _Servicer:
     async def ServerReady(self, request: Any, context: Any) -> Any:
         service = self._service
         return messages.ServerReadyResponse(
-            ready=bool(service.ready) and not service.metrics.all_stuck())
+            ready=bool(service.ready) and not service.metrics.all_stuck()
+            and not repository.not_ready(service.states, service.strict_readiness))
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         model = self._service.model(request.name, request.version or None)
@@ -176,6 +191,25 @@ class _Servicer:
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
         await repository.unload(self._service, request.model_name)
         return messages.RepositoryModelUnloadResponse()
+
+
+def _restricted(method: Callable[[Any, Any], Awaitable[Any]], restrictions: Restrictions,
+                category: str) -> Callable:
+    """method, or if restrictions restrict category, method behind it: a call without
+    the header (metadata) it requires raises ProtocolError (403)."""
+    header = restrictions.header(category)
+    if header is None:
+        return method
+
+    async def checked(request: Any, context: Any) -> Any:
+        given = next((value for key, value in context.invocation_metadata() or ()
+                      if key == header), None)
+        refused = restrictions.refused(category, given)
+        if refused:
+            raise ProtocolError(refused, 403)
+        return await method(request, context)
+
+    return checked
 
 
 def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:

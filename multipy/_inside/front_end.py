@@ -277,6 +277,8 @@ class FrontEnd:
                         ws="none",  # (nor speaks WebSocket: websockets is not imported)
                         timeout_graceful_shutdown=self._graceful_timeout)
         self._server = _Server(config, self._started, self._finish)
+        if self._hangups is not None:
+            self._hangups.start()
         try:
             self._server.run(sockets=[])
         finally:
@@ -490,8 +492,8 @@ class _Model(ModelRequests):
                     watched = client.get() if self._hangups is not None else None
                     if watched is None:
                         return self._served.infer(names, datatypes, *arrays, **given)
-                    return self._hangups.call(watched, lambda: self._served.infer(
-                        names, datatypes, *arrays, **given))
+                    return self._hangups.call(watched, self._served.infer, names, datatypes,
+                                              *arrays, **given)
             finally:
                 started.pin(False)
                 _multipy_bootstrap.note(*_SERVING)

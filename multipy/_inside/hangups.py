@@ -17,7 +17,8 @@ import itertools
 import select
 import threading
 import time
-from typing import Callable, TypeVar
+from functools import partial
+from typing import Any, Callable, TypeVar
 
 import _multipy_bootstrap
 
@@ -38,25 +39,32 @@ _CLOSED = select.EPOLLRDHUP | select.EPOLLONESHOT
 
 
 class Hangups:
-    """The watch of the calls that one thread (the event loop's) runs with ``call``, one
-    at a time; ``stop()`` ends it."""
+    """The watch of the calls that one thread runs with ``call``, one at a time, from
+    ``start()``, which that thread (the event loop's) calls, until ``stop()``."""
 
     def __init__(self) -> None:
         self._poll = select.epoll()
-        #: the call that runs: (its serial, its client, its thread)
-        self._running: tuple[int, Client, int] | None = None
+        self._thread = 0  # the one that calls
+        #: the call that runs: (its serial, its client)
+        self._running: tuple[int, Client] | None = None
         self._gone: int | None = None  # the serial of the call whose client went
         self._stopping = False
         self._watcher = threading.Thread(target=self._watch, name="multipy-serve-hangups",
                                          daemon=True)
+
+    def start(self) -> None:
+        """Starts the watch of the calling thread's calls."""
+        self._thread = threading.get_ident()
         self._watcher.start()
 
-    def call(self, client: Client, function: Callable[[], Value]) -> Value:
-        """function(), cancelled if client goes first; ProtocolError (499) then."""
+    def call(self, client: Client, function: Callable[..., Value], *args: Any,
+             **kwargs: Any) -> Value:
+        """function(*args, **kwargs), cancelled if client goes first; ProtocolError (499)
+        then."""
         serial = next(serials)
-        self._running = (serial, client, threading.get_ident())
+        self._running = (serial, client)
         try:
-            return _multipy_bootstrap.call(serial, function)
+            return _multipy_bootstrap.call(serial, partial(function, *args, **kwargs))
         except _multipy_bootstrap.CallCancelled:
             if self._gone != serial:  # (only this watch cancels calls of this thread)
                 raise
@@ -70,7 +78,8 @@ class Hangups:
     def stop(self) -> None:
         """Ends the watch (its thread returns within _TICK seconds)."""
         self._stopping = True
-        self._watcher.join()
+        if self._watcher.is_alive():
+            self._watcher.join()
         self._poll.close()
 
     def _watch(self) -> None:
@@ -82,7 +91,7 @@ class Hangups:
                 watched = None
             timeout = _TICK
             if running is not None and running[0] != self._gone:
-                serial, (fd, deadline), thread = running
+                serial, (fd, deadline) = running
                 if deadline is not None:
                     timeout = min(timeout, max(0.0, deadline - time.monotonic()))
                 if watched is None and fd >= 0:
@@ -95,11 +104,11 @@ class Hangups:
             running = self._running
             if running is None or running[0] == self._gone:
                 continue
-            serial, (fd, deadline), thread = running
+            serial, (fd, deadline) = running
             if (hung_up and watched == (serial, fd)) or \
                     (deadline is not None and time.monotonic() >= deadline):
                 self._gone = serial
-                _multipy_bootstrap.cancel(thread, serial)
+                _multipy_bootstrap.cancel(self._thread, serial)
         if watched is not None:
             self._unwatch(watched[1])
 

@@ -23,8 +23,9 @@ A connection served by ``guarded``'s protocol:
 
 - has its request's head counted as it comes (431 past --max-header-size or
   --max-headers), and its request timed from its first byte (408 past --read-timeout);
-  a Transfer-Encoding other than chunked alone (``gzip, chunked``) is a 501, where
-  httptools would read the body as chunked and the model get it still encoded;
+  a body that httptools reads as chunked though its Transfer-Encoding is not chunked
+  alone (``gzip, chunked``: the model would get it still encoded) is a 501, checked at
+  its first chunk (httptools refuses the other codings: 400);
 - is closed once idle for uvicorn's keep-alive timeout, by one timer per connection that
   watches both, made again only when it would come too late (uvicorn's own makes and
   cancels one an answer);
@@ -280,13 +281,15 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
                 self._refusal = (431, f"the request has more than the {limits.max_headers} "
                                       f"header fields this server takes (--max-headers)")
                 raise _Refused
-            if len(name) == 17 and name.lower() == b"transfer-encoding" \
-                    and value.strip().lower() != b"chunked":  # (see the module's docstring)
-                shown = value[:40].decode("latin-1")
-                self._refusal = (501, f"Transfer-Encoding {shown!r} is not supported: "
-                                      f"only chunked")
-                raise _Refused
             on_header(self, name, value)
+
+        def on_chunk_header(self) -> None:  # (a body read as chunked: see the docstring)
+            for name, value in self.headers:
+                if name == b"transfer-encoding" and value.strip().lower() != b"chunked":
+                    shown = value[:40].decode("latin-1")
+                    self._refusal = (501, f"Transfer-Encoding {shown!r} is not supported: "
+                                          f"only chunked")
+                    raise _Refused
 
         def on_headers_complete(self) -> None:
             self._heading = False

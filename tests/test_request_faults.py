@@ -18,12 +18,14 @@ import pytest
 np = pytest.importorskip("numpy")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
+from conftest import until, write_one  # noqa: E402
 from test_serve import (_grpc_port, _infer_json, _metrics, _request, _start,  # noqa: E402
                         _stop)
 
 pytestmark = pytest.mark.timeout(300)
 
 CLASSES = '''
+import os
 import time
 
 import numpy as np
@@ -46,6 +48,22 @@ class Sleeps:
     def predict(self, inputs):
         time.sleep(float(inputs["seconds"][0]))
         return {"slept": inputs["seconds"]}
+
+
+class Blocks:
+    """Blocked in C (reading the FIFO named by "path") until the test writes to it."""
+
+    def predict(self, inputs):
+        with open(bytes(inputs["path"].astype(np.uint8)).decode(), "rb") as fifo:
+            fifo.read(1)
+        return {"read": np.array([1], np.int64)}
+
+
+class Who:
+    """The process that answers."""
+
+    def predict(self, inputs):
+        return {"pid": np.array([os.getpid()], np.int64)}
 
 
 class Raises:
@@ -198,3 +216,35 @@ def test_http_1_0_keep_alive_is_answered_or_closed(server):
             if received.count(b"HTTP/1.1 200 ") == 2:
                 break
     assert received.startswith(b"HTTP/1.1 200 ")
+
+
+def test_a_grpc_channel_leaves_a_stuck_process_for_another(tmp_path):
+    """Two processes of one interpreter each, --timeout 1: a call blocked in C passes
+    the timeout on the process of a gRPC channel, whose interpreter is stuck until the
+    call ends; the channel's next calls are answered by the other process (its server
+    stops, a GOAWAY, while an interpreter of another process is free), not refused."""
+    (tmp_path / "models.py").write_text(CLASSES)
+    fifo = str(tmp_path / "gate")
+    os.mkfifo(fifo)
+    server = _start(tmp_path, [f"{tmp_path}/models.py:Blocks", f"{tmp_path}/models.py:Who"],
+                    "--processes", "2", "--interpreters", "1", "--timeout", "1",
+                    "--grpc-port", "0")
+    channel = grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}")
+
+    def who() -> int:
+        tensor = grpcclient.InferInput("x", [1], "INT64")
+        tensor.set_data_from_numpy(np.array([1]))
+        return int(channel.infer("who", [tensor], client_timeout=60).as_numpy("pid")[0])
+
+    try:
+        stuck = who()
+        path = np.frombuffer(fifo.encode(), np.uint8)
+        tensor = grpcclient.InferInput("path", [len(path)], "UINT8")
+        tensor.set_data_from_numpy(path)
+        with pytest.raises(Exception, match="did not answer within 1"):
+            channel.infer("blocks", [tensor], client_timeout=60)
+        assert stuck not in [who() for _ in range(3)]
+    finally:
+        until(lambda: write_one(fifo))
+        channel.close()
+        _stop(server)

@@ -393,8 +393,8 @@ class FrontEnd:
 
     def _stuck_changed(self) -> None:
         """The worker is stuck, or free again (on the loop): a stuck interpreter's gRPC
-        server stops while another interpreter of the process is not stuck, so that the
-        gRPC channels held here go there (HTTP's connections are closed as they are
+        server stops while another interpreter of the server (of any of its processes)
+        is not stuck, so that the gRPC channels held here go there (HTTP's connections are closed as they are
         answered: _closing_while_stuck); a new one starts once it is free again."""
         if self._grpc_address is None or self._stopping:
             return
@@ -402,9 +402,7 @@ class FrontEnd:
             if self._grpc is None:
                 self._keep(self._restart_grpc())
             return
-        row, metrics = self._settings["row"], self.metrics
-        if self._grpc is not None and any(metrics.stuck(k) is None for k in
-                                          range(1, metrics.interpreters + 1) if k != row):
+        if self._grpc is not None and self.metrics.free_elsewhere(self._settings["row"]):
             self._stop_grpc(self._settings["timeout"])  # (every call here ends within it)
 
     async def _restart_grpc(self) -> None:

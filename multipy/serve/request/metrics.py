@@ -331,6 +331,14 @@ class Metrics:
             return f"it has been in one call for {running:.0f} s"
         return None
 
+    def free_elsewhere(self, row: int) -> bool:
+        """Whether an interpreter other than the one of row (of this process's rows) is
+        not stuck: of this process, or of another of the server's (--processes; the rows
+        of a process that is starting, or of none, count as free)."""
+        per, this = self.interpreters + 1, self.first + row
+        return any(self._stuck(at) is None for at in range(self.board.rows)
+                   if at % per and at != this)
+
     def took(self, number: int) -> None:
         """This process has taken every connection its supervisor handed it up to the
         one of that number (read by the supervisor, alive or after its death)."""

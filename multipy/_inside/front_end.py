@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextvars
 import fcntl
 import itertools
 import logging.config
@@ -71,10 +70,6 @@ _NO_LIMIT = 365 * 24 * 3600.0
 _LEAVE_WAIT = 30.0
 #: What a crash report names while a front end runs no model call.
 _SERVING = (b"serving", b"the HTTP requests of multipy serve")
-#: The models and states of the front end as its gRPC server took up the call under way,
-#: which it answers with (a call taken up before an unload is answered, as HTTP's are).
-_taken: contextvars.ContextVar[tuple[Mapping[str, Any], Mapping[str, tuple[str, str]]] | None] \
-    = contextvars.ContextVar("taken", default=None)
 #: Numbers for each gRPC server's address of its own (``through``).
 _private = itertools.count()
 #: Seconds within which a cancelled call that stops (Python code stops at its next
@@ -147,9 +142,7 @@ class FrontEnd:
     # -- what the application asks (see multipy.serve.http.app.create_app) --
 
     def model(self, name: str, version: str | None = None) -> _Model | None:
-        taken = _taken.get()  # (a gRPC call's, as it came)
-        models, states = (self.models, self.states) if taken is None else taken
-        return named(models, states, name, version)
+        return named(self.models, self.states, name, version)
 
     async def load(self, name: str, archive: dict[str, str]) -> None:
         await self._ask("load", name, archive)
@@ -372,12 +365,8 @@ class FrontEnd:
             self._grpc_private = (f"unix-abstract:multipy-serve-{os.getpid()}-"  # (rows: one
                                   f"{self._settings['row']}-{next(_private)}")  # a front end)
             self._grpc = create_server(self, self._grpc_address, self._grpc_private,
-                                       self._take)
+                                       lambda: _Taken(self, self.models, self.states))
             await self._grpc.start()
-
-    def _take(self) -> None:
-        """A gRPC call is taken up: it is answered with the models it finds now."""
-        _taken.set((self.models, self.states))
 
     async def _grpc_through(self, timeout: float) -> None:
         """Returns once the gRPC server has taken up every call it had received."""
@@ -412,6 +401,22 @@ class FrontEnd:
             self._grpc = None
             logger.error("an interpreter's gRPC server could not start again (the others "
                          "serve gRPC): %s: %s", type(error).__name__, error)
+
+
+class _Taken:
+    """A front end as a gRPC call found it when its server took the call up: with the
+    models it had then, so that a call taken up before an unload is answered, as HTTP's
+    are; the rest is the front end's own."""
+
+    def __init__(self, front: FrontEnd, models: Mapping[str, _Model],
+                 states: Mapping[str, tuple[str, str]]) -> None:
+        self._front, self._models, self._states = front, models, states
+
+    def model(self, name: str, version: str | None = None) -> _Model | None:
+        return named(self._models, self._states, name, version)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._front, name)
 
 
 class _Server(Server):

@@ -22,6 +22,7 @@ interpreter, as an HTTP keep-alive connection does.
 from __future__ import annotations
 
 import time
+from contextvars import ContextVar
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -53,15 +54,21 @@ _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_cont
              "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 
 
+#: The service that answers the models' calls under way (ModelInfer, ModelMetadata,
+#: ModelReady), as create_server's ``taking`` gave it when the server took the call up.
+_taken: ContextVar[Server | None] = ContextVar("taken", default=None)
+
+
 def create_server(service: Server, address: str, private: str | None = None,
-                  on_call: Callable[[], None] | None = None) -> grpc.aio.Server:
+                  taking: Callable[[], Server] | None = None) -> grpc.aio.Server:
     """A gRPC server, not yet started, of service (as multipy.serve.http.app.create_app
     takes it) on address ("HOST:PORT"), which other processes' and interpreters' servers
     may share (SO_REUSEPORT), and on private, an address of its own if given (see
-    ``through``).  on_call(), if given, runs as the server takes up each call, in the
-    call's context, before its message is read.  RuntimeError if it cannot listen."""
+    ``through``).  taking(), if given, runs as the server takes up each call, before its
+    message is read, and gives the service that answers that call's model (service as
+    it is then, say).  RuntimeError if it cannot listen."""
     server = grpc.aio.server(
-        interceptors=() if on_call is None else (_OnCall(on_call),), options=[
+        interceptors=() if taking is None else (_Taking(taking),), options=[
             ("grpc.so_reuseport", 1),
             ("grpc.max_receive_message_length", service.max_request_size),
             ("grpc.max_send_message_length", -1)])
@@ -91,14 +98,15 @@ async def through(private: str, timeout: float) -> None:
                 raise
 
 
-class _OnCall(grpc.aio.ServerInterceptor):
-    """Runs a function as the server takes up each call (create_server's on_call)."""
+class _Taking(grpc.aio.ServerInterceptor):
+    """Notes, in the context of each call as the server takes it up, what taking()
+    gives (create_server's)."""
 
-    def __init__(self, on_call: Callable[[], None]) -> None:
-        self._on_call = on_call
+    def __init__(self, taking: Callable[[], Server]) -> None:
+        self._taking = taking
 
     async def intercept_service(self, continuation: Callable, details: Any) -> Any:
-        self._on_call()
+        _taken.set(self._taking())
         return await continuation(details)
 
 
@@ -148,8 +156,12 @@ class _Servicer:
             ready=bool(service.ready) and not service.metrics.all_stuck()
             and not repository.not_ready(service.states, service.strict_readiness))
 
+    def _as_taken(self) -> Server:
+        """The service that answers the call under way (see create_server's taking)."""
+        return _taken.get() or self._service
+
     async def ModelReady(self, request: Any, context: Any) -> Any:
-        model = self._service.model(request.name, request.version or None)
+        model = self._as_taken().model(request.name, request.version or None)
         ready = model is not None and model.ready and not self._service.metrics.all_stuck()
         return messages.ModelReadyResponse(ready=ready)
 
@@ -157,7 +169,7 @@ class _Servicer:
         return json_format.ParseDict(server_metadata(), messages.ServerMetadataResponse())
 
     async def ModelMetadata(self, request: Any, context: Any) -> Any:
-        model = ready_model(self._service, request.name, request.version or None)
+        model = ready_model(self._as_taken(), request.name, request.version or None)
         return json_format.ParseDict(model.metadata(), messages.ModelMetadataResponse())
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
@@ -171,7 +183,7 @@ class _Servicer:
         if remaining is not None:  # (its call stops at the deadline: see requests.client)
             client.set((-1, time.monotonic() + remaining))
 
-        return await infer(self._service, request.model_name, request.model_version or None,
+        return await infer(self._as_taken(), request.model_name, request.model_version or None,
                            decode, encode)
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:

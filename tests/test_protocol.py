@@ -177,7 +177,7 @@ def test_declared_inputs_missing_and_optional():
     from multipy.serve.request.requests import ModelRequests, Timing
 
     class Echo(ModelRequests):
-        async def _run(self, names, datatypes, arrays, started, given):
+        async def _run(self, names, datatypes, arrays, started, given, request):
             with started:
                 return (tuple(names), tuple(datatypes), *arrays)
 
@@ -211,7 +211,7 @@ def test_a_model_that_wants_its_request_gets_its_id_and_parameters():
     from multipy.serve.request.requests import ModelRequests, Timing
 
     class Given(ModelRequests):
-        async def _run(self, names, datatypes, arrays, started, given):
+        async def _run(self, names, datatypes, arrays, started, given, request):
             self.given = given
             with started:
                 return (tuple(names), tuple(datatypes), *arrays)

@@ -53,11 +53,11 @@ from ..serve.http.app import create_app, logging_config
 from ..serve.http.connection import Limits
 from ..serve.http.inbox import FORCE, receive, send
 from ..serve.http.uvicorn_server import Config, Server, guarded
-from ..serve.request.messages import ProtocolError
+from ..serve.request.messages import InferRequest, ProtocolError
 from ..serve.request.metrics import Metrics
 from ..serve.request.poison import Table, check
 from ..serve.request.repository import READY
-from ..serve.request.requests import NO_ID, ModelRequests, Started, client, named
+from ..serve.request.requests import NO_ID, ModelRequests, Started, named
 from .hangups import Hangups, serials
 from .serving import Served
 
@@ -475,7 +475,8 @@ class _Model(ModelRequests):
         return self._worker is not None or self._batcher is not None or self._asynchronous
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
-                   arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
+                   arrays: list[Any], started: Started, given: dict[str, Any],
+                   request: InferRequest | None) -> tuple:
         if self._refused is not None:
             digest = check(self._refused, self.name, names, datatypes, arrays, given)
             if started.one and not self._asynchronous:  # (its crash is pinned on it;
@@ -492,11 +493,11 @@ class _Model(ModelRequests):
                     if self._asynchronous:
                         return await self._served.infer_async(names, datatypes, *arrays,
                                                               **given)
-                    watched = client.get() if self._hangups is not None else None
-                    if watched is None:
+                    if self._hangups is None or request is None:
                         return self._served.infer(names, datatypes, *arrays, **given)
-                    return self._hangups.call(watched, self._served.infer, names, datatypes,
-                                              *arrays, **given)
+                    return self._hangups.call(request.connection, request.deadline,
+                                              self._served.infer, names, datatypes, *arrays,
+                                              **given)
             finally:
                 started.pin(False)
                 _multipy_bootstrap.note(*_SERVING)

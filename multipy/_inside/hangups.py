@@ -22,8 +22,8 @@ from typing import Any, Callable, TypeVar
 
 import _multipy_bootstrap
 
+from ..serve.http.uvicorn_server import connection_of
 from ..serve.request.messages import ProtocolError
-from ..serve.request.requests import Client
 
 Value = TypeVar("Value")
 
@@ -45,8 +45,8 @@ class Hangups:
     def __init__(self) -> None:
         self._poll = select.epoll()
         self._thread = 0  # the one that calls
-        #: the call that runs: (its serial, its client)
-        self._running: tuple[int, Client] | None = None
+        #: the call that runs: (its serial, what gives its connection, its deadline)
+        self._running: tuple[int, Any, float | None] | None = None
         self._gone: int | None = None  # the serial of the call whose client went
         self._stopping = False
         self._watcher = threading.Thread(target=self._watch, name="multipy-serve-hangups",
@@ -57,18 +57,19 @@ class Hangups:
         self._thread = threading.get_ident()
         self._watcher.start()
 
-    def call(self, client: Client, function: Callable[..., Value], *args: Any,
-             **kwargs: Any) -> Value:
-        """function(*args, **kwargs), cancelled if client goes first; ProtocolError (499)
-        then."""
+    def call(self, connection: Any, deadline: float | None, function: Callable[..., Value],
+             *args: Any, **kwargs: Any) -> Value:
+        """function(*args, **kwargs), cancelled if its client goes first: if the
+        connection that connection gives (an HTTP answer's send: see
+        multipy.serve.http.uvicorn_server.connection_of) is closed by the client, or
+        deadline (time.monotonic) passes; ProtocolError (499) then."""
         serial = next(serials)
-        self._running = (serial, client)
+        self._running = (serial, connection, deadline)
         try:
             return _multipy_bootstrap.call(serial, partial(function, *args, **kwargs))
         except _multipy_bootstrap.CallCancelled:
             if self._gone != serial:  # (only this watch cancels calls of this thread)
                 raise
-            deadline = client[1]
             why = "the client went away" if deadline is None or time.monotonic() < deadline \
                 else "the client's deadline passed"
             raise ProtocolError(f"{why}; its call was cancelled", 499) from None
@@ -91,10 +92,12 @@ class Hangups:
                 watched = None
             timeout = _TICK
             if running is not None and running[0] != self._gone:
-                serial, (fd, deadline) = running
+                serial, connection, deadline = running
                 if deadline is not None:
                     timeout = min(timeout, max(0.0, deadline - time.monotonic()))
-                if watched is None and fd >= 0:
+                fd = -1 if connection is None or watched is not None \
+                    else connection_of(connection)
+                if fd >= 0:
                     try:
                         self._poll.register(fd, _CLOSED)
                         watched = (serial, fd)
@@ -104,8 +107,8 @@ class Hangups:
             running = self._running
             if running is None or running[0] == self._gone:
                 continue
-            serial, (fd, deadline) = running
-            if (hung_up and watched == (serial, fd)) or \
+            serial, _, deadline = running
+            if (hung_up and watched is not None and watched[0] == serial) or \
                     (deadline is not None and time.monotonic() >= deadline):
                 self._gone = serial
                 _multipy_bootstrap.cancel(self._thread, serial)

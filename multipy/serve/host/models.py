@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import InterpreterError
 from ...replicated import ReplicatedObj
-from ..request.messages import ProtocolError
+from ..request.messages import InferRequest, ProtocolError
 from ..request.poison import Table, check
 from ..request.requests import ModelError, ModelRequests, Started
 from . import archive
@@ -138,7 +138,8 @@ class ServedModel(ModelRequests):
     # -- serving: on the event loop --
 
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
-                   arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
+                   arrays: list[Any], started: Started, given: dict[str, Any],
+                   request: InferRequest | None) -> tuple:
         stuck = self._metrics.all_stuck()  # (the front ends' interpreters)
         if stuck:
             raise ProtocolError(f"{stuck}; try again later", 503)

@@ -28,9 +28,8 @@ from ..request.inference import (decode_apart, infer as infer_through, ready_mod
                                  server_metadata, statistics)
 from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
                                 compress, error_body, json_object)
-from ..request.requests import client
 from ..request.restricted import HTTP_ROUTES, Restrictions
-from .uvicorn_server import LOGGING_CONFIG, connection_of, write_answer
+from .uvicorn_server import LOGGING_CONFIG, write_answer
 
 
 def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Callable:
@@ -254,9 +253,11 @@ class _Inference:
             limit = service.max_request_size
             body = await _body(receive, length, limit)
             # (a compressed body may expand to the limit)
-            return await decode_apart(service, limit if encoding else len(body),
-                                      (self._codec or self._imported())[0], body,
-                                      header_length, encoding, limit)
+            decoded = await decode_apart(service, limit if encoding else len(body),
+                                         (self._codec or self._imported())[0], body,
+                                         header_length, encoding, limit)
+            decoded.connection = send  # (its call watches it: multipy._inside.hangups)
+            return decoded
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> tuple[bytes, dict]:
             if decoded.outputs is None:  # each output as the request's parameters say
@@ -274,9 +275,6 @@ class _Inference:
 
         params = scope["path_params"]
         name = params["model"]
-        fd = connection_of(send)
-        if fd >= 0:  # (its call watches it: see multipy.serve.request.requests.client)
-            client.set((fd, None))
         try:
             body, answer_headers = await infer_through(service, name, params.get("version"),
                                                        decode, encode, gone)

@@ -93,6 +93,12 @@ class InferRequest:
     binary_outputs: bool = False
     id: str | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
+    #: Where its client is, for a call that holds its event loop to watch
+    #: (multipy._inside.hangups): what gives the connection it came on (the HTTP face's
+    #: ``send``: multipy.serve.http.uvicorn_server.connection_of), and the time
+    #: (time.monotonic) past which its client waits no more (a gRPC deadline).
+    connection: Any = None
+    deadline: float | None = None
 
 
 def json_object(text: bytes) -> dict:

@@ -8,21 +8,12 @@ from __future__ import annotations
 import abc
 import asyncio
 import time
-from contextvars import ContextVar
-from typing import Any, Collection, Mapping, Optional, Tuple
+from typing import Any, Collection, Mapping
 
 from .batching import Batcher
 from .messages import InferRequest, ProtocolError, Tensor
 from .metrics import ModelSeries
 
-
-#: A request's client as a call that holds its event loop watches it
-#: (multipy._inside.hangups): its connection's file descriptor (-1: none to watch), and
-#: the time (time.monotonic) past which it waits no more (None: no such time).
-Client = Tuple[int, Optional[float]]
-#: The client of the request being answered, where its face knows it: set by the HTTP
-#: and gRPC faces in the request's own task (its context).
-client: ContextVar[Client | None] = ContextVar("multipy_serve_client", default=None)
 
 
 class ModelError(Exception):
@@ -111,10 +102,12 @@ class ModelRequests(abc.ABC):
 
     @abc.abstractmethod
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
-                   arrays: list[Any], started: Started, given: dict[str, Any]) -> tuple:
+                   arrays: list[Any], started: Started, given: dict[str, Any],
+                   request: InferRequest | None) -> tuple:
         """Runs the model once, entering ``started`` as the call begins, given the keyword
-        arguments given (``request``: (id, parameters), to a model that wants them);
-        returns what ``Served.infer`` returns.  Cancelling it cancels the call."""
+        arguments given (``request``: (id, parameters), to a model that wants them), for
+        request (None: a batch's); returns what ``Served.infer`` returns.  Cancelling it
+        cancels the call."""
 
     async def infer(self, request: InferRequest, timing: Timing) -> list[Tensor]:
         """The outputs for request, as the request selects them, with the time it waited
@@ -151,7 +144,7 @@ class ModelRequests(abc.ABC):
             if self._wants_request and request is not None else {}
         try:
             outputs = await self._run(self._names(names), datatypes, list(arrays),
-                                      Started(self._series, places), given)
+                                      Started(self._series, places), given, request)
         except (ModelError, ProtocolError):  # said already
             raise
         except asyncio.CancelledError:  # the caller's end, not the model's

@@ -33,7 +33,6 @@ from ..request.contract import Server
 from ..request.inference import decode_apart, infer, ready_model, server_metadata, statistics
 from ..request.protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor,
                                 parse_request, tensor_bytes)
-from ..request.requests import client
 from ..request.restricted import GRPC_PREFIX, RPCS as CATEGORIES, Restrictions
 from . import inference_pb2 as messages
 
@@ -174,14 +173,14 @@ class _Servicer:
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         async def decode() -> InferRequest:
-            return await _decoded(self._service, request)
+            decoded = await _decoded(self._service, request)
+            remaining = context.time_remaining()
+            if remaining is not None:  # (its call stops then: multipy._inside.hangups)
+                decoded.deadline = time.monotonic() + remaining
+            return decoded
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> Any:
             return _encoded(request.model_name, decoded.id, outputs)
-
-        remaining = context.time_remaining()
-        if remaining is not None:  # (its call stops at the deadline: see requests.client)
-            client.set((-1, time.monotonic() + remaining))
 
         return await infer(self._as_taken(), request.model_name, request.model_version or None,
                            decode, encode)

@@ -68,6 +68,7 @@ struct runtime {
         uint64_t serial;
     } early[EARLY_CANCELS];
     unsigned next_early;
+    unsigned earlies; /* how many of them are there (a call looks only if any is) */
     /* This namespace's libc sets its <ctype.h> tables per thread when its own
      * pthread_create starts a thread; a host thread gets them at its first entry. */
     const unsigned short *ctype_b;
@@ -92,9 +93,10 @@ static struct release_queue *alias_queue(long source)
 /* Whether a cancel for this call came before it started (and forgets it). */
 static int cancelled_early(struct runtime *rt, unsigned long thread, uint64_t serial)
 {
-    for (unsigned i = 0; i < EARLY_CANCELS; i++)
+    for (unsigned i = 0; rt->earlies && i < EARLY_CANCELS; i++)
         if (rt->early[i].serial == serial && rt->early[i].thread == thread) {
             rt->early[i].serial = 0;
+            rt->earlies--;
             return 1;
         }
     return 0;
@@ -140,6 +142,8 @@ static int cancel_call(struct runtime *rt, unsigned long thread, uint64_t serial
             found = PyThreadState_SetAsyncExc(thread, exception) > 0;
         }
     if (!found) {
+        if (!rt->early[rt->next_early].serial)
+            rt->earlies++;
         rt->early[rt->next_early].thread = thread;
         rt->early[rt->next_early].serial = serial;
         rt->next_early = (rt->next_early + 1) % EARLY_CANCELS;
@@ -182,10 +186,12 @@ static PyObject *thread_states(PyObject *module, PyObject *unused)
     return PyLong_FromLong(count);
 }
 
-static PyObject *call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *call(PyObject *module, PyObject *const *args, Py_ssize_t nargsf,
+                      PyObject *kwnames)
 {
     (void)module;
-    if (nargs != 2) {
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs < 2) {
         PyErr_SetString(PyExc_TypeError, "call() takes a serial number and a function");
         return NULL;
     }
@@ -196,8 +202,8 @@ static PyObject *call(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     PyObject *result = NULL;
     if (begin_call(runtime_here, &registered, serial))
         PyErr_SetNone(cancelled_type);
-    else
-        result = PyObject_CallNoArgs(args[1]);
+    else /* the function's arguments as they came: no tuple, no dict */
+        result = PyObject_Vectorcall(args[1], args + 2, nargs - 2, kwnames);
     end_call(runtime_here, &registered);
     return result;
 }
@@ -240,10 +246,11 @@ static PyMethodDef methods[] = {
      "report; the caller keeps both alive while it runs"},
     {"keys_in_use", keys_in_use, METH_NOARGS,
      "keys_in_use() -> int: how many pthread keys this namespace's libraries hold"},
-    {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL,
-     "call(serial: int, function) -> function(), run as this thread's call number serial, "
-     "which cancel names; CallCancelled without running it if cancelled already.  The "
-     "serial must be unique: the host's calls take theirs from 1 up"},
+    {"call", (PyCFunction)(void (*)(void))call, METH_FASTCALL | METH_KEYWORDS,
+     "call(serial: int, function, *args, **kwargs) -> function(*args, **kwargs), run as "
+     "this thread's call number serial, which cancel names; CallCancelled without running "
+     "it if cancelled already.  The serial must be unique: the host's calls take theirs "
+     "from 1 up"},
     {"cancel", (PyCFunction)(void (*)(void))cancel, METH_FASTCALL,
      "cancel(thread_id: int, serial: int) -> bool: raises CallCancelled at its next "
      "bytecode in the call that thread runs as number serial (call); False if it runs "

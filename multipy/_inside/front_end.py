@@ -493,11 +493,21 @@ class _Model(ModelRequests):
                     if self._asynchronous:
                         return await self._served.infer_async(names, datatypes, *arrays,
                                                               **given)
-                    if self._hangups is None or request is None:
+                    hangups = self._hangups
+                    if hangups is None or request is None:
                         return self._served.infer(names, datatypes, *arrays, **given)
-                    return self._hangups.call(request.connection, request.deadline,
-                                              self._served.infer, names, datatypes, *arrays,
-                                              **given)
+                    serial = next(serials)  # (cancelled if its client goes: hangups)
+                    hangups.running = (serial, request)
+                    try:
+                        return _multipy_bootstrap.call(serial, self._served.infer, names,
+                                                       datatypes, *arrays, **given)
+                    except _multipy_bootstrap.CallCancelled:
+                        gone = hangups.gone(serial, request)
+                        if gone is None:
+                            raise
+                        raise gone from None
+                    finally:
+                        hangups.running = None
             finally:
                 started.pin(False)
                 _multipy_bootstrap.note(*_SERVING)

@@ -17,15 +17,12 @@ import itertools
 import select
 import threading
 import time
-from functools import partial
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import _multipy_bootstrap
 
 from ..serve.http.uvicorn_server import connection_of
 from ..serve.request.messages import ProtocolError
-
-Value = TypeVar("Value")
 
 #: Serial numbers of this interpreter's cancellable calls (_multipy_bootstrap.call): from
 #: 2**63 up, out of reach of the host's (``_host.next_serial``, from 1), whose calls share
@@ -39,14 +36,19 @@ _CLOSED = select.EPOLLRDHUP | select.EPOLLONESHOT
 
 
 class Hangups:
-    """The watch of the calls that one thread runs with ``call``, one at a time, from
-    ``start()``, which that thread (the event loop's) calls, until ``stop()``."""
+    """The watch of the calls that one thread runs, one at a time, from ``start()``,
+    which that thread (the event loop's) calls, until ``stop()``.  The thread runs each
+    call through ``_multipy_bootstrap.call(serial, ...)``, with ``running`` set to
+    (serial, its request: an InferRequest) while it runs (set and cleared by the caller,
+    on its hot path: no call of this class's), and asks ``gone`` what a CallCancelled
+    that it raised means."""
 
     def __init__(self) -> None:
         self._poll = select.epoll()
         self._thread = 0  # the one that calls
-        #: the call that runs: (its serial, what gives its connection, its deadline)
-        self._running: tuple[int, Any, float | None] | None = None
+        #: the call that runs, as its caller sets it: (its serial, its InferRequest,
+        #: whose ``connection`` and ``deadline`` say where its client is)
+        self.running: tuple[int, Any] | None = None
         self._gone: int | None = None  # the serial of the call whose client went
         self._stopping = False
         self._watcher = threading.Thread(target=self._watch, name="multipy-serve-hangups",
@@ -57,24 +59,16 @@ class Hangups:
         self._thread = threading.get_ident()
         self._watcher.start()
 
-    def call(self, connection: Any, deadline: float | None, function: Callable[..., Value],
-             *args: Any, **kwargs: Any) -> Value:
-        """function(*args, **kwargs), cancelled if its client goes first: if the
-        connection that connection gives (an HTTP answer's send: see
-        multipy.serve.http.uvicorn_server.connection_of) is closed by the client, or
-        deadline (time.monotonic) passes; ProtocolError (499) then."""
-        serial = next(serials)
-        self._running = (serial, connection, deadline)
-        try:
-            return _multipy_bootstrap.call(serial, partial(function, *args, **kwargs))
-        except _multipy_bootstrap.CallCancelled:
-            if self._gone != serial:  # (only this watch cancels calls of this thread)
-                raise
-            why = "the client went away" if deadline is None or time.monotonic() < deadline \
-                else "the client's deadline passed"
-            raise ProtocolError(f"{why}; its call was cancelled", 499) from None
-        finally:
-            self._running = None
+    def gone(self, serial: int, request: Any) -> ProtocolError | None:
+        """The answer (499) to request, whose call serial raised CallCancelled, if this
+        watch cancelled it (its client went away, or its deadline passed); None if
+        another did."""
+        if self._gone != serial:
+            return None
+        deadline = request.deadline
+        why = "the client went away" if deadline is None or time.monotonic() < deadline \
+            else "the client's deadline passed"
+        return ProtocolError(f"{why}; its call was cancelled", 499)
 
     def stop(self) -> None:
         """Ends the watch (its thread returns within _TICK seconds)."""
@@ -86,13 +80,14 @@ class Hangups:
     def _watch(self) -> None:
         watched: tuple[int, int] | None = None  # (serial, connection) registered
         while not self._stopping:
-            running = self._running
+            running = self.running
             if watched is not None and (running is None or running[0] != watched[0]):
                 self._unwatch(watched[1])
                 watched = None
             timeout = _TICK
             if running is not None and running[0] != self._gone:
-                serial, connection, deadline = running
+                serial, request = running
+                connection, deadline = request.connection, request.deadline
                 if deadline is not None:
                     timeout = min(timeout, max(0.0, deadline - time.monotonic()))
                 fd = -1 if connection is None or watched is not None \
@@ -104,10 +99,11 @@ class Hangups:
                     except OSError:  # closed meanwhile
                         pass
             hung_up = bool(self._poll.poll(timeout))
-            running = self._running
+            running = self.running
             if running is None or running[0] == self._gone:
                 continue
-            serial, _, deadline = running
+            serial, request = running
+            deadline = request.deadline
             if (hung_up and watched is not None and watched[0] == serial) or \
                     (deadline is not None and time.monotonic() >= deadline):
                 self._gone = serial

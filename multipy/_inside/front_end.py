@@ -218,8 +218,9 @@ class FrontEnd:
                     break
                 await asyncio.sleep(0.001)
             if self._grpc is not None:  # the gRPC calls received before are taken up
+                left = deadline - asyncio.get_running_loop().time()
                 try:
-                    await self._grpc_through(max(0.0, deadline - asyncio.get_running_loop().time()))
+                    await self._grpc_through(max(0.0, left))
                 except Exception as error:  # (past the deadline, say: it serves on)
                     logger.warning("model %r is unloaded while gRPC calls received before "
                                    "may wait: %s", name, error)
@@ -362,8 +363,9 @@ class FrontEnd:
         from ..serve.rpc.server import create_server
 
         if not self._stopping:
-            self._grpc_private = (f"unix-abstract:multipy-serve-{os.getpid()}-"  # (rows: one
-                                  f"{self._settings['row']}-{next(_private)}")  # a front end)
+            # (named by the process, the front end's row and the server's number)
+            self._grpc_private = (f"unix-abstract:multipy-serve-{os.getpid()}-"
+                                  f"{self._settings['row']}-{next(_private)}")
             self._grpc = create_server(self, self._grpc_address, self._grpc_private,
                                        lambda: _Taken(self, self.models, self.states))
             await self._grpc.start()
@@ -383,8 +385,9 @@ class FrontEnd:
     def _stuck_changed(self) -> None:
         """The worker is stuck, or free again (on the loop): a stuck interpreter's gRPC
         server stops while another interpreter of the server (of any of its processes)
-        is not stuck, so that the gRPC channels held here go there (HTTP's connections are closed as they are
-        answered: _closing_while_stuck); a new one starts once it is free again."""
+        is not stuck, so that the gRPC channels held here go there (HTTP's connections
+        are closed as they are answered: _closing_while_stuck); a new one starts once it
+        is free again."""
         if self._grpc_address is None or self._stopping:
             return
         if self._worker.stuck is None:

@@ -1574,7 +1574,7 @@ async def _cancelled_as_it_ends():
     run = lambda call: asyncio.wait_for(worker.run(call, started, Series(), "m"), 30)
     try:
         thread = await run(threading.get_ident)
-        serial = next(front_end._serials) + 1  # the next job's
+        serial = next(front_end.serials) + 1  # the next job's
         cancelled = await run(functools.partial(_multipy_bootstrap.cancel, thread, serial))
         return cancelled, await run(lambda: "next"), started.entered, started.exited
     finally:
@@ -1588,7 +1588,7 @@ def cancelled_as_it_ends():
 
 def cancelled_before_it_starts():
     """Whether the cancel found a call, and whether the call ran."""
-    serial, ran = next(front_end._serials), []
+    serial, ran = next(front_end.serials), []
     found = _multipy_bootstrap.cancel(threading.get_ident(), serial)
     try:
         _multipy_bootstrap.call(serial, lambda: ran.append(serial))
@@ -2806,14 +2806,22 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
     data = b"\x00" * 4 * (count + 1)
     message = (f"input 'x': shape [{count}] has {count} elements, but 4 bytes of its binary "
                f"data are left after them (binary_data_size {len(data)})")
-    kept = http.client.HTTPConnection("127.0.0.1", large.port, timeout=60)
+    kept = [http.client.HTTPConnection("127.0.0.1", large.port, timeout=60)]
     channel = grpc.insecure_channel(f"127.0.0.1:{_grpc_port(large)}")
     ready = _unary(channel, "ServerReady", messages.ServerReadyResponse)
 
     def kept_ready() -> None:
-        kept.request("GET", "/v2/health/ready")
-        response = kept.getresponse()
+        kept[0].request("GET", "/v2/health/ready")
+        response = kept[0].getresponse()
         assert response.status == 200 and response.read() == b""
+
+    def keep_anew() -> None:
+        """A new kept connection, which the front end serves once it is answered (the
+        one before may have passed its keep-alive time, 5 s, while a large request was
+        answered)."""
+        kept[0].close()
+        kept[0] = http.client.HTTPConnection("127.0.0.1", large.port, timeout=60)
+        kept_ready()
 
     def new_ready() -> None:
         assert _request(large, "GET", "/v2/health/ready")[0] == 200
@@ -2852,6 +2860,7 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
                     infer(request, timeout=120)
                 return error.value.code(), error.value.details()
 
+            keep_anew()
             answer, answered = _meanwhile(refused, lambda: received() > before, asks)
         assert answer == (grpc.StatusCode.INVALID_ARGUMENT, message)
         assert answered == ["kept", "new", "grpc", "large"], answered
@@ -2868,7 +2877,7 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
         assert answer[0] == 200 and answer[1]["outputs"][0]["data"] == [count]
         assert answered == ["new", "large"], answered
     finally:
-        kept.close()
+        kept[0].close()
         channel.close()
     result = large.client().infer("text", [_input("text", TEXT, "BYTES", True)])
     assert _as_bytes(result.as_numpy("upper")) == [b"HELLO", "W\u00d6RLD".encode(), b"", b"A B"]

@@ -218,9 +218,9 @@ class FrontEnd:
                     break
                 await asyncio.sleep(0.001)
             if self._grpc is not None:  # the gRPC calls received before are taken up
-                left = deadline - asyncio.get_running_loop().time()
+                remaining = deadline - asyncio.get_running_loop().time()
                 try:
-                    await self._grpc_through(max(0.0, left))
+                    await self._grpc_through(max(0.0, remaining))
                 except Exception as error:  # (past the deadline, say: it serves on)
                     logger.warning("model %r is unloaded while gRPC calls received before "
                                    "may wait: %s", name, error)

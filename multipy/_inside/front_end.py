@@ -40,11 +40,11 @@ import asyncio
 import fcntl
 import itertools
 import logging.config
-import os
 import queue
 import socket
 import termios
 import threading
+import uuid
 from typing import Any, Callable, Mapping
 
 import _multipy_bootstrap
@@ -70,8 +70,6 @@ _NO_LIMIT = 365 * 24 * 3600.0
 _LEAVE_WAIT = 30.0
 #: What a crash report names while a front end runs no model call.
 _SERVING = (b"serving", b"the HTTP requests of multipy serve")
-#: Numbers for each gRPC server's address of its own (``through``).
-_private = itertools.count()
 #: Seconds within which a cancelled call that stops (Python code stops at its next
 #: bytecode; C, when it returns) does not make its interpreter stuck.
 _STOPS_WITHIN = 0.5
@@ -363,9 +361,8 @@ class FrontEnd:
         from ..serve.rpc.server import create_server
 
         if not self._stopping:
-            # (named by the process, the front end's row and the server's number)
-            self._grpc_private = (f"unix-abstract:multipy-serve-{os.getpid()}-"
-                                  f"{self._settings['row']}-{next(_private)}")
+            # (abstract names are the network namespace's, which others may share)
+            self._grpc_private = f"unix-abstract:multipy-serve-{uuid.uuid4().hex}"
             self._grpc = create_server(self, self._grpc_address, self._grpc_private,
                                        lambda: _Taken(self, self.models, self.states))
             await self._grpc.start()

@@ -14,6 +14,7 @@ second, whether calls run or not.
 from __future__ import annotations
 
 import itertools
+import logging
 import select
 import threading
 import time
@@ -23,6 +24,8 @@ import _multipy_bootstrap
 
 from ..serve.http.uvicorn_server import connection_of
 from ..serve.request.messages import ProtocolError
+
+logger = logging.getLogger("multipy.serve")
 
 #: Serial numbers of this interpreter's cancellable calls (_multipy_bootstrap.call): from
 #: 2**63 up, out of reach of the host's (``_host.next_serial``, from 1), whose calls share
@@ -44,7 +47,6 @@ class Hangups:
     that it raised means."""
 
     def __init__(self) -> None:
-        self._poll = select.epoll()
         self._thread = 0  # the one that calls
         #: the call that runs, as its caller sets it: (its serial, its InferRequest,
         #: whose ``connection`` and ``deadline`` say where its client is)
@@ -75,44 +77,62 @@ class Hangups:
         self._stopping = True
         if self._watcher.is_alive():
             self._watcher.join()
-        self._poll.close()
 
     def _watch(self) -> None:
-        watched: tuple[int, int] | None = None  # (serial, connection) registered
+        watch: tuple[int, Any] | None = None  # (serial, an epoll of its connection only)
         while not self._stopping:
-            running = self.running
-            if watched is not None and (running is None or running[0] != watched[0]):
-                self._unwatch(watched[1])
-                watched = None
-            timeout = _TICK
-            if running is not None and running[0] != self._gone:
-                serial, request = running
-                connection, deadline = request.connection, request.deadline
-                if deadline is not None:
-                    timeout = min(timeout, max(0.0, deadline - time.monotonic()))
-                fd = -1 if connection is None or watched is not None \
-                    else connection_of(connection)
-                if fd >= 0:
-                    try:
-                        self._poll.register(fd, _CLOSED)
-                        watched = (serial, fd)
-                    except OSError:  # closed meanwhile
-                        pass
-            hung_up = bool(self._poll.poll(timeout))
-            running = self.running
-            if running is None or running[0] == self._gone:
-                continue
+            try:
+                watch = self._look(watch)
+            except Exception:  # (a watch that fails must not end: say so, and go on)
+                logger.exception("the watch of calls whose clients go failed")
+                watch = self._unwatch(watch)
+                time.sleep(_TICK)
+        self._unwatch(watch)
+
+    def _look(self, watch: tuple[int, Any] | None) -> tuple[int, Any] | None:
+        """One look at the call that runs, watch being the watch of its connection made
+        at an earlier look (an epoll of its own: closed with it, so that no registration
+        outlives it, whatever became of the descriptor); the watch to keep."""
+        running = self.running
+        if watch is not None and (running is None or running[0] != watch[0]):
+            watch = self._unwatch(watch)
+        timeout = _TICK
+        if running is not None and running[0] != self._gone:
             serial, request = running
             deadline = request.deadline
-            if (hung_up and watched is not None and watched[0] == serial) or \
-                    (deadline is not None and time.monotonic() >= deadline):
-                self._gone = serial
-                _multipy_bootstrap.cancel(self._thread, serial)
-        if watched is not None:
-            self._unwatch(watched[1])
+            if deadline is not None:
+                timeout = min(timeout, max(0.0, deadline - time.monotonic()))
+            fd = None if watch is not None or request.connection is None \
+                else connection_of(request.connection)
+            if fd == -1:  # its client is gone already
+                self._cancel(serial)
+                return None
+            if fd is not None:
+                poll = select.epoll()
+                try:
+                    poll.register(fd, _CLOSED)
+                    watch = (serial, poll)
+                except OSError:  # closed meanwhile
+                    poll.close()
+        hung_up = False
+        if watch is None:
+            time.sleep(timeout)
+        else:
+            hung_up = bool(watch[1].poll(timeout))
+        running = self.running
+        if running is None or running[0] == self._gone:
+            return watch
+        serial, request = running
+        if (hung_up and watch is not None and watch[0] == serial) or \
+                (request.deadline is not None and time.monotonic() >= request.deadline):
+            self._cancel(serial)
+        return watch
 
-    def _unwatch(self, fd: int) -> None:
-        try:
-            self._poll.unregister(fd)
-        except OSError:  # closed, and so no longer watched
-            pass
+    def _cancel(self, serial: int) -> None:
+        self._gone = serial
+        _multipy_bootstrap.cancel(self._thread, serial)
+
+    @staticmethod
+    def _unwatch(watch: tuple[int, Any] | None) -> None:
+        if watch is not None:
+            watch[1].close()

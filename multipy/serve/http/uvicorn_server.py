@@ -157,11 +157,14 @@ _EMPTY_LINES = b"\r\n"
 
 
 
-def connection_of(send: Callable) -> int:
+def connection_of(send: Callable) -> int | None:
     """The file descriptor of the connection whose request send (a cycle's of
-    ``guarded``'s protocol) answers; -1 for another server's send."""
+    ``guarded``'s protocol) answers; -1 once its client has gone (the descriptor may be
+    another connection's by then); None for another server's send."""
     cycle = getattr(send, "__self__", None)
-    return cycle.transport.fd if type(cycle) is RequestResponseCycle else -1
+    if type(cycle) is not RequestResponseCycle:
+        return None
+    return -1 if cycle.disconnected else cycle.transport.fd
 
 
 def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:

@@ -222,8 +222,7 @@ def test_a_grpc_channel_leaves_a_stuck_process_for_another(tmp_path):
     """Two processes of one interpreter each, --timeout 1: a call blocked in C passes
     the timeout on the process of a gRPC channel, whose interpreter is stuck until the
     call ends; the channel's next calls are answered by the other process (its server
-    stops, a GOAWAY, while an interpreter of another process that has taken connections
-    is free), not refused."""
+    stops, a GOAWAY, while an interpreter of another process is free), not refused."""
     (tmp_path / "models.py").write_text(CLASSES)
     fifo = str(tmp_path / "gate")
     os.mkfifo(fifo)

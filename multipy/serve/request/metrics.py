@@ -333,17 +333,11 @@ class Metrics:
 
     def free_elsewhere(self, row: int) -> bool:
         """Whether an interpreter other than the one of row (of this process's rows) is
-        not stuck: of this process, or of another of the server's (--processes) that has
-        taken a connection (not a spare slot's rows, nor those of a process that died:
-        zeroed)."""
+        not stuck: of this process, or of another of the server's (--processes; the rows
+        of a slot with no process, zeroed, count as free)."""
         per, this = self.interpreters + 1, self.first + row
-
-        def counted(at: int) -> bool:
-            block = at - at % per
-            return bool(at % per) and at != this and (
-                block == self.first or self.board.row(block)[_TAKEN] > 0)
-
-        return any(self._stuck(at) is None for at in range(self.board.rows) if counted(at))
+        return any(self._stuck(at) is None for at in range(self.board.rows)
+                   if at % per and at != this)
 
     def took(self, number: int) -> None:
         """This process has taken every connection its supervisor handed it up to the

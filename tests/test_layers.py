@@ -19,9 +19,11 @@ LAYERS = ["errors", "_launch", "_parallel", "_host", "_keys", "_bootstrap", "_gl
 #: gRPC, then the host's models and start-up, the supervisor of --processes, Ray, the
 #: command.
 SERVE_LAYERS = ["request", "request.messages", "request.protocol", "request.batching",
-                "request.metrics", "request.poison", "request.requests", "request.contract",
+                "request.metrics", "request.poison", "request.requests", "request.litserve",
+                "request.contract",
                 "request.restricted", "request.repository", "request.inference",
-                "http", "http.connection", "http.uvicorn_server", "http.inbox", "http.app",
+                "http", "http.connection", "http.uvicorn_server", "http.inbox", "http.litserve",
+                "http.app",
                 "rpc", "rpc.inference_pb2", "rpc.server",
                 "host", "host.archive", "host.model_class", "host.models", "host.control",
                 "host.progress", "host.service", "host.front_ends",
@@ -156,6 +158,7 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
                           "multipy._inside.serving", "multipy._inside.served_class",
                           "multipy._inside.classes",
                           "multipy._inside.served_kserve",
+                          "multipy._inside.served_litserve", "multipy._inside.served_module",
                           "multipy._protocol", "multipy._cuda",  # (the driver, both sides)
                           "multipy._sharing", *front_end}, names
 

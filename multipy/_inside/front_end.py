@@ -470,6 +470,14 @@ class _Model(ModelRequests):
         #: the crash report's note while a call of one request without an id runs (most)
         self._anonymous = (b"inference", (self._noted + NO_ID).encode())
 
+    async def healthy(self) -> bool:  # (one that raises is not healthy, as in LitServe)
+        healthy = getattr(self._served, "healthy", None)
+        try:
+            return True if healthy is None else await healthy()
+        except Exception:
+            logger.exception("the health check of model %r raised", self.name)
+            return False
+
     @property
     def cancellable(self) -> bool:  # (an async predict gives the loop its turns)
         return self._worker is not None or self._batcher is not None or self._asynchronous

@@ -53,7 +53,8 @@ def parse(target: str) -> tuple[str, str, str] | None:
 def check(path: str, module: str, name: str) -> None:
     """ClassError unless the file at path (or, without one, module on sys.path) defines
     class name at its top level, with a ``predict`` of its own or bases that may give
-    one."""
+    one (``litserve.LitAPI`` and ``torch.nn.Module``, which the interpreters recognise
+    as they load it, do: multipy._inside.classes)."""
     source = path or _module_file(module)
     if not os.path.isfile(source):
         raise ClassError(f"{source}: no such file")

@@ -67,10 +67,10 @@ class ServedModel(ModelRequests):
     """One model on every interpreter of a manager.
 
     ``materialise(interpreter)`` loads it there (and runs its example once, if the
-    archive has one), on device (an archive's model: "cpu", "cuda" or "cuda:N"; a class
-    chooses its own); ``ready`` is true once every interpreter has it, and ``instance``
-    is the loaded model there.  ``infer(request)`` (see ModelRequests) runs a request
-    on a free interpreter: every call of every model takes a turn from ``turns``, which
+    archive has one), on device (an archive's model: "cpu", "cuda" or "cuda:N"; so is a
+    LitAPI's and an nn.Module's, other classes choose their own); ``ready`` is true once
+    every interpreter has it, and ``instance`` is the loaded model there.
+    ``infer(request)`` (see ModelRequests) runs a request on a free interpreter: every call of every model takes a turn from ``turns``, which
     the server's models share, so that at most one call per interpreter runs and the
     others wait in arrival order.
     """
@@ -87,6 +87,7 @@ class ServedModel(ModelRequests):
         self._manager = manager
         self._turns = turns
         self.device = device
+        self.max_batch_size = max_batch_size
         self._refused = refused  # with --processes: the inputs that crashed processes
         self._storages: tuple | None = None  # load's storages (and device, keeper) arguments
         self._mapping = threading.Lock()
@@ -98,8 +99,9 @@ class ServedModel(ModelRequests):
     def _load(self, interpreter: Interpreter) -> Obj:
         spec = self.spec
         if spec.kind == "class":
-            return interpreter.global_(_INSIDE_CLASS, "load")(spec.path, spec.module,
-                                                              spec.resource, spec.name)
+            return interpreter.global_(_INSIDE_CLASS, "load")(
+                spec.path, spec.module, spec.resource, spec.name, self.device,
+                self.max_batch_size)
         with self._mapping:  # interpreters load in parallel: the archive is read once
             if self._storages is None:
                 spans = archive.records(self.spec.path)

@@ -29,6 +29,7 @@ from ..request.inference import (decode_apart, infer as infer_through, ready_mod
 from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
                                 compress, error_body, json_object)
 from ..request.restricted import HTTP_ROUTES, Restrictions
+from .litserve import litserve_first
 from .uvicorn_server import LOGGING_CONFIG, write_answer
 
 
@@ -40,8 +41,9 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
     runs when the server starts (the host starts loading the models there), and batches
     still waiting run at shutdown.  A Starlette application answers every request but
     inference requests, which go to the inference endpoint without it
-    (``_inference_first``).  A request to an endpoint of a category that
-    ``service.http_restricted`` restricts is answered 403 unless it carries the header
+    (``_inference_first``), and LitServe's routes for the LitAPIs it serves
+    (multipy.serve.http.litserve), answered before Starlette's.  A request to an
+    endpoint of a category that ``service.http_restricted`` restricts is answered 403 unless it carries the header
     that the category needs (multipy.serve.request.restricted)."""
     restrictions = Restrictions(service.http_restricted)
 
@@ -97,7 +99,7 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
                                   request.path_params.get("version"))
         except ProtocolError as error:
             return _error(error.status, str(error))
-        if model is None or not model.ready:
+        if model is None or not model.ready or not await model.healthy():
             return Response(status_code=400)
         stuck = service.metrics.all_stuck()
         return _error(400, stuck) if stuck else Response(status_code=200)
@@ -175,9 +177,9 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
         route("/metrics", metrics, "GET"),
     ]
     infer = routes[0].endpoint  # (the inference endpoint, behind its restriction if any)
-    return _inference_first(infer, Starlette(routes=routes,
-                                             exception_handlers={HTTPException: http_error},
-                                             lifespan=lifespan))
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error},
+                    lifespan=lifespan)
+    return _inference_first(infer, litserve_first(service, app, _body))
 
 
 def _inference_first(infer: Callable, app: Starlette) -> Callable:

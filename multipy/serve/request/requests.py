@@ -80,6 +80,11 @@ class ModelRequests(abc.ABC):
         """Whether the model answers (the host's may still load on some interpreters)."""
         return True
 
+    async def healthy(self) -> bool:
+        """The model's own word on its health, where it has one (a kserve.Model's
+        ``healthy()``, a LitAPI's ``health()``): while false, it is not ready."""
+        return True
+
     @property
     def described(self) -> dict[str, Any] | None:
         """What ``describe`` was given (for another front end's copy of the model)."""

@@ -161,7 +161,8 @@ class _Servicer:
 
     async def ModelReady(self, request: Any, context: Any) -> Any:
         model = self._as_taken().model(request.name, request.version or None)
-        ready = model is not None and model.ready and not self._service.metrics.all_stuck()
+        ready = model is not None and model.ready and not self._service.metrics.all_stuck() \
+            and await model.healthy()
         return messages.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request: Any, context: Any) -> Any:

@@ -25,6 +25,7 @@ from ..._parallel import on_each
 from ..._pool import capacity
 from ...manager import InterpreterManager, cores
 from ..http.connection import Limits
+from ..request.litserve import API_PATH, clashes
 from ..request.messages import MAX_REQUEST_SIZE, ProtocolError
 from ..request.metrics import STUCK_AFTER, Metrics
 from ..request.poison import Table
@@ -162,7 +163,8 @@ class Service:
         the interpreters and loads each such model on the first, so that what the
         class's own code raises (importing its module, making the instance, its
         ``load()``; no ``predict``) stops the server before it listens, as
-        model_class.ClassError with the interpreter's traceback.  Nothing for archives,
+        model_class.ClassError with the interpreter's traceback; so do two LitAPIs on
+        one path (multipy.serve.request.litserve.clashes).  Nothing for archives,
         whose checks need no interpreter (``Service()``'s); ``start`` does the rest."""
         classes = [spec for spec in self.specs.values() if spec.kind == "class"]
         if not classes:
@@ -176,6 +178,10 @@ class Service:
                     model.materialise(self.manager[0])
                 except Exception as error:
                     raise model_class.failed(str(model.spec), error) from error
+        clash = clashes([(str(model.spec), model.described[API_PATH]) for model in self._loading
+                         if model.described and model.described.get(API_PATH)])
+        if clash:
+            raise model_class.ClassError(clash)
 
     def start(self, before_ready: Callable[[], None] | None = None) -> None:
         """Starts the interpreters (unless ``prepare`` has) and materialises every model

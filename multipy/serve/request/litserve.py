@@ -12,6 +12,8 @@ from .messages import Tensor
 
 #: The input that carries a LitServe request's body, and the outputs of its answer.
 REQUEST, STATUS, BODY = "litserve_request", "litserve_status", "litserve_body"
+#: The paths a LitAPI may not have: the server's own routes (LitServe's and multipy's).
+_TAKEN = ("/health", "/info", "/metrics", "/v2")
 #: The key of a model's metadata (multipy.serve.request.requests.ModelRequests.described)
 #: that says it is a LitAPI, and the path it answers on.
 API_PATH = "api_path"
@@ -22,3 +24,18 @@ def answer(outputs: list[Tensor]) -> tuple[int, bytes]:
     not a LitAPI's answer."""
     given = {tensor.name: tensor.array for tensor in outputs}
     return int(given[STATUS][0]), bytes(given[BODY][0])
+
+
+def clashes(apis: list[tuple[str, str]]) -> str | None:
+    """What is wrong with the paths of apis, (model, its LitAPI's path) each: two on one
+    path, or one on a path of the server's own (as LitServe refuses them); None if
+    nothing is."""
+    seen: dict[str, str] = {}
+    for model, path in apis:
+        if path in seen:
+            return (f"{seen[path]} and {model} both answer on {path}: give one an api_path of "
+                    f"its own (LitAPI.__init__(api_path=...))")
+        if any(path == taken or path.startswith(taken + "/") for taken in _TAKEN):
+            return f"{model} answers on {path}, a path of the server's own: give it another"
+        seen[path] = model
+    return None

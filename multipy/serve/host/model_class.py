@@ -32,7 +32,7 @@ def failed(served: str, error: Exception) -> ClassError:
         f"{type(error).__name__}: {error}"
     text = cause.traceback_text if isinstance(cause, RemoteTraceback) else ""
     return ClassError(f"{served}: loading it in an interpreter raised {what}",
-                      text if text.strip().count("\n") else "")  # (one line says what alone)
+                      text if 'File "' in text else "")  # (without frames: what says it all)
 
 
 def parse(target: str) -> tuple[str, str, str] | None:

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -18,7 +19,8 @@ litserve = pytest.importorskip("litserve")
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from test_serve import _free_port, _infer_json, _request, _start, _stop  # noqa: E402
+from test_serve import (Server, _free_port, _infer_json, _request, _start,  # noqa: E402
+                        _stop)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -131,6 +133,18 @@ class Batched(ls.LitAPI):
     def encode_response(self, output):
         row, size = output
         return {"output": row.tolist(), "batch": size}
+
+
+class Slow(ls.LitAPI):
+    """Takes its time to set up."""
+
+    def setup(self, device):
+        import time
+
+        time.sleep(4)
+
+    def predict(self, x):
+        return x
 
 
 class Net(torch.nn.Module):
@@ -297,5 +311,36 @@ def test_batch_and_unbatch_under_max_batch_size(models, tmp_path):
         assert [answer[1]["output"] for answer in answers] == [[2 * k, -2 * k]
                                                               for k in range(6)]
         assert max(answer[1]["batch"] for answer in answers) > 1
+    finally:
+        _stop(server)
+
+
+def test_while_the_apis_load_predict_and_health_are_503(models, tmp_path):
+    """The host answers while the second interpreter sets Slow up (4 s): its path is not
+    known yet, and the server is not ready."""
+    port = _free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "multipy", "serve",
+                                    f"{models}/lit_models.py:Slow", "--interpreters", "2",
+                                    "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    server = Server(process, port, str(log), "")
+    try:
+        seen = set()
+        while "ready in" not in server.output():
+            assert process.poll() is None, server.output()
+            try:
+                health = _request(server, "GET", "/health")
+                predict = _request(server, "POST", "/predict", b'{"x": 1}')
+            except OSError:
+                time.sleep(0.05)  # not listening yet
+                continue
+            if "ready in" not in server.output():  # (both asked while it loaded)
+                seen.add((health[::2], predict[0], predict[2]))
+        assert any(health == (503, b"not ready") and status == 503 and json.loads(body)[
+            "detail"].startswith("the server's models are still loading")
+            for health, status, body in seen), seen
+        assert _request(server, "GET", "/health")[::2] == (200, b"ok")
+        assert _post(server, "/predict", {"x": 1}) == (200, {"x": 1})
     finally:
         _stop(server)

@@ -46,7 +46,9 @@ def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Calla
             apis = _apis(service) if method == "POST" or path == "/info" else {}
             route = (HEALTH, health) if (method, path) == ("GET", "/health") else \
                 (METADATA, info) if (method, path) == ("GET", "/info") and apis else \
-                (INFERENCE, predict) if method == "POST" and path in apis else None
+                (INFERENCE, predict) if method == "POST" and path in apis else \
+                (INFERENCE, loading) if method == "POST" and not path.startswith("/v2/") \
+                and _loading(service) else None
             if route is not None:
                 category, endpoint = route
                 refused = restrictions.header(category) and restrictions.refused(
@@ -73,6 +75,11 @@ def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Calla
         return JSONResponse({"model": None, "server": {
             "stream": dict.fromkeys(apis, False), "models": apis,
             "max_payload_size": service.max_request_size}})
+
+    async def loading(scope: dict, receive: Callable, send: Callable,
+                      apis: dict[str, str]) -> Response:  # (its path may be a LitAPI's)
+        return _detail(503, "the server's models are still loading (GET /health says "
+                            "when it is ready)")
 
     async def predict(scope: dict, receive: Callable, send: Callable,
                       apis: dict[str, str]) -> Response:
@@ -110,6 +117,12 @@ def _apis(service: Server) -> dict[str, str]:
         if described and described.get(API_PATH):
             found[described[API_PATH]] = name
     return found
+
+
+def _loading(service: Server) -> bool:
+    """Whether some model of service is still loading (its path, if it is a LitAPI, not
+    known yet)."""
+    return any(state == repository.LOADING for state, _ in list(service.states.values()))
 
 
 def _header(scope: dict, name: str) -> bytes | None:

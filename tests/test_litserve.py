@@ -30,6 +30,7 @@ import os
 import litserve as ls
 import torch
 from fastapi import HTTPException
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 SETUPS = []  # (device) of each setup() in this interpreter
@@ -135,6 +136,25 @@ class Batched(ls.LitAPI):
         return {"output": row.tolist(), "batch": size}
 
 
+class Point(BaseModel):
+    x: float
+    y: float = 0.0
+
+
+class Typed(ls.LitAPI):
+    """Its request annotated with a pydantic model, which FastAPI checks the body against
+    (as LitServe registers the route), and a pydantic model as its response."""
+
+    def __init__(self):
+        super().__init__(api_path="/typed")
+
+    def decode_request(self, request: Point):
+        return request
+
+    def predict(self, point):
+        return Point(x=point.x * 2, y=point.y * 2)
+
+
 class Slow(ls.LitAPI):
     """Takes its time to set up."""
 
@@ -179,7 +199,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
-    classes = ["SimpleLitAPI", "InferencePipeline", "Strict", "Moody", "Net"]
+    classes = ["SimpleLitAPI", "InferencePipeline", "Strict", "Moody", "Typed", "Net"]
     server = _start(tmp_path_factory.mktemp("litserve_served"),
                     [f"{models}/lit_models.py:{name}" for name in classes],
                     "--interpreters", "2")
@@ -225,6 +245,15 @@ def test_an_exception_in_predict_is_a_500_and_the_log_names_it(served):
     assert _post(served, "/strict", {"x": 9}) == (200, {"root": 3.0})  # it serves on
 
 
+def test_a_pydantic_request_is_checked_as_fastapi_checks_it(served):
+    assert _post(served, "/typed", {"x": 1.5}) == (200, {"x": 3.0, "y": 0.0})
+    assert _post(served, "/typed", {"y": 1}) == (422, {"detail": [
+        {"type": "missing", "loc": ["body", "x"], "msg": "Field required", "input": {"y": 1}}]})
+    status, answer = _post(served, "/typed", {"x": "abc"})
+    assert status == 422 and answer["detail"][0]["loc"] == ["body", "x"]
+    assert answer["detail"][0]["type"] == "float_parsing"
+
+
 def test_malformed_json_is_a_400(served):
     status, _, answer = _request(served, "POST", "/predict", b"{not json")
     assert status == 400 and "malformed JSON" in json.loads(answer)["detail"]
@@ -243,7 +272,7 @@ def test_health_follows_the_apis_health_and_info_names_the_paths(served, models)
     assert status == 200
     assert json.loads(answer)["server"]["models"] == {
         "/predict": "simplelitapi", "/pipeline": "inferencepipeline", "/strict": "strict",
-        "/moody": "moody"}
+        "/moody": "moody", "/typed": "typed"}
 
 
 def test_a_lit_api_on_the_v2_routes(served):

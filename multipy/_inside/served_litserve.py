@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+import typing
 from typing import Any
 
 from ..serve.request.litserve import API_PATH, BODY, REQUEST, STATUS
@@ -76,6 +77,8 @@ class ServedLitAPI:
         self._encodable = jsonable_encoder
         self._batched = instance.max_batch_size > 1
         self._takes_context: dict[str, bool] = {}
+        #: the pydantic model that decode_request's request is annotated with, if any
+        self._request_model = _pydantic_model(instance.decode_request)
 
     def _hook(self, name: str, context: Any, *args: Any) -> Any:
         """The API's method name called on args, given context if it takes one."""
@@ -135,9 +138,13 @@ class ServedLitAPI:
                 continue
             context: dict = {}
             try:
+                if self._request_model is not None:
+                    request = self._validated(request)
                 decoded[i] = (self._hook("decode_request", context, request), context)
             except self._http_error as error:
                 answers[i] = _Refused(error.status_code, error.detail).answer()
+            except _Refused as refused:  # (its pydantic model's)
+                answers[i] = refused.answer()
         if decoded:
             inputs = [x for x, _ in decoded.values()]
             contexts = [context for _, context in decoded.values()]
@@ -150,6 +157,18 @@ class ServedLitAPI:
                 for i in decoded:
                     answers[i] = _Refused(error.status_code, error.detail).answer()
         return answers
+
+    def _validated(self, request: Any) -> Any:
+        """request as the pydantic model that decode_request takes; _Refused, as FastAPI
+        answers a body the model refuses (422, each error located in the body)."""
+        from pydantic import ValidationError
+
+        try:
+            return self._request_model.model_validate(request)
+        except ValidationError as error:
+            raise _Refused(422, self._encoded([
+                {**each, "loc": ["body", *each["loc"]]}
+                for each in error.errors(include_url=False)])) from None
 
     def _predict(self, inputs: list[Any], contexts: list[dict]) -> list[Any]:
         """predict's output for each input: through batch and unbatch when batching
@@ -185,14 +204,29 @@ class ServedLitAPI:
         """Nothing is kept for good beyond the module, which stays imported."""
 
 
-class _Refused:
-    """A request's error answer: status and ``{"detail": detail}``, as LitServe's."""
+class _Refused(Exception):
+    """A request's error answer: status and ``{"detail": detail}``, as LitServe's (raised
+    for a request its pydantic model refuses)."""
 
     def __init__(self, status: int, detail: Any) -> None:
+        super().__init__(status, detail)
         self.status, self.detail = status, detail
 
     def answer(self) -> tuple[int, dict]:
         return self.status, {"detail": self.detail}
+
+
+def _pydantic_model(method: Any) -> type | None:
+    """The pydantic model that method's parameter ``request`` is annotated with, if it
+    is one (FastAPI then validates the body against it, as LitServe registers it)."""
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is None:
+        return None
+    try:
+        kind = typing.get_type_hints(method).get("request")
+    except Exception:  # (a forward reference that does not resolve: no model)
+        return None
+    return kind if inspect.isclass(kind) and issubclass(kind, pydantic.BaseModel) else None
 
 
 def _value(row: Any) -> Any:

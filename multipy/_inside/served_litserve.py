@@ -29,7 +29,7 @@ from typing import Any
 
 from ..serve.request.litserve import API_PATH, BODY, REQUEST, STATUS
 from ..serve.request.messages import ProtocolError
-from .serving import _outputs
+from .serving import _outputs, _raise_plainly
 
 #: What an answer's JSON is written as: FastAPI's JSONResponse's
 _JSON = {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}
@@ -93,7 +93,15 @@ class ServedLitAPI:
               ) -> tuple:
         """The answers to the requests the arrays hold (see the module's docstring), as
         ``Served.infer`` gives them; ProtocolError for a v2 request the API refuses (its
-        HTTPException's status)."""
+        HTTPException's status); what the API raised, as ``_raise_plainly`` raises it."""
+        try:
+            return self._answers(names, arrays)
+        except ProtocolError:
+            raise
+        except Exception as error:
+            _raise_plainly(error)
+
+    def _answers(self, names: tuple[str, ...], arrays: tuple) -> tuple:
         import numpy
 
         if names == (REQUEST,):

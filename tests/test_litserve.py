@@ -84,6 +84,8 @@ class Strict(ls.LitAPI):
         super().__init__(api_path="/strict")
 
     def decode_request(self, request):
+        if "crash" in request:
+            raise RuntimeError("decoding crashed")
         if not isinstance(request.get("x"), (int, float)):
             raise HTTPException(status_code=400, detail="x must be a number")
         return request["x"]
@@ -237,12 +239,14 @@ def test_http_exceptions_are_answered_as_litserve_answers_them(served):
     assert _post(served, "/strict", {"x": 16}) == (200, {"root": 4.0})
 
 
-def test_an_exception_in_predict_is_a_500_and_the_log_names_it(served):
+def test_an_exception_in_predict_or_decode_is_a_500_and_the_log_names_it(served):
     assert _post(served, "/strict", {"x": 13}) == (500, {"detail": "Internal server error"})
     output = served.output()
     assert "ValueError: thirteen is unlucky" in output
     assert "in predict" in output  # (its traceback)
     assert _post(served, "/strict", {"x": 9}) == (200, {"root": 3.0})  # it serves on
+    assert _post(served, "/strict", {"crash": 1}) == (500, {"detail": "Internal server error"})
+    assert "RuntimeError: decoding crashed" in served.output()
 
 
 def test_a_pydantic_request_is_checked_as_fastapi_checks_it(served):
@@ -324,8 +328,13 @@ def test_two_apis_on_one_path_are_refused(models):
 
 def test_batch_and_unbatch_under_max_batch_size(models, tmp_path):
     server = _start(tmp_path, [f"{models}/lit_models.py:Batched"], "--interpreters", "1",
-                    "--max-batch-size", "8", "--batch-timeout-ms", "500")
+                    "--max-batch-size", "8", "--batch-timeout-ms", "500",
+                    "--http-restricted-api", "metadata:probe-key=k1")
     try:
+        # (and LitServe's routes fall under the restricted APIs)
+        status, _, body = _request(server, "GET", "/info")
+        assert status == 403 and "'metadata' API is restricted" in json.loads(body)["detail"]
+        assert _request(server, "GET", "/info", headers={"probe-key": "k1"})[0] == 200
         answers: list = [None] * 6
 
         def send(k: int) -> None:

@@ -238,7 +238,9 @@ def _pydantic_model(method: Any) -> type | None:
 
 
 def _value(row: Any) -> Any:
-    """A row of a v2 input as a JSON value: a number (or str), or a list."""
+    """A row of a v2 input as a JSON value: a number (or str, for BYTES), or a list."""
     value = row.tolist() if hasattr(row, "tolist") else row
-    return value.decode() if isinstance(value, bytes) else value
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return [_value(each) for each in value] if isinstance(value, list) else value
 

@@ -21,12 +21,14 @@ LAYERS = ["errors", "_launch", "_parallel", "_host", "_keys", "_bootstrap", "_gl
 SERVE_LAYERS = ["request", "request.messages", "request.protocol", "request.batching",
                 "request.metrics", "request.poison", "request.requests", "request.contract",
                 "request.restricted", "request.repository", "request.inference",
-                "http", "http.connection", "http.uvicorn_server", "http.inbox", "http.app",
+                "http", "http.connection", "http.uvicorn_server", "http.uvicorn_protocol",
+                "http.inbox", "http.app",
                 "rpc", "rpc.inference_pb2", "rpc.server",
                 "host", "host.archive", "host.model_class", "host.models", "host.control",
                 "host.progress", "host.service", "host.front_ends",
                 "processes", "processes.link", "processes.tasks", "processes.policy",
-                "processes.handover", "processes.supervised", "processes.supervisor",
+                "processes.handover", "processes.replication", "processes.rolling",
+                "processes.supervised", "processes.supervisor",
                 "on_ray", "command", "main", "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy: of multipy.serve, the
 #: request path that the host and each interpreter's front end share.

@@ -47,8 +47,9 @@ from .host.front_ends import FrontEnds
 from .host.service import Place, Service
 from .http.app import create_app, logging_config
 from .http.connection import Limits, accept, bind, listen, request_line
-from .http.uvicorn_server import Config, Server, guarded
-from .processes.link import Link
+from .http.uvicorn_protocol import guarded
+from .http.uvicorn_server import Config, Server
+from .processes.link import Link, Start
 from .processes.supervised import Supervised
 from .processes.supervisor import HEALTH_TIMEOUT, Supervisor, Tunables
 
@@ -190,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.link is not None:  # a process of --processes: its supervisor reserved the port
         link = Link.inherited(args.link)
         start, fds = link.first()
-        place = Place(start["process"], start["processes"], fds[0], start["slots"], fds[1])
+        if not isinstance(start, Start):
+            raise ConnectionError(f"the supervisor's first message is {start}, not its Start")
+        place = Place(start.process, start.processes, fds[0], start.slots, fds[1])
         grpc = None if args.grpc_port is None else _host_port(args.host, args.grpc_port)
         reserved = None
         bound = None

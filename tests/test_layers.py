@@ -18,8 +18,8 @@ LAYERS = ["errors", "_launch", "_parallel", "_host", "_keys", "_bootstrap", "_gl
 #: layers below "serve".  The request path that host and interpreters share, HTTP and
 #: gRPC, then the host's models and start-up, the supervisor of --processes, Ray, the
 #: command.
-SERVE_LAYERS = ["request", "request.messages", "request.protocol", "request.batching",
-                "request.metrics", "request.poison", "request.requests", "request.contract",
+SERVE_LAYERS = ["request", "request.messages", "request.tensors", "request.protocol", "request.batching",
+                "request.board", "request.metrics", "request.poison", "request.requests", "request.contract",
                 "request.restricted", "request.repository", "request.inference",
                 "http", "http.connection", "http.uvicorn_server", "http.uvicorn_protocol",
                 "http.inbox", "http.app",

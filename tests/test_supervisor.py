@@ -152,19 +152,19 @@ def test_the_table_keeps_the_newest_refused_digests():
 
 
 def test_the_crash_is_pinned_on_the_call_the_handler_names_or_the_only_one():
-    from multipy.serve.request.metrics import _CRASHED, _INPUT, _SINCE, Board
+    from multipy.serve.request.board import CRASHED, INPUT, SINCE, Board
 
     board = Board(3, 20)  # a process's host row, then its two interpreters'
-    board.row(1)[_INPUT], board.row(2)[_INPUT] = 11.0, 22.0
-    board.row(1)[_SINCE] = board.row(2)[_SINCE] = 5.0
+    board.row(1)[INPUT], board.row(2)[INPUT] = 11.0, 22.0
+    board.row(1)[SINCE] = board.row(2)[SINCE] = 5.0
     assert board.crashed_input(0, 3) is None  # two calls ran, and nothing says which
-    board.row(0)[_CRASHED] = 2.0  # the handler: interpreter 1's call
+    board.row(0)[CRASHED] = 2.0  # the handler: interpreter 1's call
     assert board.crashed_input(0, 3) == 22
-    board.row(0)[_CRASHED] = -1.0  # a signal another process sent
+    board.row(0)[CRASHED] = -1.0  # a signal another process sent
     assert board.crashed_input(0, 3) is None
-    board.row(0)[_CRASHED], board.row(1)[_SINCE] = 0.0, 0.0  # one call ran: that one
+    board.row(0)[CRASHED], board.row(1)[SINCE] = 0.0, 0.0  # one call ran: that one
     assert board.crashed_input(0, 3) == 22
-    board.row(2)[_INPUT] = 0.0  # a batch's call: no digest
+    board.row(2)[INPUT] = 0.0  # a batch's call: no digest
     assert board.crashed_input(0, 3) is None
 
 

@@ -37,7 +37,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from types import FrameType
+from typing import Iterator
 
 from .. import _host
 from .._launch import make_room
@@ -72,7 +73,7 @@ class _Server(Server):
         self._limits = limits
         self._listener = listener
         self._supervised = supervised
-        self._protocol: Any = None
+        self._protocol: type | None = None
         self._accepting: asyncio.Task | None = None
         #: set once the server has started (or stopped without): the models load then
         self.begun = threading.Event()
@@ -90,7 +91,7 @@ class _Server(Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         if self.force_exit:  # a second SIGINT: the front ends stop at once too
             threading.Thread(target=self._fronts.force, name="multipy-serve-force",

@@ -205,5 +205,5 @@ class Turns:
                 self.give()  # handed, then cancelled before it ran: passed on
             raise  # (handed but not yet there: _hand passes it on)
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         self.give()

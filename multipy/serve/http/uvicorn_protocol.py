@@ -62,7 +62,7 @@ class _Guarded:
     _one_request: bool
     _base_on_header: Callable[[Any, bytes, bytes], None]
 
-    def connection_made(self, transport: Any) -> None:
+    def connection_made(self, transport: asyncio.Transport) -> None:
         super().connection_made(transport)
         self.transport = Coalescing(transport)  # (flow control: the real one)
         self.received = 0

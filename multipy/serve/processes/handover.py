@@ -11,7 +11,7 @@ import itertools
 import socket
 import time
 from dataclasses import dataclass, field
-from ..request.metrics import Board
+from ..request.board import Board
 from .link import Connection, Link, Pong
 
 #: Seconds without an answer to a health check after which a process gets no new

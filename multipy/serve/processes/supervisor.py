@@ -32,7 +32,7 @@ from typing import Iterable
 
 from ..._launch import launch_environment
 from ..http.connection import accept, bind, listen
-from ..request.metrics import Board, board_width
+from ..request.board import Board, board_width
 from ..request.poison import Crashes, Table
 from .handover import Handover, ServerProcess
 from .link import Ask, Done, Ping, Pong, Prepared, Ready, Start, pair

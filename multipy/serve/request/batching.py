@@ -27,7 +27,7 @@ class BatchError(Exception):
 class _Waiting:
     inputs: list[Tensor]
     rows: int
-    token: Any
+    token: object
     answer: asyncio.Future
 
 
@@ -57,7 +57,7 @@ class Batcher:
         """Requests waiting for their batch to start."""
         return sum(len(batch.waiting) for batch in self._open.values())
 
-    async def submit(self, inputs: list[Tensor], token: Any = None) -> list[Tensor]:
+    async def submit(self, inputs: list[Tensor], token: object = None) -> list[Tensor]:
         """The outputs for this request's inputs, run in a batch when it can be; token
         goes with the request to ``run``.
 

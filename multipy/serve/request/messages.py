@@ -10,7 +10,7 @@ import gzip
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
@@ -97,7 +97,7 @@ class InferRequest:
     #: (multipy._inside.hangups): what gives the connection it came on (the HTTP face's
     #: ``send``: multipy.serve.http.uvicorn_server.connection_of), and the time
     #: (time.monotonic) past which its client waits no more (a gRPC deadline).
-    connection: Any = None
+    connection: Callable | None = None
     deadline: float | None = None
 
 

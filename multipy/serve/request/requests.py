@@ -12,7 +12,7 @@ from typing import Any, Collection, Mapping
 
 from .batching import Batcher
 from .messages import InferRequest, ProtocolError, Tensor
-from .metrics import ModelSeries
+from .metrics import Count, ModelSeries, Timing
 
 
 
@@ -242,7 +242,7 @@ class Started:
             place.leave(self._began)
         self._series.call_began(len(self._places))
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._series.call_ended()
         took = time.perf_counter_ns() - self._began
         for place in self._places:
@@ -255,17 +255,6 @@ class Started:
             self._series.running(self.digest if running else 0)
 
 
-class Timing:
-    """Where one request's time went, in nanoseconds: decoding it (input), waiting for
-    its call (queue), the call (infer: a batch's, for each of its requests) and encoding
-    its answer (output); filled in as it goes (multipy.serve.request.inference.infer)."""
-
-    __slots__ = ("input_ns", "queue_ns", "infer_ns", "output_ns")
-
-    def __init__(self) -> None:
-        self.input_ns = self.queue_ns = self.infer_ns = self.output_ns = 0
-
-
 class _Place:
     """A request's place in its model's queue, which it leaves once, when its call
     starts (at ``now``, from time.perf_counter_ns, which timing records) or, failing
@@ -273,7 +262,7 @@ class _Place:
 
     __slots__ = ("_gauge", "id", "timing", "_since")
 
-    def __init__(self, gauge: Any, id: str | None, timing: Timing) -> None:
+    def __init__(self, gauge: Count, id: str | None, timing: Timing) -> None:
         gauge.inc()
         self._gauge = gauge
         self.id = id

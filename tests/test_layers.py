@@ -176,9 +176,16 @@ def _members(path: Path, name: str) -> tuple[dict[str, list[str]], set[str]]:
     return methods, attributes
 
 
+#: The classes of a model loaded in an interpreter (module in _inside, class), which
+#: contract.ServedCalls calls.
+SERVED_KINDS = [("serving.py", "Served"), ("served_class.py", "ServedClass"),
+                ("served_kserve.py", "ServedKServeModel")]
+
+
 def test_the_seams_of_the_server_hold():
     """Each of the host's calls of a front end (contract.FrontEndCalls) is a method of
-    FrontEnd with the same parameters, and both servers that the request path answers
+    FrontEnd with the same parameters, each of its calls of a served model
+    (contract.ServedCalls) a method of every kind of served model, and both servers that the request path answers
     for, the host's Service and an interpreter's FrontEnd, have every member of the
     contract.Server protocol (read from their source: neither is imported here)."""
     from multipy.serve.request import contract
@@ -193,5 +200,16 @@ def test_the_seams_of_the_server_hold():
     wanted = {name for name in vars(contract.Server) if not name.startswith("_")} \
         | set(contract.Server.__annotations__)
     service, service_attributes = _members(PACKAGE / "serve" / "host" / "service.py", "Service")
+    served_calls = {name for name, value in vars(contract.ServedCalls).items()
+                    if callable(value) and not name.startswith("_")}
+    assert served_calls
+    found: dict[str, set[str]] = {}  # each kind's methods, with its listed bases'
+    for path, kind in SERVED_KINDS:
+        methods, _ = _members(PACKAGE / "_inside" / path, kind)
+        tree = ast.parse((PACKAGE / "_inside" / path).read_text())
+        bases = next(ast.unparse(b) for node in tree.body if isinstance(node, ast.ClassDef)
+                     and node.name == kind for b in [*node.bases, ast.Name("object")])
+        found[kind] = set(methods) | found.get(bases, set())
+        assert not served_calls - found[kind], (kind, served_calls - found[kind])
     for methods, attributes in ((front, front_attributes), (service, service_attributes)):
         assert not wanted - set(methods) - attributes, wanted - set(methods) - attributes

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import InterpreterError
 from ...replicated import ReplicatedObj
+from ..request.contract import ServedCalls
 from ..request.messages import InferRequest, ProtocolError
 from ..request.poison import Table, check
 from ..request.requests import ModelError, ModelRequests, Started
@@ -91,6 +92,7 @@ class ServedModel(ModelRequests):
         self._storages: tuple | None = None  # load's storages (and device, keeper) arguments
         self._mapping = threading.Lock()
         self.replicated = ReplicatedObj(manager, self._load)
+        self._calls = ServedCalls(self.replicated)
         self._materialised: set[Interpreter] = set()
 
     # -- loading: from the start-up thread --
@@ -113,10 +115,9 @@ class ServedModel(ModelRequests):
         the first one also reads the metadata."""
         if interpreter in self._materialised:
             return
-        instance = self.instance(interpreter)
-        instance.call_value("warm_up")
+        self._calls.warm_up(interpreter)
         if self._described is None:
-            self.describe(instance.call_value("metadata"))
+            self.describe(self._calls.metadata(interpreter))
         self._materialised.add(interpreter)
 
     def instance(self, interpreter: Interpreter) -> Obj:
@@ -128,7 +129,7 @@ class ServedModel(ModelRequests):
         keeps of its package for good (multipy._inside.serving.Served.forget), before
         the model is dropped."""
         for interpreter in self._materialised:
-            self.instance(interpreter).call_value("forget")
+            self._calls.forget(interpreter)
 
     @property
     def ready(self) -> bool:
@@ -148,8 +149,7 @@ class ServedModel(ModelRequests):
         try:
             async with self._turns:
                 with started:
-                    return await self.replicated.acall_method("infer", names, datatypes,
-                                                              *arrays, **given)
+                    return await self._calls.infer(names, datatypes, *arrays, **given)
         except InterpreterError as error:  # a type the host cannot re-create
             raise ModelError(f"model {self.name!r} raised {error.type_name}: "
                              f"{error.message}") from error

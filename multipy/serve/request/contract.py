@@ -1,10 +1,10 @@
 """The seams of ``multipy serve``, typed: what the request path (multipy.serve.http.app, rpc,
 inference, repository) asks of the server it answers for (``Server``: the host's
 multipy.serve.host.service.Service, or an interpreter's front end, multipy._inside.front_end.
-FrontEnd), what the host tells a front end as it makes it (``FrontEndSettings``), and
-the host's calls of a front end through its handle (``FrontEndCalls``), each method
-named once, here, so that a rename is caught (tests/test_layers.py checks them against
-FrontEnd) and found.
+FrontEnd), what the host tells a front end as it makes it (``FrontEndSettings``), the
+host's calls of a front end through its handle (``FrontEndCalls``) and of a model loaded
+in every interpreter (``ServedCalls``), each method named once, here, so that a rename
+is caught (tests/test_layers.py checks them against the classes inside) and found.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Protocol
 
 if TYPE_CHECKING:
-    from ...session import Obj
+    from ...replicated import ReplicatedObj
+    from ...session import Interpreter, Obj
     from ..http.connection import Limits
     from .metrics import Metrics
     from .requests import ModelRequests
@@ -109,3 +110,30 @@ class FrontEndCalls:
 
     def control_answer(self, number: int, status: int, message: str) -> None:
         self._front.call_value("control_answer", (number, status, message))
+
+
+class ServedCalls:
+    """The host's calls of one model as each interpreter has loaded it (a
+    multipy._inside.serving.Served, or a class's: multipy._inside.served_class and its
+    kinds), through replicated, the multipy.replicated.ReplicatedObj of them."""
+
+    def __init__(self, replicated: ReplicatedObj) -> None:
+        self._replicated = replicated
+
+    def warm_up(self, interpreter: Interpreter) -> None:
+        """Runs the model once in interpreter, if it has an example to run."""
+        self._replicated.instance(interpreter).call_value("warm_up")
+
+    def metadata(self, interpreter: Interpreter) -> dict:
+        """The model's inputs and outputs, as interpreter has loaded it."""
+        return self._replicated.instance(interpreter).call_value("metadata")
+
+    def forget(self, interpreter: Interpreter) -> None:
+        """Has interpreter let go of what the process keeps of the model for good."""
+        self._replicated.instance(interpreter).call_value("forget")
+
+    async def infer(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
+                    *arrays: object, **given: object) -> tuple:
+        """The model's outputs for arrays, in a free interpreter (``Served.infer``)."""
+        return await self._replicated.acall_method("infer", names, datatypes, *arrays,
+                                                   **given)

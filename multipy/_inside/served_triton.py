@@ -29,6 +29,8 @@ from .serving import _array, _raise_plainly
 _STATUSES = {0: (400, "UNKNOWN"), 1: (500, "INTERNAL"), 2: (404, "NOT_FOUND"),
              3: (400, "INVALID_ARGUMENT"), 4: (503, "UNAVAILABLE"), 5: (501, "UNIMPLEMENTED"),
              6: (400, "ALREADY_EXISTS"), 7: (400, "CANCELLED")}
+#: Parameters that the protocol's binary extension reads, which Triton keeps from models.
+_PROTOCOL_PARAMETERS = {"binary_data_output", "binary_data_size"}
 #: One request of a call, as the host gives it: (id, parameters, rows, outputs asked for).
 Request = tuple[str | None, dict[str, Any], int, list[str] | None]
 
@@ -106,8 +108,10 @@ class ServedTriton:
                       for name, array in zip(names, arrays)]
             start += rows
             asked = outputs or [spec["name"] for spec in self.config.get("output", [])]
+            own = {key: value for key, value in (parameters or {}).items()
+                   if key not in _PROTOCOL_PARAMETERS}
             calls.append(triton_utils.InferenceRequest(
-                inputs, request_id or "", 0, asked, triton_utils.parameters_text(parameters),
+                inputs, request_id or "", 0, asked, triton_utils.parameters_text(own),
                 self.name))
         try:
             responses = self.model.execute(calls)

@@ -235,7 +235,8 @@ def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
 
 
 class Logger:
-    """Triton's model logger, writing to the server's log (``multipy.serve``)."""
+    """Triton's model logger, writing to the server's log (``multipy.serve``; to stderr
+    while the interpreter's logging is not set up yet, as when ``initialize`` runs)."""
 
     class LogLevel:
         INFO, WARNING, ERROR, VERBOSE = range(4)
@@ -244,23 +245,27 @@ class Logger:
 
     @staticmethod
     def log(message: str, level: int = 0) -> None:
-        _logger.log(Logger._LEVELS.get(level, logging.INFO), "%s", message)
+        number = Logger._LEVELS.get(level, logging.INFO)
+        if _logger.hasHandlers():
+            _logger.log(number, "%s", message)
+        elif number >= logging.INFO:
+            print(f"{logging.getLevelName(number)}:     {message}", file=sys.stderr, flush=True)
 
     @staticmethod
     def log_info(message: str) -> None:
-        _logger.info("%s", message)
+        Logger.log(message, Logger.LogLevel.INFO)
 
     @staticmethod
     def log_warn(message: str) -> None:
-        _logger.warning("%s", message)
+        Logger.log(message, Logger.LogLevel.WARNING)
 
     @staticmethod
     def log_error(message: str) -> None:
-        _logger.error("%s", message)
+        Logger.log(message, Logger.LogLevel.ERROR)
 
     @staticmethod
     def log_verbose(message: str) -> None:
-        _logger.debug("%s", message)
+        Logger.log(message, Logger.LogLevel.VERBOSE)
 
 
 LogLevel = Logger.LogLevel

@@ -203,6 +203,23 @@ class TritonPythonModel:
         return responses
 '''
 
+ASYNC_CONFIG = RAISES_CONFIG.replace('"raises"', '"async_triple"')
+
+# an async execute, awaited on the front end's loop
+ASYNC = '''
+import asyncio
+
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        await asyncio.sleep(0.01)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUT", pb_utils.get_input_tensor_by_name(request, "IN").as_numpy() * 3)])
+            for request in requests]
+'''
+
 BAD_INIT_CONFIG = '''
 name: "bad_init"
 backend: "python"
@@ -266,6 +283,7 @@ def triton(tmp_path_factory):
     _model(repository, "errors", ERRORS_CONFIG, ERRORS)
     _model(repository, "raises", RAISES_CONFIG, RAISES)
     _model(repository, "echo", ECHO_CONFIG, ECHO)
+    _model(repository, "async_triple", ASYNC_CONFIG, ASYNC)
     (repository / "not_a_model").mkdir()  # (no config.pbtxt: not served)
     # one interpreter (--interpreters wins over instance_group's count): every client's
     # requests reach the same batcher
@@ -426,6 +444,64 @@ def test_initialize_gets_tritons_args(triton):
     assert args["model_instance_device_id"] == "0"
     assert args["greeting"] == "hello" and args["max_batch_size"] == 16
     assert "echo initialised as echo_0_0" in triton.output()
+
+
+def test_an_async_execute(triton):
+    for module, client in ((httpclient, triton.client()), (grpcclient, _grpc(triton))):
+        result = client.infer("async_triple", _inputs(module, ("IN", np.array([5], np.int32),
+                                                               "INT32")))
+        assert result.as_numpy("OUT").tolist() == [15]
+
+
+def test_config_pbtxt_as_triton_reads_it(tmp_path, caplog):
+    from multipy.serve.host import triton_model
+
+    text = ECHO_CONFIG + '''
+        input [ { name: "EXTRA" data_type: TYPE_INT64 dims: [ -1, 3 ] optional: true
+                  is_non_linear_format_io: false } ]
+        response_cache { enable: true }
+        version_policy: { specific: { versions: [ 1, 3 ] } }
+        sequence_batching: < max_sequence_idle_microseconds: 5 >
+        '''
+    config = triton_model.as_dict(triton_model.parse(text, "config.pbtxt"))
+    assert "input.is_non_linear_format_io, response_cache, sequence_batching" in caplog.text
+    assert config["input"][1] == {"name": "EXTRA", "data_type": "TYPE_INT64",
+                                  "dims": [-1, 3], "optional": True, "format": "FORMAT_NONE",
+                                  "is_shape_tensor": False, "allow_ragged_batch": False}
+    assert config["dynamic_batching"]["preferred_batch_size"] == [4, 8]
+    assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 500000
+    assert config["parameters"] == {"greeting": {"string_value": "hello"}}
+    folder = tmp_path / "echo"
+    for version in ("1", "2", "3", "4"):
+        (folder / version).mkdir(parents=True)
+        (folder / version / "model.py").write_text("")
+    (folder / "config.pbtxt").write_text(text)
+    model = triton_model.read(str(folder))
+    assert model.version == "3" and model.instances is None  # version_policy's highest
+    with pytest.raises(triton_model.ModelConfigError, match="config.pbtxt: 1:"):
+        triton_model.parse("max_batch_size: many", "config.pbtxt")
+    (folder / "config.pbtxt").write_text('backend: "onnxruntime"')
+    with pytest.raises(triton_model.ModelConfigError, match="Python backend only"):
+        triton_model.read(str(folder))
+
+
+def test_bytes_tensors_serialised_as_triton_does():
+    import multipy
+
+    # (multipy._inside runs in interpreters only: its file, alone, here)
+    path = os.path.join(os.path.dirname(multipy.__file__), "_inside", "triton_utils.py")
+    spec = importlib.util.spec_from_file_location("triton_utils_alone", path)
+    pb_utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pb_utils)
+    array = np.array([[b"ab", "\u00e9".encode()], [b"", b"xyz"]], dtype=np.object_)
+    flat = pb_utils.serialize_byte_tensor(array)
+    assert bytes(flat) == b"\x02\x00\x00\x00ab\x02\x00\x00\x00\xc3\xa9" \
+        b"\x00\x00\x00\x00\x03\x00\x00\x00xyz"
+    assert pb_utils.deserialize_bytes_tensor(flat).tolist() == [b"ab", b"\xc3\xa9", b"",
+                                                                 b"xyz"]
+    assert pb_utils.triton_string_to_numpy("TYPE_STRING") is np.object_
+    assert pb_utils.triton_to_numpy_type(11) is np.float32
+    assert pb_utils.numpy_to_triton_type(np.int64) == 9
 
 
 def _serve(argv: list[str]) -> subprocess.Popen:

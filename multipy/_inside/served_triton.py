@@ -12,11 +12,14 @@ batch's (``execute(requests)``, a list of ``pb_utils.InferenceRequest``) and mus
 return one ``InferenceResponse`` per request, in order: each goes to its own client, its
 outputs or its error (a ``TritonError``, whose code says the HTTP status and gRPC code).
 What ``execute`` raises goes to every request of the call, as an internal error.
+``execute`` may be ``async def``: it is awaited on the front end's event loop.
 ``finalize()`` runs when the model is dropped: unloaded, or at the server's stop.
 """
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import inspect
 import json
 import os
 import sys
@@ -91,6 +94,8 @@ class ServedTriton:
         self.name = name
         self.version = version
         self.config = config
+        #: whether execute is a coroutine function: awaited, on the front end's loop
+        self.asynchronous = inspect.iscoroutinefunction(model.execute)
         self._finalized = False
 
     def infer(self, names: tuple[str, ...], datatypes: tuple[str, ...], *arrays: Any,
@@ -99,7 +104,29 @@ class ServedTriton:
         of the datatypes; a batch's requests one after the other along the first
         dimension, each of its rows); returns (answers, *output arrays): one answer per
         request, ("ok", output names, output datatypes), its arrays next in order, or
-        ("error", HTTP status, gRPC status name, message)."""
+        ("error", HTTP status, gRPC status name, message).  An ``async def execute``
+        runs to its end here, on an event loop of its own."""
+        if self.asynchronous:
+            return asyncio.run(self.infer_async(names, datatypes, *arrays, requests=requests))
+        calls = self._requests(names, arrays, requests)
+        try:
+            return self._answers(calls, self.model.execute(calls))
+        except Exception as error:
+            _raise_plainly(error)
+
+    async def infer_async(self, names: tuple[str, ...], datatypes: tuple[str, ...],
+                          *arrays: Any, requests: list[Request]) -> tuple:
+        """infer's, awaiting an ``async def execute`` on the running loop (the front
+        end's)."""
+        calls = self._requests(names, arrays, requests)
+        try:
+            return self._answers(calls, await self.model.execute(calls))
+        except Exception as error:
+            _raise_plainly(error)
+
+    def _requests(self, names: tuple[str, ...], arrays: tuple,
+                  requests: list[Request]) -> list[triton_utils.InferenceRequest]:
+        """The InferenceRequests that execute gets for requests (see infer)."""
         calls = []
         start = 0
         for request_id, parameters, rows, outputs in requests:
@@ -113,17 +140,15 @@ class ServedTriton:
             calls.append(triton_utils.InferenceRequest(
                 inputs, request_id or "", 0, asked, triton_utils.parameters_text(own),
                 self.name))
-        try:
-            responses = self.model.execute(calls)
-            if not isinstance(responses, (list, tuple)) or len(responses) != len(calls):
-                raise RuntimeError(f"TritonPythonModel.execute returned "
-                                   f"{_count(responses)} for {len(calls)} request(s): it "
-                                   f"returns one InferenceResponse per request")
-            return self._answers(responses)
-        except Exception as error:
-            _raise_plainly(error)
+        return calls
 
-    def _answers(self, responses: Any) -> tuple:
+    def _answers(self, calls: list, responses: Any) -> tuple:
+        """infer's answers, from execute's responses to calls; RuntimeError unless
+        there is one per request."""
+        if not isinstance(responses, (list, tuple)) or len(responses) != len(calls):
+            raise RuntimeError(f"TritonPythonModel.execute returned {_count(responses)} "
+                               f"for {len(calls)} request(s): it returns one "
+                               f"InferenceResponse per request")
         answers: list[tuple] = []
         flat: list[Any] = []
         for response in responses:

@@ -32,6 +32,36 @@ _NUMBERS = {name: number for number, name in enumerate(
 _logger = logging.getLogger("multipy.serve")
 
 
+def serialize_byte_tensor(input_tensor: Any) -> Any:
+    """The elements of an array of bytes or str (dtype object or ``S``), in row-major
+    order, each as its length (4 bytes, little-endian) then its bytes (str UTF-8
+    encoded), as a uint8 array; None for an empty array or one of numbers."""
+    array = np.asarray(input_tensor)
+    if array.size == 0 or array.dtype.kind not in "OS":
+        return None
+    out = bytearray()
+    for item in array.reshape(-1).tolist():
+        data = item if isinstance(item, bytes) else str(item).encode()
+        out += len(data).to_bytes(4, "little") + data
+    return np.frombuffer(bytes(out), np.uint8)
+
+
+def deserialize_bytes_tensor(encoded_tensor: Any) -> Any:
+    """The elements that ``serialize_byte_tensor`` wrote into encoded_tensor (bytes, or
+    an array of them), as a 1-D array of dtype object holding bytes."""
+    data = bytes(np.asarray(encoded_tensor, np.uint8)) \
+        if not isinstance(encoded_tensor, bytes) else encoded_tensor
+    items = []
+    offset = 0
+    while offset < len(data):
+        size = int.from_bytes(data[offset:offset + 4], "little")
+        items.append(data[offset + 4:offset + 4 + size])
+        offset += 4 + size
+    found = np.empty(len(items), dtype=np.object_)
+    found[:] = items
+    return found
+
+
 def triton_string_to_numpy(triton_type_string: str) -> Any:
     """The numpy type of a config's data_type ("TYPE_FP32": numpy.float32); KeyError
     for another string."""

@@ -89,7 +89,7 @@ def _read(directory: str, stamps: tuple[int, int]) -> TritonModel:
     message = parse(text, path)
     if message.name and message.name != name:
         raise ModelConfigError(f"{path}: name {message.name!r} is not the folder's name "
-                               f"{name!r} (Triton refuses it too)")
+                               f"{name!r}: a model's name is its folder's, as in Triton")
     backend = message.backend or message.platform
     if backend not in ("", "python"):
         raise ModelConfigError(f"{path}: backend {backend!r}: multipy serves Triton's "

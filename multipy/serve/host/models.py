@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from ...manager import InterpreterManager
     from ...session import Interpreter, Obj
     from ..request.metrics import Metrics
+
+logger = logging.getLogger("multipy.serve")
 
 _INSIDE = "multipy._inside.serving"
 _INSIDE_CLASS = "multipy._inside.classes"
@@ -148,6 +151,16 @@ class ServedModel(ModelRequests):
         the model is dropped."""
         for interpreter in self._materialised:
             self.instance(interpreter).call_value("forget")
+
+    def finish(self) -> None:
+        """At the server's stop: a Triton model's ``finalize()`` in every interpreter
+        that has it (``forget``: multipy._inside.served_triton), a failure logged;
+        nothing for other kinds."""
+        if self.spec.kind == "triton":
+            try:
+                self.forget()
+            except Exception:
+                logger.exception("model %r: finalize() failed", self.name)
 
     @property
     def ready(self) -> bool:

@@ -389,12 +389,8 @@ class Service:
             await model.drain()
 
     def close(self) -> None:
-        """Has each Triton model finalize (``forget``), then stops the interpreters."""
+        """Has each model finish (ServedModel.finish), then stops the interpreters."""
         if self.manager is not None:
             for model in self.models.values():
-                if model.spec.kind == "triton" and model.ready:
-                    try:
-                        model.forget()
-                    except Exception:
-                        logger.exception("model %r: finalize() failed", model.name)
+                model.finish()
             self.manager.close()

@@ -11,7 +11,7 @@ from .. import _cuda
 from .._glibc import MAX_NAMESPACES
 from .._pool import capacity
 from ..manager import cores
-from .host import model_class
+from .host import model_class, triton_model
 from .host.archive import ArchiveError
 from .host.models import ModelSpec
 from .host.service import (GRACEFUL_TIMEOUT, MORE_MODELS, Options, default_interpreters)
@@ -30,7 +30,10 @@ the Open Inference Protocol (KServe's v2 protocol, which Triton speaks too): eve
 interpreter runs every model, requests go to free interpreters, and the host process
 never imports torch.  Each PATH's object at (--module, --resource) is served as a model
 named after the file's stem; each FILE.py:CLASS or MODULE:CLASS, as one named after the
-class, in lower case (docs/serving.md, "Models written as classes")."""
+class, in lower case (docs/serving.md, "Models written as classes"); each Triton Python
+model's folder (config.pbtxt, N/model.py), as one named after the folder, and with no
+PATH, every model folder of --model-repository (docs/serving.md, "Coming from Triton's
+Python backend")."""
 
 
 #: What --strict-readiness takes for true and for false, as Triton's booleans.
@@ -57,8 +60,11 @@ class _Parser(argparse.ArgumentParser):
 def parser() -> argparse.ArgumentParser:
     """The options of ``multipy serve``, in groups as ``--help`` shows them."""
     parse = _Parser(prog="multipy serve", description=DESCRIPTION)
-    parse.add_argument("paths", metavar="PATH", nargs="+",
-                       help="a torch.package archive, or a class: FILE.py:CLASS, MODULE:CLASS")
+    parse.add_argument("paths", metavar="PATH", nargs="*",
+                       help="a torch.package archive, a class (FILE.py:CLASS, "
+                            "MODULE:CLASS) or a Triton Python model's folder (MODEL, with "
+                            "config.pbtxt and 1/model.py); none: every model folder of "
+                            "--model-repository")
     parse.add_argument("--module", default="model",
                        help="the package that holds the model in each archive (default: model)")
     parse.add_argument("--resource", default="model.pkl",
@@ -112,7 +118,9 @@ def _add_serving(parse: argparse.ArgumentParser) -> None:
                             "with); 'none' (default): it serves the models it was started "
                             "with, and refuses them" % MORE_MODELS)
     group.add_argument("--model-repository", action="append", metavar="DIR",
-                       help="with --model-control explicit: a directory whose archives the "
+                       help="with no PATH: a Triton model repository, every model folder "
+                            "of which is served (as Triton's option). With --model-control "
+                            "explicit: a directory whose archives the "
                             "repository's loads may read (NAME.pt, or the \"path\" a load "
                             "names, inside DIR); may be given several times, searched in "
                             "order (default: none, loads only reload the archives the "
@@ -196,12 +204,20 @@ def _add_ray(parse: argparse.ArgumentParser) -> None:
 def specs(args: argparse.Namespace, parse: argparse.ArgumentParser) -> list[ModelSpec]:
     """The models the arguments name; exits through parse with a message if two share
     a name, or --name is given with several paths."""
-    if args.name is not None and len(args.paths) != 1:
+    paths = args.paths or _repository_models(args, parse)
+    if args.name is not None and len(paths) != 1:
         parse.error("--name names one model: give one PATH with it")
     found: list[ModelSpec] = []
-    for path in args.paths:
+    for path in paths:
         written = model_class.parse(path)
-        if written is None:
+        if triton_model.is_model_directory(path):
+            spec = ModelSpec("", os.path.abspath(path), "", "", kind="triton")
+            stem = os.path.basename(spec.path)
+        elif os.path.isdir(path) and any(triton_model.is_model_directory(
+                os.path.join(path, entry)) for entry in os.listdir(path)):
+            parse.error(f"{path} is a Triton model repository: serve its models with "
+                        f"--model-repository {path}, or name a model's folder in it")
+        elif written is None:
             spec = ModelSpec("", os.path.abspath(path), args.module, args.resource)
             stem = os.path.splitext(os.path.basename(path))[0]
         else:
@@ -219,6 +235,20 @@ def specs(args: argparse.Namespace, parse: argparse.ArgumentParser) -> list[Mode
     return found
 
 
+def _repository_models(args: argparse.Namespace, parse: argparse.ArgumentParser
+                       ) -> list[str]:
+    """The model folders of the Triton model repositories that --model-repository names,
+    served when no PATH is given; exits through parse with a message if there are none."""
+    if not args.model_repository:
+        parse.error("give the models to serve: PATH ..., or --model-repository DIR (a "
+                    "Triton model repository)")
+    try:
+        return [model for repository in args.model_repository
+                for model in triton_model.models_in(repository)]
+    except (OSError, triton_model.ModelConfigError) as error:
+        parse.error(str(error))
+
+
 def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options:
     """What the arguments ask to serve, and how; exits through parse with a message if
     they make no sense or an archive is not one (checked here before anything starts)."""
@@ -226,20 +256,21 @@ def options(args: argparse.Namespace, parse: argparse.ArgumentParser) -> Options
     fit, where = _check_processes(args, parse)
     http_restricted, grpc_restricted = _check_serving(args, parse)
     repositories = tuple(os.path.realpath(d) for d in args.model_repository or ())
-    if repositories and args.model_control != "explicit":
-        parse.error("--model-repository is for --model-control explicit")
+    if repositories and args.paths and args.model_control != "explicit":
+        parse.error("--model-repository is a Triton model repository to serve (with no "
+                    "PATH), or where --model-control explicit loads archives from")
     for directory in repositories:
         if not os.path.isdir(directory):
             parse.error(f"--model-repository {directory}: not a directory")
     interpreters = args.interpreters if args.interpreters is not None else \
-        default_interpreters(args.processes)
+        _instances(models, fit) or default_interpreters(args.processes)
     if not 1 <= interpreters <= fit:
         parse.error(f"--interpreters must be between 1 and {fit} ({where}), not {interpreters}")
     _check_requests(args, parse)
     try:
         for spec in models:
             spec.check()
-    except (ArchiveError, model_class.ClassError) as error:
+    except (ArchiveError, model_class.ClassError, triton_model.ModelConfigError) as error:
         refuse(error, parse)
     return Options(tuple(models), interpreters, args.max_batch_size, args.batch_timeout_ms,
                    args.timeout, max_request_size=args.max_request_size,
@@ -330,7 +361,22 @@ def _check_requests(args: argparse.Namespace, parse: argparse.ArgumentParser) ->
                         f"(multipy info)")
 
 
-def refuse(error: ArchiveError | model_class.ClassError,
+def _instances(models: list[ModelSpec], fit: int) -> int | None:
+    """The interpreters that the Triton models' instance_group asks for: the largest
+    count of instances among them (every interpreter holds every model), at most fit;
+    None where none says."""
+    counts = []
+    for spec in models:
+        if spec.kind == "triton":
+            try:
+                counts.append(triton_model.read(spec.path).instances)
+            except triton_model.ModelConfigError:
+                continue  # (said by its check)
+    counts = [count for count in counts if count is not None]
+    return min(max(counts), fit) if counts else None
+
+
+def refuse(error: ArchiveError | model_class.ClassError | triton_model.ModelConfigError,
             parse: argparse.ArgumentParser) -> NoReturn:
     """Exits with status 2 and what is wrong with a model: one line, then the
     interpreter's traceback for a class whose code raised there."""

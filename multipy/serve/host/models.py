@@ -15,6 +15,8 @@ arrived while the interpreters started (``ServedModel.infer``).
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -28,21 +30,26 @@ from ..request.poison import Table, check
 from ..request.requests import ModelError, ModelRequests, Started
 from . import archive
 from . import model_class
+from . import triton_model
 
 if TYPE_CHECKING:
     from ...manager import InterpreterManager
     from ...session import Interpreter, Obj
     from ..request.metrics import Metrics
 
+logger = logging.getLogger("multipy.serve")
+
 _INSIDE = "multipy._inside.serving"
 _INSIDE_CLASS = "multipy._inside.classes"
+_INSIDE_TRITON = "multipy._inside.served_triton"
 
 
 @dataclass
 class ModelSpec:
     """What to serve, as name: the archive at path, its object at (module, resource);
     or, of kind "class", the class called resource in module (imported by name, or from
-    the file at path if there is one)."""
+    the file at path if there is one); or, of kind "triton", the Triton Python model in
+    the folder at path (multipy.serve.host.triton_model)."""
 
     name: str
     path: str
@@ -51,16 +58,26 @@ class ModelSpec:
     kind: str = "archive"
 
     def check(self) -> None:
-        """ArchiveError, or model_class.ClassError, unless the model can be loaded (as
-        far as the host sees without importing it)."""
+        """ArchiveError, model_class.ClassError or triton_model.ModelConfigError, unless
+        the model can be loaded (as far as the host sees without importing it)."""
         if self.kind == "class":
             model_class.check(self.path, self.module, self.resource)
+        elif self.kind == "triton":
+            triton_model.read(self.path)
         else:
             archive.check(self.path, self.module, self.resource)
+
+    @property
+    def has_code(self) -> bool:
+        """Whether loading the model runs its own code (a class's, a Triton model's),
+        which may raise: the first interpreter loads it before the server listens."""
+        return self.kind in ("class", "triton")
 
     def __str__(self) -> str:
         if self.kind == "class":
             return f"{self.path or self.module}:{self.resource}"
+        if self.kind == "triton":
+            return f"Triton model {self.name!r} ({self.path})"
         return self.path
 
 
@@ -102,6 +119,11 @@ class ServedModel(ModelRequests):
         if spec.kind == "class":
             return interpreter.global_(_INSIDE_CLASS, "load")(spec.path, spec.module,
                                                               spec.resource, spec.name)
+        if spec.kind == "triton":
+            model = triton_model.read(spec.path)
+            return interpreter.global_(_INSIDE_TRITON, "load")(
+                model.model_file, spec.name, model.version, json.dumps(model.config),
+                interpreter.index)
         with self._mapping:  # interpreters load in parallel: the archive is read once
             if self._storages is None:
                 spans = archive.records(self.spec.path)
@@ -130,6 +152,16 @@ class ServedModel(ModelRequests):
         the model is dropped."""
         for interpreter in self._materialised:
             self._calls.forget(interpreter)
+
+    def finish(self) -> None:
+        """At the server's stop: a Triton model's ``finalize()`` in every interpreter
+        that has it (``forget``: multipy._inside.served_triton), a failure logged;
+        nothing for other kinds."""
+        if self.spec.kind == "triton":
+            try:
+                self.forget()
+            except Exception:
+                logger.exception("model %r: finalize() failed", self.name)
 
     @property
     def ready(self) -> bool:

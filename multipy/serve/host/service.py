@@ -164,14 +164,14 @@ class Service:
         ``load()``; no ``predict``) stops the server before it listens, as
         model_class.ClassError with the interpreter's traceback.  Nothing for archives,
         whose checks need no interpreter (``Service()``'s); ``start`` does the rest."""
-        classes = [spec for spec in self.specs.values() if spec.kind == "class"]
+        classes = [spec for spec in self.specs.values() if spec.has_code]
         if not classes:
             return
         logger.info("starting %d interpreter(s), and loading %s on the first before "
                     "listening", self.interpreters, ", ".join(map(str, classes)))
         self._start_interpreters()
         for model in self._loading:
-            if model.spec.kind == "class":
+            if model.spec.has_code:
                 try:
                     model.materialise(self.manager[0])
                 except Exception as error:
@@ -389,5 +389,8 @@ class Service:
             await model.drain()
 
     def close(self) -> None:
+        """Has each model finish (ServedModel.finish), then stops the interpreters."""
         if self.manager is not None:
+            for model in self.models.values():
+                model.finish()
             self.manager.close()

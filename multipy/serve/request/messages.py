@@ -57,11 +57,13 @@ def bounded(text: str, limit: int = MESSAGE_LIMIT) -> str:
 
 class ProtocolError(Exception):
     """A request that the protocol refuses: answered with {"error": message} and status
-    (400, the client's fault, unless said otherwise); message bounded (``bounded``)."""
+    (400, the client's fault, unless said otherwise); message bounded (``bounded``).
+    code: the gRPC status's name where it is not the one of status (a model's own)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
         super().__init__(bounded(message))
         self.status = status
+        self.code = code
 
 
 class InvalidInput(ProtocolError):

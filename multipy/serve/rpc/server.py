@@ -246,7 +246,8 @@ def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
         try:
             return await method(request, context)
         except ProtocolError as error:
-            context.set_code(_CODES.get(error.status, grpc.StatusCode.INTERNAL))
+            context.set_code(grpc.StatusCode[error.code] if error.code else
+                             _CODES.get(error.status, grpc.StatusCode.INTERNAL))
             context.set_details(str(error))
             return None  # (grpcio sends no message with a status that is not OK)
     return answer

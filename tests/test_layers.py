@@ -180,7 +180,7 @@ def _members(path: Path, name: str) -> tuple[dict[str, list[str]], set[str]]:
 #: The classes of a model loaded in an interpreter (module in _inside, class), which
 #: contract.ServedCalls calls.
 SERVED_KINDS = [("serving.py", "Served"), ("served_class.py", "ServedClass"),
-                ("served_kserve.py", "ServedKServeModel")]
+                ("served_kserve.py", "ServedKServeModel"), ("served_triton.py", "ServedTriton")]
 
 
 def test_the_seams_of_the_server_hold():

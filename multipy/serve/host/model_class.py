@@ -11,6 +11,7 @@ import os
 import sys
 
 from ...errors import InterpreterError, RemoteTraceback
+from ..request.litserve import API_PATH, clashes
 
 
 class ClassError(ValueError):
@@ -33,6 +34,16 @@ def failed(served: str, error: Exception) -> ClassError:
     text = cause.traceback_text if isinstance(cause, RemoteTraceback) else ""
     return ClassError(f"{served}: loading it in an interpreter raised {what}",
                       text if 'File "' in text else "")  # (without frames: what says it all)
+
+
+def check_paths(models: list[tuple[str, dict | None]]) -> None:
+    """ClassError if two of models (each: what it is served from, and its metadata, None
+    before it loads) are LitAPIs on one path, or one is on a path of the server's own
+    (multipy.serve.request.litserve.clashes)."""
+    clash = clashes([(served, described[API_PATH]) for served, described in models
+                     if described and described.get(API_PATH)])
+    if clash:
+        raise ClassError(clash)
 
 
 def parse(target: str) -> tuple[str, str, str] | None:

@@ -15,6 +15,8 @@ arrived while the interpreters started (``ServedModel.infer``).
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -22,26 +24,32 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import InterpreterError
 from ...replicated import ReplicatedObj
+from ..request.contract import ServedCalls
 from ..request.messages import InferRequest, ProtocolError
 from ..request.poison import Table, check
 from ..request.requests import ModelError, ModelRequests, Started
 from . import archive
 from . import model_class
+from . import triton_model
 
 if TYPE_CHECKING:
     from ...manager import InterpreterManager
     from ...session import Interpreter, Obj
     from ..request.metrics import Metrics
 
+logger = logging.getLogger("multipy.serve")
+
 _INSIDE = "multipy._inside.serving"
 _INSIDE_CLASS = "multipy._inside.classes"
+_INSIDE_TRITON = "multipy._inside.served_triton"
 
 
 @dataclass
 class ModelSpec:
     """What to serve, as name: the archive at path, its object at (module, resource);
     or, of kind "class", the class called resource in module (imported by name, or from
-    the file at path if there is one)."""
+    the file at path if there is one); or, of kind "triton", the Triton Python model in
+    the folder at path (multipy.serve.host.triton_model)."""
 
     name: str
     path: str
@@ -50,16 +58,26 @@ class ModelSpec:
     kind: str = "archive"
 
     def check(self) -> None:
-        """ArchiveError, or model_class.ClassError, unless the model can be loaded (as
-        far as the host sees without importing it)."""
+        """ArchiveError, model_class.ClassError or triton_model.ModelConfigError, unless
+        the model can be loaded (as far as the host sees without importing it)."""
         if self.kind == "class":
             model_class.check(self.path, self.module, self.resource)
+        elif self.kind == "triton":
+            triton_model.read(self.path)
         else:
             archive.check(self.path, self.module, self.resource)
+
+    @property
+    def has_code(self) -> bool:
+        """Whether loading the model runs its own code (a class's, a Triton model's),
+        which may raise: the first interpreter loads it before the server listens."""
+        return self.kind in ("class", "triton")
 
     def __str__(self) -> str:
         if self.kind == "class":
             return f"{self.path or self.module}:{self.resource}"
+        if self.kind == "triton":
+            return f"Triton model {self.name!r} ({self.path})"
         return self.path
 
 
@@ -92,6 +110,7 @@ class ServedModel(ModelRequests):
         self._storages: tuple | None = None  # load's storages (and device, keeper) arguments
         self._mapping = threading.Lock()
         self.replicated = ReplicatedObj(manager, self._load)
+        self._calls = ServedCalls(self.replicated)
         self._materialised: set[Interpreter] = set()
 
     # -- loading: from the start-up thread --
@@ -102,6 +121,11 @@ class ServedModel(ModelRequests):
             return interpreter.global_(_INSIDE_CLASS, "load")(
                 spec.path, spec.module, spec.resource, spec.name, self.device,
                 self.max_batch_size)
+        if spec.kind == "triton":
+            model = triton_model.read(spec.path)
+            return interpreter.global_(_INSIDE_TRITON, "load")(
+                model.model_file, spec.name, model.version, json.dumps(model.config),
+                interpreter.index)
         with self._mapping:  # interpreters load in parallel: the archive is read once
             if self._storages is None:
                 spans = archive.records(self.spec.path)
@@ -115,10 +139,9 @@ class ServedModel(ModelRequests):
         the first one also reads the metadata."""
         if interpreter in self._materialised:
             return
-        instance = self.instance(interpreter)
-        instance.call_value("warm_up")
+        self._calls.warm_up(interpreter)
         if self._described is None:
-            self.describe(instance.call_value("metadata"))
+            self.describe(self._calls.metadata(interpreter))
         self._materialised.add(interpreter)
 
     def instance(self, interpreter: Interpreter) -> Obj:
@@ -130,7 +153,17 @@ class ServedModel(ModelRequests):
         keeps of its package for good (multipy._inside.serving.Served.forget), before
         the model is dropped."""
         for interpreter in self._materialised:
-            self.instance(interpreter).call_value("forget")
+            self._calls.forget(interpreter)
+
+    def finish(self) -> None:
+        """At the server's stop: a Triton model's ``finalize()`` in every interpreter
+        that has it (``forget``: multipy._inside.served_triton), a failure logged;
+        nothing for other kinds."""
+        if self.spec.kind == "triton":
+            try:
+                self.forget()
+            except Exception:
+                logger.exception("model %r: finalize() failed", self.name)
 
     @property
     def ready(self) -> bool:
@@ -150,8 +183,7 @@ class ServedModel(ModelRequests):
         try:
             async with self._turns:
                 with started:
-                    return await self.replicated.acall_method("infer", names, datatypes,
-                                                              *arrays, **given)
+                    return await self._calls.infer(names, datatypes, *arrays, **given)
         except InterpreterError as error:  # a type the host cannot re-create
             raise ModelError(f"model {self.name!r} raised {error.type_name}: "
                              f"{error.message}") from error
@@ -207,5 +239,5 @@ class Turns:
                 self.give()  # handed, then cancelled before it ran: passed on
             raise  # (handed but not yet there: _hand passes it on)
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         self.give()

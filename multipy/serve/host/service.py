@@ -25,7 +25,6 @@ from ..._parallel import on_each
 from ..._pool import capacity
 from ...manager import InterpreterManager, cores
 from ..http.connection import Limits
-from ..request.litserve import API_PATH, clashes
 from ..request.messages import MAX_REQUEST_SIZE, ProtocolError
 from ..request.metrics import STUCK_AFTER, Metrics
 from ..request.poison import Table
@@ -164,24 +163,21 @@ class Service:
         class's own code raises (importing its module, making the instance, its
         ``load()``; no ``predict``) stops the server before it listens, as
         model_class.ClassError with the interpreter's traceback; so do two LitAPIs on
-        one path (multipy.serve.request.litserve.clashes).  Nothing for archives,
+        one path (model_class.check_paths).  Nothing for archives,
         whose checks need no interpreter (``Service()``'s); ``start`` does the rest."""
-        classes = [spec for spec in self.specs.values() if spec.kind == "class"]
+        classes = [spec for spec in self.specs.values() if spec.has_code]
         if not classes:
             return
         logger.info("starting %d interpreter(s), and loading %s on the first before "
                     "listening", self.interpreters, ", ".join(map(str, classes)))
         self._start_interpreters()
         for model in self._loading:
-            if model.spec.kind == "class":
+            if model.spec.has_code:
                 try:
                     model.materialise(self.manager[0])
                 except Exception as error:
                     raise model_class.failed(str(model.spec), error) from error
-        clash = clashes([(str(model.spec), model.described[API_PATH]) for model in self._loading
-                         if model.described and model.described.get(API_PATH)])
-        if clash:
-            raise model_class.ClassError(clash)
+        model_class.check_paths([(str(model.spec), model.described) for model in self._loading])
 
     def start(self, before_ready: Callable[[], None] | None = None) -> None:
         """Starts the interpreters (unless ``prepare`` has) and materialises every model
@@ -395,5 +391,8 @@ class Service:
             await model.drain()
 
     def close(self) -> None:
+        """Has each model finish (ServedModel.finish), then stops the interpreters."""
         if self.manager is not None:
+            for model in self.models.values():
+                model.finish()
             self.manager.close()

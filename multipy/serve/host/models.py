@@ -88,9 +88,9 @@ class ServedModel(ModelRequests):
     archive has one), on device (an archive's model: "cpu", "cuda" or "cuda:N"; so is a
     LitAPI's and an nn.Module's, other classes choose their own); ``ready`` is true once
     every interpreter has it, and ``instance`` is the loaded model there.
-    ``infer(request)`` (see ModelRequests) runs a request on a free interpreter: every call of every model takes a turn from ``turns``, which
-    the server's models share, so that at most one call per interpreter runs and the
-    others wait in arrival order.
+    ``infer(request)`` (see ModelRequests) runs a request on a free interpreter: every
+    call of every model takes a turn from ``turns``, which the server's models share, so
+    that at most one call per interpreter runs and the others wait in arrival order.
     """
 
     def __init__(self, spec: ModelSpec, manager: InterpreterManager, metrics: Metrics,

@@ -5,8 +5,8 @@ what ``multipy serve FILE.py:CLASS`` serves when CLASS subclasses ``kserve.Model
 The class is made with the model's served name, its ``load()`` (or an ``async`` one)
 runs once, and it must leave ``ready`` true, as KServe refuses a model that is not ready;
 then its ``start()`` runs.  Afterwards the model is ready while its ``healthy()`` (sync or
-async; KServe's returns ``ready``) returns true, as KServe's model readiness says.  Each request becomes a ``kserve.InferRequest`` (the model's
-name, one ``InferInput`` per input over its numpy array, BYTES as an array of dtype
+async; KServe's returns ``ready``) returns true, as KServe's model readiness says.
+Each request becomes a ``kserve.InferRequest`` (the model's name, one ``InferInput`` per input over its numpy array, BYTES as an array of dtype
 object holding bytes; the request's id and parameters, but under ``--max-batch-size``,
 where a call may hold several requests) and goes through the model's own ``__call__``, as
 KServe's data plane calls it: ``preprocess`` -> ``validate`` -> ``predict`` ->

@@ -6,10 +6,11 @@ The class is made with the model's served name, its ``load()`` (or an ``async`` 
 runs once, and it must leave ``ready`` true, as KServe refuses a model that is not ready;
 then its ``start()`` runs.  Afterwards the model is ready while its ``healthy()`` (sync or
 async; KServe's returns ``ready``) returns true, as KServe's model readiness says.
-Each request becomes a ``kserve.InferRequest`` (the model's name, one ``InferInput`` per input over its numpy array, BYTES as an array of dtype
-object holding bytes; the request's id and parameters, but under ``--max-batch-size``,
-where a call may hold several requests) and goes through the model's own ``__call__``, as
-KServe's data plane calls it: ``preprocess`` -> ``validate`` -> ``predict`` ->
+Each request becomes a ``kserve.InferRequest`` (the model's name, one ``InferInput`` per
+input over its numpy array, BYTES as an array of dtype object holding bytes; the
+request's id and parameters, but under ``--max-batch-size``, where a call may hold
+several requests) and goes through the model's own ``__call__``, as KServe's data plane
+calls it: ``preprocess`` -> ``validate`` -> ``predict`` ->
 ``postprocess``, each sync or async, with headers ``{}``.  What it returns, an
 ``InferResponse`` or a dict in the protocol's shape (``{"outputs": [{"name", "datatype",
 "shape", "data"}]}``), becomes the outputs, of the datatypes it names.  KServe's

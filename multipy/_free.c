@@ -17,9 +17,10 @@
  * whose memory it was.
  *
  * So a free called from this libc's pthread_create goes to the host's free; every
- * other free to libc's, as before.  pthread_create calls free there for nothing else
- * (pthread_attr_destroy, which frees a copy of the default attributes, is a function of
- * its own).
+ * other free to libc's, as before.  Told apart by the return address: in glibc 2.36,
+ * pthread_create calls free there and nowhere else, and the functions it calls do not
+ * end in a jump to free (pthread_attr_destroy, which frees a copy of the default
+ * attributes, calls it), so no other free returns into pthread_create.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>

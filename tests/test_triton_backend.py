@@ -220,6 +220,59 @@ class TritonPythonModel:
             for request in requests]
 '''
 
+OWN_CONFIG = '''
+name: "NAME"
+backend: "python"
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 3 ] } ]
+'''
+
+# a model with modules of its own beside it: utils (which another model has too) and a
+# package that imports utils by its plain name
+OWN = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+import utils
+from helpers import scale
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        from utils import VALUE  # (imported as execute runs, too)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor(
+            "OUT", np.array([VALUE, utils.VALUE, scale(1)], np.int32))]) for _ in requests]
+'''
+
+HELPERS = '''
+import utils
+
+
+def scale(x):
+    return x * utils.VALUE
+'''
+
+RETURNS_CONFIG = RAISES_CONFIG.replace('"raises"', '"returns"')
+
+# what execute returns, other than one InferenceResponse per request, by the input
+RETURNS = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        value = int(pb_utils.get_input_tensor_by_name(requests[0], "IN").as_numpy()[0])
+        if value == 0:
+            return None
+        if value == 1:
+            return []
+        if value == 2:
+            return ["not a response"]
+        # an output that the config does not declare: dropped, as Triton does
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32)),
+                                            pb_utils.Tensor("EXTRA", np.array([9], np.int32))])]
+'''
+
 BAD_INIT_CONFIG = '''
 name: "bad_init"
 backend: "python"
@@ -284,6 +337,14 @@ def triton(tmp_path_factory):
     _model(repository, "raises", RAISES_CONFIG, RAISES)
     _model(repository, "echo", ECHO_CONFIG, ECHO)
     _model(repository, "async_triple", ASYNC_CONFIG, ASYNC)
+    _model(repository, "returns", RETURNS_CONFIG, RETURNS)
+    for name, value in (("own_a", 1), ("own_b", 2)):
+        folder = _model(repository, name, OWN_CONFIG.replace("NAME", name), OWN)
+        with open(os.path.join(folder, "1", "utils.py"), "w") as f:
+            f.write(f"VALUE = {value}\n")
+        os.mkdir(os.path.join(folder, "1", "helpers"))
+        with open(os.path.join(folder, "1", "helpers", "__init__.py"), "w") as f:
+            f.write(HELPERS)
     (repository / "not_a_model").mkdir()  # (no config.pbtxt: not served)
     # one interpreter (--interpreters wins over instance_group's count): every client's
     # requests reach the same batcher
@@ -403,12 +464,59 @@ def test_error_codes_as_triton_answers_them(triton, value, http, grpc):
 
 def test_an_exception_from_execute(triton):
     inputs = ("IN", np.array([7], np.int32), "INT32")
+    said = ("Failed to process the request(s) for model instance 'raises_0_0', message: "
+            "TritonModelException: this model fails on purpose")
     status, message = _client_error(lambda: triton.client().infer(
         "raises", _inputs(httpclient, inputs)))
-    assert status == "500" and "this model fails on purpose" in message
+    assert status == "500" and said in message and "multipy" not in message, message
     status, message = _client_error(lambda: _grpc(triton).infer(
         "raises", _inputs(grpcclient, inputs)))
-    assert status == "StatusCode.INTERNAL" and "this model fails on purpose" in message
+    assert status == "StatusCode.INTERNAL" and said in message, message
+
+
+@pytest.mark.parametrize("value, said", [
+    (0, "Expected a list in the execute return, found type '<class 'NoneType'>'."),
+    (1, "Number of InferenceResponse objects do not match the number of InferenceRequest "
+        "objects. InferenceRequest(s) size is:1, and InferenceResponse(s) size is:0"),
+    (2, "Expected an 'InferenceResponse' object in the execute function return list, "
+        "found type '<class 'str'>'.")])
+def test_what_execute_returns_wrong_in_tritons_words(triton, value, said):
+    inputs = ("IN", np.array([value], np.int32), "INT32")
+    status, message = _client_error(lambda: triton.client().infer(
+        "returns", _inputs(httpclient, inputs)))
+    assert status == "500", message
+    assert message.endswith("Failed to process the request(s) for model instance "
+                            f"'returns_0_0', message: {said}"), message
+
+
+def test_outputs_the_request_does_not_ask_for_are_dropped(triton):
+    for module, client in ((httpclient, triton.client()), (grpcclient, _grpc(triton))):
+        result = client.infer("returns", _inputs(module, ("IN", np.array([5], np.int32),
+                                                          "INT32")))
+        assert result.as_numpy("OUT").tolist() == [5]
+        assert result.as_numpy("EXTRA") is None
+
+
+def test_each_model_imports_its_own_modules(triton):
+    # both models load in the one interpreter; each has its own utils.py
+    for module, client in ((httpclient, triton.client()), (grpcclient, _grpc(triton))):
+        for name, value in (("own_a", 1), ("own_b", 2)):
+            result = client.infer(name, _inputs(module, ("IN", np.array([0], np.int32),
+                                                         "INT32")))
+            assert result.as_numpy("OUT").tolist() == [value] * 3, name
+
+
+def test_more_rows_than_max_batch_size(triton):
+    rows = np.arange(1, 10, dtype=np.int32).reshape(9, 1)
+    for module, status in ((httpclient, "400"), (grpcclient, "StatusCode.INVALID_ARGUMENT")):
+        client = triton.client() if module is httpclient else _grpc(triton)
+        got, message = _client_error(lambda: client.infer(
+            "errors", _inputs(module, ("IN", rows, "INT32"))))
+        assert got == status
+        assert "inference request batch-size must be <= 8 for 'errors'" in message
+    # (the model answers for the first row) eight rows are taken
+    result = triton.client().infer("errors", _inputs(httpclient, ("IN", rows[:8], "INT32")))
+    assert result.as_numpy("OUT").tolist() == [[2]]
 
 
 def _echo(module, server, k: int):
@@ -480,6 +588,9 @@ def test_config_pbtxt_as_triton_reads_it(tmp_path, caplog):
     assert model.version == "3" and model.instances is None  # version_policy's highest
     with pytest.raises(triton_model.ModelConfigError, match="config.pbtxt: 1:"):
         triton_model.parse("max_batch_size: many", "config.pbtxt")
+    assert triton_model.parse("model_transaction_policy { decoupled: false }", "c")
+    with pytest.raises(triton_model.ModelConfigError, match="decoupled models"):
+        triton_model.parse("model_transaction_policy { decoupled: true }", "c")
     (folder / "config.pbtxt").write_text('backend: "onnxruntime"')
     with pytest.raises(triton_model.ModelConfigError, match="Python backend only"):
         triton_model.read(str(folder))
@@ -552,3 +663,9 @@ def test_config_errors_stop_the_start(tmp_path):
     process = _serve(["--model-repository", str(tmp_path / "wrong" / "1"), "--port", "0"])
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 2 and "no model folder" in output
+    folder = _model(tmp_path, "decoupled", BAD_INIT_CONFIG.replace("bad_init", "decoupled") +
+                    "model_transaction_policy { decoupled: True }", BAD_INIT)
+    process = _serve([folder, "--port", "0"])
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 2, output
+    assert "decoupled: true }: multipy does not serve decoupled models" in output

@@ -2,8 +2,9 @@
 runs it: what ``multipy serve REPO/MODEL`` (or ``--model-repository REPO``) serves for
 a model folder with a config.pbtxt and ``N/model.py`` (multipy.serve.host.triton_model).
 
-``model.py`` is imported (its folder on sys.path, ``triton_python_backend_utils`` this
-package's ``triton_utils``), its ``TritonPythonModel`` made with no arguments, and its
+``model.py`` is imported as a module of the model's own (multipy._inside.triton_imports:
+the modules beside it that it imports are the model's own too;
+``triton_python_backend_utils`` is this package's ``triton_utils``), its ``TritonPythonModel`` made with no arguments, and its
 ``initialize(args)``, if it has one, called once with Triton's ``args`` (every value a
 string: ``model_config``, the config as JSON, ``model_instance_kind``,
 ``model_instance_name``, ``model_instance_device_id``, ``model_repository``,
@@ -11,22 +12,23 @@ string: ``model_config``, the config as JSON, ``model_instance_kind``,
 batch's (``execute(requests)``, a list of ``pb_utils.InferenceRequest``) and must
 return one ``InferenceResponse`` per request, in order: each goes to its own client, its
 outputs or its error (a ``TritonError``, whose code says the HTTP status and gRPC code).
-What ``execute`` raises goes to every request of the call, as an internal error.
+What ``execute`` raises goes to every request of the call, as an internal error in
+Triton's words.
 ``execute`` may be ``async def``: it is awaited on the front end's event loop.
 ``finalize()`` runs when the model is dropped: unloaded, or at the server's stop.
 """
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import inspect
 import json
 import os
-import sys
+import traceback
+from collections.abc import Coroutine
 from typing import Any
 
-from . import triton_utils
-from .serving import _array, _raise_plainly
+from . import triton_imports, triton_utils
+from .serving import output_array
 
 #: (HTTP status, gRPC status name) of each TritonError code, as Triton answers them.
 _STATUSES = {0: (400, "UNKNOWN"), 1: (500, "INTERNAL"), 2: (404, "NOT_FOUND"),
@@ -43,18 +45,7 @@ def load(model_file: str, name: str, version: str, config: str, instance: int) -
     config, JSON) made and initialised as the instance-th instance (an interpreter's
     index); what importing it or ``initialize`` raises propagates."""
     triton_utils.install()
-    folder = os.path.dirname(model_file)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    module_name = f"_triton_model_{name}"
-    spec = importlib.util.spec_from_file_location(module_name, model_file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
+    module = triton_imports.load_module(name, model_file)
     kind = getattr(module, "TritonPythonModel", None)
     if not isinstance(kind, type):
         raise TypeError(f"{model_file} defines no class TritonPythonModel")
@@ -62,13 +53,14 @@ def load(model_file: str, name: str, version: str, config: str, instance: int) -
     instance_kind = "GPU" if any(group["kind"] == "KIND_GPU"
                                  for group in parsed.get("instance_group", [])) else "CPU"
     model = kind()
+    instance_name = f"{name}_0_{instance}"
     if callable(getattr(model, "initialize", None)):
         model.initialize({
             "model_config": config, "model_instance_kind": instance_kind,
-            "model_instance_name": f"{name}_0_{instance}", "model_instance_device_id": "0",
-            "model_repository": os.path.dirname(folder), "model_version": version,
-            "model_name": name})
-    return ServedTriton(model, name, version, parsed)
+            "model_instance_name": instance_name, "model_instance_device_id": "0",
+            "model_repository": os.path.dirname(os.path.dirname(model_file)),
+            "model_version": version, "model_name": name})
+    return ServedTriton(model, name, version, parsed, instance_name)
 
 
 def _declared(config: dict[str, Any], kind: str) -> list[dict[str, Any]]:
@@ -89,11 +81,14 @@ class ServedTriton:
     """One Triton Python model in this interpreter, called as ``multipy._inside.serving.
     Served`` is, but per request: ``infer`` answers each request of the call on its own."""
 
-    def __init__(self, model: Any, name: str, version: str, config: dict[str, Any]) -> None:
+    def __init__(self, model: Any, name: str, version: str, config: dict[str, Any],
+                 instance_name: str) -> None:
         self.model = model
         self.name = name
         self.version = version
         self.config = config
+        #: the instance's name, as Triton's errors name it (MODEL_0_N)
+        self.instance_name = instance_name
         #: whether execute is a coroutine function: awaited, on the front end's loop
         self.asynchronous = inspect.iscoroutinefunction(model.execute)
         self._finalized = False
@@ -104,15 +99,12 @@ class ServedTriton:
         of the datatypes; a batch's requests one after the other along the first
         dimension, each of its rows); returns (answers, *output arrays): one answer per
         request, ("ok", output names, output datatypes), its arrays next in order, or
-        ("error", HTTP status, gRPC status name, message).  An ``async def execute``
-        runs to its end here, on an event loop of its own."""
-        if self.asynchronous:
-            return asyncio.run(self.infer_async(names, datatypes, *arrays, requests=requests))
-        calls = self._requests(names, arrays, requests)
-        try:
-            return self._answers(calls, self.model.execute(calls))
-        except Exception as error:
-            _raise_plainly(error)
+        ("error", HTTP status, gRPC status name, message).  What execute raises, or a
+        return that is not one InferenceResponse per request, is every request's error
+        (500), in Triton's words.  An ``async def execute`` runs to its end here, on an
+        event loop of its own."""
+        run = self.infer_async(names, datatypes, *arrays, requests=requests)
+        return asyncio.run(run) if self.asynchronous else _finished(run)
 
     async def infer_async(self, names: tuple[str, ...], datatypes: tuple[str, ...],
                           *arrays: Any, requests: list[Request]) -> tuple:
@@ -120,9 +112,18 @@ class ServedTriton:
         end's)."""
         calls = self._requests(names, arrays, requests)
         try:
-            return self._answers(calls, await self.model.execute(calls))
+            responses = self.model.execute(calls)
+            if self.asynchronous:
+                responses = await responses
+            return self._answers(calls, responses)
+        except _Returned as error:
+            reason = str(error)
         except Exception as error:
-            _raise_plainly(error)
+            traceback.print_exception(error)
+            reason = f"{type(error).__name__}: {error}"
+        message = (f"Failed to process the request(s) for model instance "
+                   f"'{self.instance_name}', message: {reason}")
+        return ((("error", 500, "INTERNAL", message),) * len(calls),)
 
     def _requests(self, names: tuple[str, ...], arrays: tuple,
                   requests: list[Request]) -> list[triton_utils.InferenceRequest]:
@@ -142,23 +143,23 @@ class ServedTriton:
                 self.name))
         return calls
 
-    def _answers(self, calls: list, responses: Any) -> tuple:
-        """infer's answers, from execute's responses to calls; RuntimeError unless
-        there is one per request."""
-        if not isinstance(responses, (list, tuple)) or len(responses) != len(calls):
-            raise RuntimeError(f"TritonPythonModel.execute returned {_count(responses)} "
-                               f"for {len(calls)} request(s): it returns one "
-                               f"InferenceResponse per request")
+    def _answers(self, calls: list[triton_utils.InferenceRequest], responses: Any) -> tuple:
+        """infer's answers, from execute's responses to calls, each response's outputs
+        those its request asks for (the others dropped, as Triton does); _Returned
+        unless responses is a list of one InferenceResponse per request."""
+        _check_returned(calls, responses)
         answers: list[tuple] = []
         flat: list[Any] = []
-        for response in responses:
+        for call, response in zip(calls, responses):
             error = response.error()
             if error is not None:
                 status, code = _STATUSES.get(error.code(), (500, "INTERNAL"))
                 answers.append(("error", status, code, str(error.message())))
                 continue
-            found = [(tensor.name(), *_array(None, tensor.name(), tensor.as_numpy(), set()))
-                     for tensor in response.output_tensors()]
+            asked = set(call.requested_output_names())
+            found = [(tensor.name(), *output_array(None, tensor.name(), tensor.as_numpy(),
+                                                    set()))
+                     for tensor in response.output_tensors() if tensor.name() in asked]
             answers.append(("ok", tuple(name for name, _, _ in found),
                             tuple(datatype for _, datatype, _ in found)))
             flat.extend(array for _, _, array in found)
@@ -168,7 +169,8 @@ class ServedTriton:
         """The config's inputs and outputs (requests are checked against the inputs),
         the version served, and how requests are batched: [rows, seconds] with
         ``dynamic_batching`` (its largest preferred_batch_size, else max_batch_size;
-        max_queue_delay_microseconds), else None, each request a call of its own."""
+        max_queue_delay_microseconds), else None, each request a call of its own; and
+        the most rows a request may have (max_batch_size, as Triton checks it), or None."""
         config = self.config
         dynamic = config.get("dynamic_batching")
         batching = None
@@ -178,7 +180,8 @@ class ServedTriton:
                         dynamic.get("max_queue_delay_microseconds", 0) / 1e6]
         return {"inputs": _declared(config, "input"), "outputs": _declared(config, "output"),
                 "declared": True, "platform": "python", "versions": [self.version],
-                "per_request": True, "batching": batching}
+                "per_request": True, "batching": batching,
+                "max_rows": config.get("max_batch_size", 0) or None}
 
     def warm_up(self) -> None:
         """Nothing: initialize has run."""
@@ -191,8 +194,32 @@ class ServedTriton:
                 self.model.finalize()
 
 
-def _count(responses: Any) -> str:
+class _Returned(Exception):
+    """What execute returned is not what Triton takes (its message is Triton's)."""
+
+
+def _check_returned(calls: list[triton_utils.InferenceRequest], responses: Any) -> None:
+    """_Returned, in Triton's words, unless responses is a list of one InferenceResponse
+    per request of calls."""
+    if not isinstance(responses, list):
+        raise _Returned(f"Expected a list in the execute return, found type "
+                        f"'{type(responses)}'.")
+    if len(responses) != len(calls):
+        raise _Returned(f"Number of InferenceResponse objects do not match the number of "
+                        f"InferenceRequest objects. InferenceRequest(s) size is:{len(calls)}, "
+                        f"and InferenceResponse(s) size is:{len(responses)}")
+    for response in responses:
+        if not isinstance(response, triton_utils.InferenceResponse):
+            raise _Returned(f"Expected an 'InferenceResponse' object in the execute "
+                            f"function return list, found type '{type(response)}'.")
+
+
+def _finished(run: Coroutine[Any, Any, tuple]) -> tuple:
+    """What run (infer_async's, for an execute that is not async: it never waits)
+    returns, run to its end here."""
     try:
-        return f"{len(responses)} response(s)"
-    except TypeError:
-        return f"a {type(responses).__name__}"
+        run.send(None)
+    except StopIteration as done:
+        return done.value
+    run.close()
+    raise RuntimeError("execute waited, but is not an async def")

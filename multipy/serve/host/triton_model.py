@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from google.protobuf import json_format, text_format
-from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 
 from .model_config_pb2 import ModelConfig
 
@@ -112,30 +112,48 @@ def parse(text: str, where: str) -> ModelConfig:
     try:
         kept, skipped = _known_only(text)
         if skipped:
-            logger.warning("%s: multipy does not read %s (skipped)", where, ", ".join(skipped))
+            logger.warning("%s: multipy does not read %s (skipped)", where,
+                           ", ".join(name for name, _ in skipped))
             text = "\n".join(kept)
-        return text_format.Parse(text, ModelConfig())
+        config = text_format.Parse(text, ModelConfig())
     except text_format.ParseError as error:
         raise ModelConfigError(f"{where}: {error}") from None
+    if any(name == "model_transaction_policy" and _sets_true(value, "decoupled")
+           for name, value in skipped):
+        raise ModelConfigError(f"{where}: model_transaction_policy {{ decoupled: true }}: "
+                               f"multipy does not serve decoupled models (responses sent "
+                               f"through a response sender) yet")
+    return config
 
 
-def _known_only(text: str) -> tuple[list[str], list[str]]:
+def _sets_true(tokens: list[str], field: str) -> bool:
+    """Whether tokens (a message's, in text format) set its boolean field to true."""
+    for i, token in enumerate(tokens[:-1]):
+        if token == field:
+            value = tokens[i + 2] if tokens[i + 1] == ":" and i + 2 < len(tokens) \
+                else tokens[i + 1]
+            return value in ("true", "True", "t", "1")
+    return False
+
+
+def _known_only(text: str) -> tuple[list[str], list[tuple[str, list[str]]]]:
     """(text's tokens less the fields, with their values, that ModelConfig's messages do
-    not have where they stand; those fields' names, dotted from the top)."""
+    not have where they stand; those fields: each one's name, dotted from the top, and
+    its value's tokens)."""
     tokens = []
     tokenizer = text_format.Tokenizer(text.splitlines())
     while not tokenizer.AtEnd():
         tokens.append(tokenizer.token)
         tokenizer.NextToken()
     kept: list[str] = []
-    skipped: list[str] = []
+    skipped: list[tuple[str, list[str]]] = []
     if _message(tokens, 0, ModelConfig.DESCRIPTOR, kept, skipped, "") != len(tokens):
         raise text_format.ParseError("a '}' closes no message")
     return kept, skipped
 
 
-def _message(tokens: list[str], i: int, descriptor: Any, kept: list[str],
-             skipped: list[str], path: str) -> int:
+def _message(tokens: list[str], i: int, descriptor: Descriptor, kept: list[str],
+             skipped: list[tuple[str, list[str]]], path: str) -> int:
     """Copies the fields of a message of descriptor from tokens[i:] into kept, up to the
     '}' or '>' that closes it (or the end); returns that token's index."""
     while i < len(tokens) and tokens[i] not in ("}", ">"):
@@ -146,7 +164,7 @@ def _message(tokens: list[str], i: int, descriptor: Any, kept: list[str],
         field = descriptor.fields_by_name.get(name)
         end = _value_end(tokens, i + 1)
         if field is None:
-            skipped.append(path + name)
+            skipped.append((path + name, tokens[i + 1:end]))
             i = end
             continue
         if field.message_type is None:
@@ -215,7 +233,7 @@ def as_dict(config: ModelConfig) -> dict[str, Any]:
     return _numbers(config.DESCRIPTOR, found)
 
 
-def _numbers(descriptor: Any, value: dict[str, Any]) -> dict[str, Any]:
+def _numbers(descriptor: Descriptor, value: dict[str, Any]) -> dict[str, Any]:
     """value (a message of descriptor as a dict) with its 64-bit integers as numbers."""
     for field in descriptor.fields:
         if field.name not in value:

@@ -84,6 +84,8 @@ class ModelRequests(abc.ABC):
         self._platform = described.get("platform", "pytorch_torch_package")
         self._wants_request = bool(described.get("wants_request"))
         self._per_request = bool(described.get("per_request"))
+        #: the most rows a request may have (a Triton model's max_batch_size), or None
+        self._max_rows = described.get("max_rows")
         self.versions = tuple(described.get("versions", ("1",)))
         if "batching" in described:
             batching = described["batching"]
@@ -208,6 +210,10 @@ class ModelRequests(abc.ABC):
             if len(shape) != len(wanted) or any(w not in (-1, s) for w, s in zip(wanted, shape)):
                 raise ProtocolError(f"model {self.name!r}: input {tensor.name!r} has shape "
                                     f"{shape}, not {wanted} (-1: any size)")
+        rows = self._max_rows
+        if rows and any(t.array.ndim and t.array.shape[0] > rows for t in inputs):
+            raise ProtocolError(f"inference request batch-size must be <= {rows} for "
+                                f"{self.name!r}")
         given = {tensor.name for tensor in inputs}
         missing = [name for name, spec in declared.items()
                    if name not in given and not spec.get("optional")]

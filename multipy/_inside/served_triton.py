@@ -4,18 +4,18 @@ a model folder with a config.pbtxt and ``N/model.py`` (multipy.serve.host.triton
 
 ``model.py`` is imported as a module of the model's own (multipy._inside.triton_imports:
 the modules beside it that it imports are the model's own too;
-``triton_python_backend_utils`` is this package's ``triton_utils``), its ``TritonPythonModel`` made with no arguments, and its
-``initialize(args)``, if it has one, called once with Triton's ``args`` (every value a
-string: ``model_config``, the config as JSON, ``model_instance_kind``,
-``model_instance_name``, ``model_instance_device_id``, ``model_repository``,
-``model_version``, ``model_name``).  Each call gets the requests it answers, one or a
-batch's (``execute(requests)``, a list of ``pb_utils.InferenceRequest``) and must
-return one ``InferenceResponse`` per request, in order: each goes to its own client, its
-outputs or its error (a ``TritonError``, whose code says the HTTP status and gRPC code).
-What ``execute`` raises goes to every request of the call, as an internal error in
-Triton's words.
-``execute`` may be ``async def``: it is awaited on the front end's event loop.
-``finalize()`` runs when the model is dropped: unloaded, or at the server's stop.
+``triton_python_backend_utils`` is this package's ``triton_utils``), its
+``TritonPythonModel`` made with no arguments, and its ``initialize(args)``, if it has
+one, called once with Triton's ``args`` (every value a string: ``model_config``, the
+config as JSON, ``model_instance_kind``, ``model_instance_name``,
+``model_instance_device_id``, ``model_repository``, ``model_version``, ``model_name``).
+Each call gets the requests it answers, one or a batch's (``execute(requests)``, a list
+of ``pb_utils.InferenceRequest``) and must return one ``InferenceResponse`` per request,
+in order: each goes to its own client, its outputs or its error (a ``TritonError``,
+whose code says the HTTP status and gRPC code). What ``execute`` raises goes to every
+request of the call, as an internal error in Triton's words. ``execute`` may be ``async
+def``: it is awaited on the front end's event loop. ``finalize()`` runs when the model
+is dropped: unloaded, or at the server's stop.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import traceback
 from collections.abc import Coroutine
 from typing import Any
 
+from ..serve.request.messages import Answer
 from . import triton_imports, triton_utils
 from .serving import output_array
 
@@ -98,8 +99,8 @@ class ServedTriton:
         """Runs ``execute`` once on the requests whose inputs arrays hold (named names,
         of the datatypes; a batch's requests one after the other along the first
         dimension, each of its rows); returns (answers, *output arrays): one answer per
-        request, ("ok", output names, output datatypes), its arrays next in order, or
-        ("error", HTTP status, gRPC status name, message).  What execute raises, or a
+        request (a multipy.serve.request.messages.Answer, as a plain tuple), then the
+        arrays of the outputs that each names, in order.  What execute raises, or a
         return that is not one InferenceResponse per request, is every request's error
         (500), in Triton's words.  An ``async def execute`` runs to its end here, on an
         event loop of its own."""
@@ -123,7 +124,7 @@ class ServedTriton:
             reason = f"{type(error).__name__}: {error}"
         message = (f"Failed to process the request(s) for model instance "
                    f"'{self.instance_name}', message: {reason}")
-        return ((("error", 500, "INTERNAL", message),) * len(calls),)
+        return ((tuple(Answer(status=500, code="INTERNAL", message=message)),) * len(calls),)
 
     def _requests(self, names: tuple[str, ...], arrays: tuple,
                   requests: list[Request]) -> list[triton_utils.InferenceRequest]:
@@ -154,14 +155,15 @@ class ServedTriton:
             error = response.error()
             if error is not None:
                 status, code = _STATUSES.get(error.code(), (500, "INTERNAL"))
-                answers.append(("error", status, code, str(error.message())))
+                answers.append(tuple(Answer(status=status, code=code,
+                                            message=str(error.message()))))
                 continue
             asked = set(call.requested_output_names())
             found = [(tensor.name(), *output_array(None, tensor.name(), tensor.as_numpy(),
                                                     set()))
                      for tensor in response.output_tensors() if tensor.name() in asked]
-            answers.append(("ok", tuple(name for name, _, _ in found),
-                            tuple(datatype for _, datatype, _ in found)))
+            answers.append(tuple(Answer(tuple(name for name, _, _ in found),
+                                        tuple(datatype for _, datatype, _ in found))))
             flat.extend(array for _, _, array in found)
         return (tuple(answers), *flat)
 

@@ -315,8 +315,8 @@ def _is_string_list(value: Any) -> bool:
 
 
 def _is_strings(value: Any) -> bool:
-    """Whether value is BYTES as ``output_array`` takes it: a str or bytes, a list of them, or
-    a numpy array of them."""
+    """Whether value is BYTES as ``output_array`` takes it: a str or bytes, a list of
+    them, or a numpy array of them."""
     if isinstance(value, (str, bytes)) or _is_string_list(value):
         return True
     numpy = sys.modules.get("numpy")

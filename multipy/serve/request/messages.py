@@ -83,6 +83,21 @@ class Tensor(NamedTuple):
     array: np.ndarray
 
 
+class Answer(NamedTuple):
+    """One request's answer, from a model inside that answers each request of a call on
+    its own (multipy._inside.served_triton): its outputs' names and datatypes (their
+    arrays follow the call's answers, in order), or its error (status: the HTTP status,
+    not 0; code: the gRPC status's name; message).  It crosses from the interpreter as a
+    plain tuple (``tuple(answer)``), which the call's fast paths carry as they are, and
+    is read back with ``Answer._make``."""
+
+    names: tuple[str, ...] = ()
+    datatypes: tuple[str, ...] = ()
+    status: int = 0
+    code: str = ""
+    message: str = ""
+
+
 @dataclass
 class InferRequest:
     """A decoded inference request."""

@@ -11,7 +11,7 @@ import time
 from typing import Any, Collection, Mapping
 
 from .batching import Batcher, Outcomes, batch_rows
-from .messages import InferRequest, ProtocolError, Tensor
+from .messages import Answer, InferRequest, ProtocolError, Tensor
 from .metrics import Count, ModelSeries, Timing
 
 
@@ -247,17 +247,18 @@ def _asked(request: InferRequest) -> tuple:
 
 def _outcomes(answers: tuple, *arrays: object) -> Outcomes:
     """The Outcomes of a call of a model that answers each request on its own, from
-    what it returns (multipy._inside.served_triton.ServedTriton.infer): its outputs, or
-    a ProtocolError with its status, gRPC code and message."""
+    what it returns (multipy._inside.served_triton.ServedTriton.infer: each request's
+    Answer, as a plain tuple, then the outputs' arrays): its outputs, or a ProtocolError
+    with its status, gRPC code and message."""
     found = Outcomes()
     start = 0
-    for answer in answers:
-        if answer[0] == "error":
-            _, status, code, message = answer
-            found.append(ProtocolError(message, status, code))
+    for answer in map(Answer._make, answers):
+        if answer.status:
+            found.append(ProtocolError(answer.message, answer.status, answer.code))
             continue
-        _, names, datatypes = answer
-        found.append(list(map(Tensor, names, datatypes, arrays[start:start + len(names)])))
+        names = answer.names
+        found.append(list(map(Tensor, names, answer.datatypes,
+                              arrays[start:start + len(names)])))
         start += len(names)
     return found
 

@@ -1,9 +1,11 @@
 """`multipy serve --model-repository REPO` and `multipy serve REPO/MODEL`: Triton
 Python-backend models (config.pbtxt, N/model.py with TritonPythonModel and
 triton_python_backend_utils), served unchanged, checked through tritonclient over HTTP
-and gRPC: add_sub, torch inside execute, per-request errors and a raising execute,
-dynamic batching (several requests in one execute, each answered on its own), BYTES,
-request ids and parameters, initialize's args, an initialize that fails, finalize.
+and gRPC: add_sub, torch inside execute, per-request errors and a raising execute or a
+wrong return (in Triton's words), outputs not asked for dropped, each model's own
+modules, max_batch_size, a decoupled config refused, dynamic batching (several requests
+in one execute, each answered on its own), BYTES, request ids and parameters,
+initialize's args, an initialize that fails, finalize.
 """
 from __future__ import annotations
 
@@ -399,6 +401,9 @@ def test_metadata_versions_and_start(triton):
     assert not triton.client().is_model_ready("not_a_model")
     output = triton.output()
     assert "config.pbtxt: multipy does not read optimization, model_warmup" in output
+    # the start-up line says what loading a Triton model does (no archive is served)
+    assert "in each: a Triton model's model.py imported and its initialize() run" in output
+    assert "archive loaded" not in output
     status, message = _client_error(lambda: triton.client().infer(
         "add_sub", _inputs(httpclient, ("INPUT0", np.zeros(3, np.float32), "FP32"),
                            ("INPUT1", np.zeros(4, np.float32), "FP32"))))

@@ -68,6 +68,15 @@ class ModelSpec:
             archive.check(self.path, self.module, self.resource)
 
     @property
+    def loading(self) -> str:
+        """What loading it does in each interpreter, as the start-up log says it."""
+        if self.kind == "triton":
+            return "a Triton model's model.py imported and its initialize() run"
+        if self.kind == "class":
+            return "a model class's instance made"
+        return "torch imported and an archive loaded"
+
+    @property
     def has_code(self) -> bool:
         """Whether loading the model runs its own code (a class's, a Triton model's),
         which may raise: the first interpreter loads it before the server listens."""

@@ -191,9 +191,9 @@ class Service:
                 self._start_interpreters()
             progress.advance(n, "interpreters started")
             models, self._loading = self._loading, []  # (self.models holds them from now on)
-            progress.stage(f"materialising {m} model(s) on {n} interpreter(s): torch is "
-                           f"imported and each archive loaded in every interpreter "
-                           f"({self.manager.torch_threads} torch thread(s) each)")
+            loading = "; ".join(dict.fromkeys(model.spec.loading for model in models))
+            progress.stage(f"materialising {m} model(s) on {n} interpreter(s), in each: "
+                           f"{loading} ({self.manager.torch_threads} torch thread(s))")
             self._materialise(models, progress)
             for model in models:
                 inputs = ", ".join(f"{i['name']} {i['datatype']}{i['shape']}"

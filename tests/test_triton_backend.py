@@ -477,6 +477,8 @@ def test_an_exception_from_execute(triton):
     status, message = _client_error(lambda: _grpc(triton).infer(
         "raises", _inputs(grpcclient, inputs)))
     assert status == "StatusCode.INTERNAL" and said in message, message
+    output = triton.output()  # the server's log has it, with the traceback
+    assert said in output and 'model.py", line 7, in execute' in output
 
 
 @pytest.mark.parametrize("value, said", [

@@ -13,9 +13,9 @@ Each call gets the requests it answers, one or a batch's (``execute(requests)``,
 of ``pb_utils.InferenceRequest``) and must return one ``InferenceResponse`` per request,
 in order: each goes to its own client, its outputs or its error (a ``TritonError``,
 whose code says the HTTP status and gRPC code). What ``execute`` raises goes to every
-request of the call, as an internal error in Triton's words. ``execute`` may be ``async
-def``: it is awaited on the front end's event loop. ``finalize()`` runs when the model
-is dropped: unloaded, or at the server's stop.
+request of the call, as an internal error in Triton's words (logged, with its
+traceback). ``execute`` may be ``async def``: it is awaited on the front end's event
+loop. ``finalize()`` runs when the model is dropped: unloaded, or at the server's stop.
 """
 from __future__ import annotations
 
@@ -118,12 +118,13 @@ class ServedTriton:
                 responses = await responses
             return self._answers(calls, responses)
         except _Returned as error:
-            reason = str(error)
+            reason, where = str(error), ""
         except Exception as error:
-            traceback.print_exception(error)
             reason = f"{type(error).__name__}: {error}"
+            where = "\n" + "".join(traceback.format_exception(error)).rstrip()
         message = (f"Failed to process the request(s) for model instance "
                    f"'{self.instance_name}', message: {reason}")
+        triton_utils.Logger.log_error(message + where)
         return ((tuple(Answer(status=500, code="INTERNAL", message=message)),) * len(calls),)
 
     def _requests(self, names: tuple[str, ...], arrays: tuple,

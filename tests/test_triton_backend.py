@@ -340,7 +340,7 @@ def triton(tmp_path_factory):
     _model(repository, "echo", ECHO_CONFIG, ECHO)
     _model(repository, "async_triple", ASYNC_CONFIG, ASYNC)
     _model(repository, "returns", RETURNS_CONFIG, RETURNS)
-    for name, value in (("own_a", 1), ("own_b", 2)):
+    for name, value in (("own_a", 1), ("own-b", 2)):
         folder = _model(repository, name, OWN_CONFIG.replace("NAME", name), OWN)
         with open(os.path.join(folder, "1", "utils.py"), "w") as f:
             f.write(f"VALUE = {value}\n")
@@ -507,7 +507,7 @@ def test_outputs_the_request_does_not_ask_for_are_dropped(triton):
 def test_each_model_imports_its_own_modules(triton):
     # both models load in the one interpreter; each has its own utils.py
     for module, client in ((httpclient, triton.client()), (grpcclient, _grpc(triton))):
-        for name, value in (("own_a", 1), ("own_b", 2)):
+        for name, value in (("own_a", 1), ("own-b", 2)):
             result = client.infer(name, _inputs(module, ("IN", np.array([0], np.int32),
                                                          "INT32")))
             assert result.as_numpy("OUT").tolist() == [value] * 3, name

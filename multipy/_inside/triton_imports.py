@@ -1,7 +1,7 @@
 """Each Triton model's own modules, inside an interpreter.  Triton runs each model in a
 process of its own, its version folder on sys.path; here models share interpreters, so
 a model's ``model.py`` and the modules beside it are imported as modules of a package
-that is that model's alone (``_triton_models.<model>``, whose path is the version
+that is that model's alone (``_triton_models.m_<model>``, whose path is the version
 folder), and ``import utils`` or ``from utils import x`` in any of them finds that
 model's ``utils`` where its folder has one (their ``__import__`` is the model's).  Two
 models that each have a ``utils.py`` each get their own.  ``importlib.import_module
@@ -47,8 +47,9 @@ def load_module(model: str, model_file: str) -> ModuleType:
 
 
 def _identifier(model: str) -> str:
-    """model's name as one component of a module's name."""
-    return model if model.isidentifier() else "_" + model.encode().hex()
+    """model's name as one component of a module's name, different for each name:
+    "m_" and the name where it is an identifier, else "x_" and its UTF-8 in hex."""
+    return "m_" + model if model.isidentifier() else "x_" + model.encode().hex()
 
 
 def _package(name: str, path: list[str]) -> ModuleType:

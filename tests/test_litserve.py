@@ -138,6 +138,23 @@ class Batched(ls.LitAPI):
         return {"output": row.tolist(), "batch": size}
 
 
+class OwnBatches(ls.LitAPI):
+    """Batches as its own __init__ says (LitServe 0.2's LitAPI holds the batching), its
+    predict written for a list of inputs (LitServe's default batch and unbatch)."""
+
+    def __init__(self):
+        super().__init__(max_batch_size=4, batch_timeout=0.3, api_path="/own")
+
+    def decode_request(self, request):
+        return request["input"]
+
+    def predict(self, xs):
+        return [(x * 2, len(xs)) for x in xs]
+
+    def encode_response(self, output):
+        return {"output": output[0], "batch": output[1]}
+
+
 class Point(BaseModel):
     x: float
     y: float = 0.0
@@ -201,7 +218,8 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
-    classes = ["SimpleLitAPI", "InferencePipeline", "Strict", "Moody", "Typed", "Net"]
+    classes = ["SimpleLitAPI", "InferencePipeline", "Strict", "Moody", "Typed", "OwnBatches",
+               "Net"]
     server = _start(tmp_path_factory.mktemp("litserve_served"),
                     [f"{models}/lit_models.py:{name}" for name in classes],
                     "--interpreters", "2")
@@ -276,7 +294,7 @@ def test_health_follows_the_apis_health_and_info_names_the_paths(served, models)
     assert status == 200
     assert json.loads(answer)["server"]["models"] == {
         "/predict": "simplelitapi", "/pipeline": "inferencepipeline", "/strict": "strict",
-        "/moody": "moody", "/typed": "typed"}
+        "/moody": "moody", "/typed": "typed", "/own": "ownbatches"}
 
 
 def test_a_lit_api_on_the_v2_routes(served):
@@ -324,6 +342,23 @@ def test_two_apis_on_one_path_are_refused(models):
                          timeout=120)
     assert run.returncode == 2, run.stderr
     assert "both answer on /predict" in run.stderr
+
+
+def test_an_api_batches_as_its_own_init_says_without_max_batch_size(served):
+    answers: list = [None] * 6
+
+    def send(k: int) -> None:
+        answers[k] = _post(served, "/own", {"input": k})
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    # (its predict takes a list: given one input, as --max-batch-size 1 would, it fails)
+    assert [answer and answer[0] for answer in answers] == [200] * 6, answers
+    assert [answer[1]["output"] for answer in answers] == [2 * k for k in range(6)]
+    assert all(1 <= answer[1]["batch"] <= 4 for answer in answers), answers
 
 
 def test_batch_and_unbatch_under_max_batch_size(models, tmp_path):

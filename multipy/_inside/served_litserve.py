@@ -44,8 +44,10 @@ def is_lit_api(kind: type) -> bool:
 
 def load(kind: type, device: str, max_batch_size: int) -> ServedLitAPI:
     """An instance of kind, a ``LitAPI`` subclass, set up on device as LitServe's worker
-    sets it up, batching as max_batch_size (--max-batch-size) says.  TypeError for what
-    this server does not serve: a spec (OpenAISpec, say), streaming, enable_async."""
+    sets it up, batching as max_batch_size (--max-batch-size) says where it is over 1,
+    else as the API's own ``max_batch_size`` and ``batch_timeout`` (its ``__init__``'s)
+    say.  TypeError for what this server does not serve: a spec (OpenAISpec, say),
+    streaming, enable_async."""
     instance = kind()
     described = f"{kind.__module__}.{kind.__qualname__}"
     for refused, what in ((instance.spec is not None, "a spec"),
@@ -54,17 +56,19 @@ def load(kind: type, device: str, max_batch_size: int) -> ServedLitAPI:
         if refused:
             raise TypeError(f"{described} uses {what}, which multipy serve does not serve: "
                             f"it serves LitAPIs that answer each request with one JSON value")
-    instance.max_batch_size = max_batch_size
+    own = max_batch_size <= 1 and instance.max_batch_size > 1
+    if not own:
+        instance.max_batch_size = max_batch_size
     instance.pre_setup()
     instance.setup(device)
     instance.device = device
-    return ServedLitAPI(instance)
+    return ServedLitAPI(instance, own)
 
 
 class ServedLitAPI:
     """One LitAPI in this interpreter, called as ``multipy._inside.serving.Served`` is."""
 
-    def __init__(self, instance: Any) -> None:
+    def __init__(self, instance: Any, own_batching: bool = False) -> None:
         from starlette.exceptions import HTTPException  # (fastapi's: a subclass)
 
         try:
@@ -76,6 +80,8 @@ class ServedLitAPI:
         self._http_error = HTTPException
         self._encodable = jsonable_encoder
         self._batched = instance.max_batch_size > 1
+        #: whether the API's own max_batch_size batches it (no --max-batch-size)
+        self._own_batching = own_batching
         self._takes_context: dict[str, bool] = {}
         #: the pydantic model that decode_request's request is annotated with, if any
         self._request_model = _pydantic_model(instance.decode_request)
@@ -201,9 +207,13 @@ class ServedLitAPI:
         return bool(await state if inspect.isawaitable(state) else state)
 
     def metadata(self) -> dict[str, Any]:
-        """No declared inputs or outputs; the path its LitServe requests come on."""
+        """No declared inputs or outputs; the path its LitServe requests come on; and
+        its own batching ([rows, seconds]) where the API sets it and --max-batch-size
+        does not."""
+        own = {"batching": [self.instance.max_batch_size, self.instance.batch_timeout]} \
+            if self._own_batching else {}
         return {"inputs": [], "outputs": [], "platform": "python",
-                API_PATH: self.instance.api_path}
+                API_PATH: self.instance.api_path, **own}
 
     def warm_up(self) -> None:
         """Nothing: setup() has run."""

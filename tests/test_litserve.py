@@ -2,8 +2,8 @@
 LitServe's README writes one, serves unchanged on LitServe's routes (POST to its path,
 /health, /info), answering as LitServe's server does (HTTPException's status and
 detail, 500 for the rest), batching under --max-batch-size with its batch and unbatch,
-and on the Open Inference Protocol's routes too.  And a plain `torch.nn.Module` class
-served directly, or refused, with the wrapper that serves it, when it needs arguments.
+and on the Open Inference Protocol's routes too.  (A plain `torch.nn.Module` class:
+tests/test_model_class.py.)
 """
 from __future__ import annotations
 
@@ -184,28 +184,6 @@ class Slow(ls.LitAPI):
 
     def predict(self, x):
         return x
-
-
-class Net(torch.nn.Module):
-    """A plain module: served as it is, in eval mode (its dropout then does nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = torch.nn.Linear(4, 2)
-        self.dropout = torch.nn.Dropout(0.9)
-
-    def forward(self, x, shift):
-        return self.dropout(self.linear(x)) + shift
-
-
-class NeedsSize(torch.nn.Module):
-    def __init__(self, size):
-        super().__init__()
-        self.linear = torch.nn.Linear(size, 1)
-
-    def forward(self, x):
-        return self.linear(x)
 '''
 
 
@@ -218,8 +196,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
-    classes = ["SimpleLitAPI", "InferencePipeline", "Strict", "Moody", "Typed", "OwnBatches",
-               "Net"]
+    classes = ["SimpleLitAPI", "InferencePipeline", "Strict", "Moody", "Typed", "OwnBatches"]
     server = _start(tmp_path_factory.mktemp("litserve_served"),
                     [f"{models}/lit_models.py:{name}" for name in classes],
                     "--interpreters", "2")
@@ -306,32 +283,6 @@ def test_a_lit_api_on_the_v2_routes(served):
     status, answer = _infer_json(served, "strict", {"inputs": [
         {"name": "x", "datatype": "FP32", "shape": [1], "data": [-1]}]})
     assert (status, answer) == (422, {"error": "-1.0 is negative"})
-
-
-def test_an_nn_module_class_is_served_as_it_is(served, models):
-    x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    shift = np.ones((2, 1), dtype=np.float32)
-    status, answer = _infer_json(served, "net", {"inputs": [
-        {"name": "shift", "datatype": "FP32", "shape": [2, 1], "data": shift.ravel().tolist()},
-        {"name": "x", "datatype": "FP32", "shape": [2, 4], "data": x.ravel().tolist()}]})
-    assert status == 200
-    namespace: dict = {}
-    exec(compile(MODELS, str(models / "lit_models.py"), "exec"), namespace)
-    expected = namespace["Net"]().eval()(torch.from_numpy(x), torch.from_numpy(shift))
-    assert answer["outputs"][0]["data"] == pytest.approx(expected.detach().numpy().ravel())
-    status, _, body = _request(served, "GET", "/v2/models/net")
-    assert [i["name"] for i in json.loads(body)["inputs"]] == ["x", "shift"]
-
-
-def test_an_nn_module_that_needs_arguments_is_refused_with_its_wrapper(models):
-    port = _free_port()
-    run = subprocess.run([sys.executable, "-m", "multipy", "serve",
-                          f"{models}/lit_models.py:NeedsSize", "--interpreters", "1",
-                          "--port", str(port)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2, run.stderr
-    assert "cannot be made without arguments (size)" in run.stderr
-    assert run.stderr.count("class ServedNeedsSize:") == 1, run.stderr  # (said once)
-    assert "def predict(self, inputs): return self.model(" in run.stderr
 
 
 def test_two_apis_on_one_path_are_refused(models):

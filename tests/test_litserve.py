@@ -114,6 +114,22 @@ class Moody(ls.LitAPI):
         return not os.path.exists(os.path.join(os.path.dirname(__file__), "sick"))
 
 
+class SlowMoody(Moody):
+    """Moody, on /predict, its predict of {"sleep": s} taking s seconds once it has
+    written the file "predicting" beside this module."""
+
+    def __init__(self):
+        ls.LitAPI.__init__(self)
+
+    def predict(self, x):
+        import time
+
+        here = os.path.dirname(__file__)
+        open(os.path.join(here, "predicting"), "w").close()
+        time.sleep(x["sleep"])
+        return x
+
+
 class Batched(ls.LitAPI):
     """LitServe's batching example: batch stacks the inputs, unbatch splits the outputs;
     each answer says how many requests its batch held."""
@@ -272,6 +288,37 @@ def test_health_follows_the_apis_health_and_info_names_the_paths(served, models)
     assert json.loads(answer)["server"]["models"] == {
         "/predict": "simplelitapi", "/pipeline": "inferencepipeline", "/strict": "strict",
         "/moody": "moody", "/typed": "typed", "/own": "ownbatches"}
+
+
+def test_while_the_host_answers_health_follows_the_apis_last_health(models, tmp_path):
+    """With its one interpreter in a long predict, the host answers a probe on a new
+    connection: it says what the API's health() last said there."""
+    server = _start(tmp_path, [f"{models}/lit_models.py:SlowMoody"], "--interpreters", "1")
+    sick, predicting = models / "sick", models / "predicting"
+
+    def probes_during_a_long_predict() -> list:
+        predicting.unlink(missing_ok=True)
+        call = threading.Thread(target=_post, args=(server, "/predict", {"sleep": 6}))
+        call.start()
+        try:
+            while not predicting.exists():
+                assert call.is_alive()
+                time.sleep(0.05)
+            return [_request(server, "GET", "/health")[::2],
+                    _request(server, "GET", "/v2/models/slowmoody/ready")[0]]
+        finally:
+            call.join(60)
+
+    try:
+        sick.write_text("")
+        assert _request(server, "GET", "/health")[::2] == (503, b"not ready")  # (its own)
+        assert probes_during_a_long_predict() == [(503, b"not ready"), 400]
+        sick.unlink()
+        assert _request(server, "GET", "/health")[::2] == (200, b"ok")
+        assert probes_during_a_long_predict() == [(200, b"ok"), 200]
+    finally:
+        sick.unlink(missing_ok=True)
+        _stop(server)
 
 
 def test_a_lit_api_on_the_v2_routes(served):

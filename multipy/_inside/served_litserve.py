@@ -29,6 +29,7 @@ from typing import Any
 
 from ..serve.request.litserve import API_PATH, BODY, REQUEST, STATUS
 from ..serve.request.messages import ProtocolError
+from .served_class import own_health
 from .serving import _outputs, _raise_plainly
 
 #: What an answer's JSON is written as: FastAPI's JSONResponse's
@@ -203,16 +204,15 @@ class ServedLitAPI:
 
     async def healthy(self) -> bool:
         """The API's ``health()`` (awaited if async), as LitServe's /health asks it."""
-        state = self.instance.health()
-        return bool(await state if inspect.isawaitable(state) else state)
+        return await own_health(self.instance.health)
 
     def metadata(self) -> dict[str, Any]:
-        """No declared inputs or outputs; the path its LitServe requests come on; and
-        its own batching ([rows, seconds]) where the API sets it and --max-batch-size
-        does not."""
+        """No declared inputs or outputs; a health check of its own ("own_health"); the
+        path its LitServe requests come on; and its own batching ([rows, seconds]) where
+        the API sets it and --max-batch-size does not."""
         own = {"batching": [self.instance.max_batch_size, self.instance.batch_timeout]} \
             if self._own_batching else {}
-        return {"inputs": [], "outputs": [], "platform": "python",
+        return {"inputs": [], "outputs": [], "platform": "python", "own_health": True,
                 API_PATH: self.instance.api_path, **own}
 
     def warm_up(self) -> None:

@@ -80,9 +80,6 @@ class Strict(ls.LitAPI):
     """Refuses what it cannot take, with FastAPI's and Starlette's HTTPException, and
     fails on a value it cannot handle."""
 
-    def __init__(self):
-        super().__init__(api_path="/strict")
-
     def decode_request(self, request):
         if "crash" in request:
             raise RuntimeError("decoding crashed")
@@ -115,11 +112,11 @@ class Moody(ls.LitAPI):
 
 
 class SlowMoody(Moody):
-    """Moody, on /predict, its predict of {"sleep": s} taking s seconds once it has
-    written the file "predicting" beside this module."""
+    """Moody, on /slow, its predict of {"sleep": s} taking s seconds once it has written
+    the file "predicting" beside this module."""
 
     def __init__(self):
-        ls.LitAPI.__init__(self)
+        ls.LitAPI.__init__(self, api_path="/slow")
 
     def predict(self, x):
         import time
@@ -147,7 +144,8 @@ class Batched(ls.LitAPI):
         return [(row, len(x)) for row in self.model(x)]
 
     def unbatch(self, output):
-        return list(output)
+        outputs = list(output)  # (one short where an input begins with 999, doubled)
+        return outputs[:-1] if any(float(row[0]) == 1998 for row, _ in outputs) else outputs
 
     def encode_response(self, output):
         row, size = output
@@ -212,10 +210,23 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
-    classes = ["SimpleLitAPI", "InferencePipeline", "Strict", "Moody", "Typed", "OwnBatches"]
+    classes = ["SimpleLitAPI", "InferencePipeline", "Moody", "Typed", "OwnBatches"]
     server = _start(tmp_path_factory.mktemp("litserve_served"),
                     [f"{models}/lit_models.py:{name}" for name in classes],
                     "--interpreters", "2")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def strict_served(models, tmp_path_factory):
+    """Strict on /predict (as LitServe's own tests of HTTPException) and SlowMoody, on
+    one interpreter."""
+    server = _start(tmp_path_factory.mktemp("litserve_strict"),
+                    [f"{models}/lit_models.py:{name}" for name in ("Strict", "SlowMoody")],
+                    "--interpreters", "1")
     try:
         yield server
     finally:
@@ -244,20 +255,37 @@ def test_the_api_path_of_its_own_and_the_context(served):
     assert _request(served, "POST", "/nowhere", b"{}")[0] == 404
 
 
-def test_http_exceptions_are_answered_as_litserve_answers_them(served):
-    assert _post(served, "/strict", {"x": "four"}) == (400, {"detail": "x must be a number"})
-    assert _post(served, "/strict", {"x": -4}) == (422, {"detail": "-4 is negative"})
-    assert _post(served, "/strict", {"x": 16}) == (200, {"root": 4.0})
+def _failures(server) -> dict[str, float]:
+    """multipy_inference_failures_total of model strict, by status, from /metrics."""
+    status, _, text = _request(server, "GET", "/metrics")
+    assert status == 200
+    prefix = 'multipy_inference_failures_total{model="strict",status="'
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.decode().splitlines() if line.startswith(prefix)}
 
 
-def test_an_exception_in_predict_or_decode_is_a_500_and_the_log_names_it(served):
-    assert _post(served, "/strict", {"x": 13}) == (500, {"detail": "Internal server error"})
-    output = served.output()
-    assert "ValueError: thirteen is unlucky" in output
+def test_http_exceptions_are_answered_as_litserve_answers_them(strict_served):
+    before = _failures(strict_served)
+    assert _post(strict_served, "/predict", {"x": "four"}) == (
+        400, {"detail": "x must be a number"})
+    assert _post(strict_served, "/predict", {"x": -4}) == (422, {"detail": "-4 is negative"})
+    assert _post(strict_served, "/predict", {"x": 16}) == (200, {"root": 4.0})
+    # each counted as a failure: 422, which the metric has no label for, as a 4xx (400)
+    after = _failures(strict_served)
+    assert {status: count - before.get(status, 0) for status, count in after.items()
+            if count != before.get(status, 0)} == {"400": 2}
+
+
+def test_an_exception_in_predict_or_decode_is_a_500_and_the_log_names_it(strict_served):
+    assert _post(strict_served, "/predict", {"x": 13}) == (
+        500, {"detail": "Internal server error"})
+    output = strict_served.output()
+    assert "model 'strict' raised ValueError: thirteen is unlucky" in output, output
     assert "in predict" in output  # (its traceback)
-    assert _post(served, "/strict", {"x": 9}) == (200, {"root": 3.0})  # it serves on
-    assert _post(served, "/strict", {"crash": 1}) == (500, {"detail": "Internal server error"})
-    assert "RuntimeError: decoding crashed" in served.output()
+    assert _post(strict_served, "/predict", {"x": 9}) == (200, {"root": 3.0})  # it serves on
+    assert _post(strict_served, "/predict", {"crash": 1}) == (
+        500, {"detail": "Internal server error"})
+    assert "model 'strict' raised RuntimeError: decoding crashed" in strict_served.output()
 
 
 def test_a_pydantic_request_is_checked_as_fastapi_checks_it(served):
@@ -286,19 +314,19 @@ def test_health_follows_the_apis_health_and_info_names_the_paths(served, models)
     status, _, answer = _request(served, "GET", "/info")
     assert status == 200
     assert json.loads(answer)["server"]["models"] == {
-        "/predict": "simplelitapi", "/pipeline": "inferencepipeline", "/strict": "strict",
+        "/predict": "simplelitapi", "/pipeline": "inferencepipeline",
         "/moody": "moody", "/typed": "typed", "/own": "ownbatches"}
 
 
-def test_while_the_host_answers_health_follows_the_apis_last_health(models, tmp_path):
+def test_while_the_host_answers_health_follows_the_apis_last_health(strict_served, models):
     """With its one interpreter in a long predict, the host answers a probe on a new
     connection: it says what the API's health() last said there."""
-    server = _start(tmp_path, [f"{models}/lit_models.py:SlowMoody"], "--interpreters", "1")
+    server = strict_served
     sick, predicting = models / "sick", models / "predicting"
 
     def probes_during_a_long_predict() -> list:
         predicting.unlink(missing_ok=True)
-        call = threading.Thread(target=_post, args=(server, "/predict", {"sleep": 6}))
+        call = threading.Thread(target=_post, args=(server, "/slow", {"sleep": 6}))
         call.start()
         try:
             while not predicting.exists():
@@ -318,7 +346,6 @@ def test_while_the_host_answers_health_follows_the_apis_last_health(models, tmp_
         assert probes_during_a_long_predict() == [(200, b"ok"), 200]
     finally:
         sick.unlink(missing_ok=True)
-        _stop(server)
 
 
 def test_a_lit_api_on_the_v2_routes(served):
@@ -327,7 +354,10 @@ def test_a_lit_api_on_the_v2_routes(served):
     assert status == 200
     assert answer["outputs"][0]["name"] == "output"
     assert answer["outputs"][0]["data"] == [1.0, 4.0, 9.0]
-    status, answer = _infer_json(served, "strict", {"inputs": [
+
+
+def test_a_lit_api_that_refuses_on_the_v2_routes(strict_served):
+    status, answer = _infer_json(strict_served, "strict", {"inputs": [
         {"name": "x", "datatype": "FP32", "shape": [1], "data": [-1]}]})
     assert (status, answer) == (422, {"error": "-1.0 is negative"})
 
@@ -382,6 +412,11 @@ def test_batch_and_unbatch_under_max_batch_size(models, tmp_path):
         assert [answer[1]["output"] for answer in answers] == [[2 * k, -2 * k]
                                                               for k in range(6)]
         assert max(answer[1]["batch"] for answer in answers) > 1
+        # unbatch's outputs are not the batch's inputs: answered as LitServe answers
+        assert _post(server, "/predict", {"input": [999, 0]}) == (
+            500, {"detail": "Batch size mismatch"})
+        assert "Batched: predict and unbatch gave 0 outputs for a batch of 1" in \
+            server.output()
     finally:
         _stop(server)
 

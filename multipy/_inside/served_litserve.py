@@ -5,8 +5,9 @@ The class is made with no arguments; ``pre_setup()`` and ``setup(device)`` run o
 then ``device`` is set, as LitServe's worker does.  Each request's JSON goes through the
 API's own ``decode_request``, ``predict`` and ``encode_response`` (LitServe's defaults
 where it does not override them), each given ``context`` (a dict per request) if it
-takes one.  With ``--max-batch-size`` over 1, the requests of a call go through
-``batch``, one ``predict`` and ``unbatch``, as LitServe's batching loop does.
+takes one.  With ``--max-batch-size`` over 1 (else the API's own ``max_batch_size``),
+the requests of a call go through ``batch``, one ``predict`` and ``unbatch``, as
+LitServe's batching loop does.
 
 Two ways in (multipy.serve.request.litserve): LitServe's own, a body per row of the
 BYTES input REQUEST, answered per row with the HTTP status and the JSON body
@@ -14,15 +15,17 @@ BYTES input REQUEST, answered per row with the HTTP status and the JSON body
 Open Inference Protocol's, where a request of n rows is n LitServe requests, row i of
 input NAME being field NAME of request i (a number, or a list for a row of several
 values), and each encoded response (a dict) gives row i of the output of each of its
-keys (one that is not a dict: of output ``output``).  A request ``decode_request``
-refuses fails alone; an exception in ``batch``, ``predict`` or ``unbatch`` fails the
-call's requests, as in LitServe: ``HTTPException`` with its status, anything else a 500
-(logged, with the traceback, by the request path).
+keys (one that is not a dict: of output ``output``).  A request that ``decode_request``
+refuses with ``HTTPException`` fails alone; an ``HTTPException`` in ``batch``,
+``predict`` or ``unbatch`` fails the call's requests with its status, and any other
+exception in a hook fails them all (a batch's too) with a 500, as in LitServe (logged,
+with the traceback, by the request path).
 """
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 import sys
 import typing
 from typing import Any
@@ -31,6 +34,8 @@ from ..serve.request.litserve import API_PATH, BODY, REQUEST, STATUS
 from ..serve.request.messages import ProtocolError
 from .served_class import own_health
 from .serving import _outputs, _raise_plainly
+
+logger = logging.getLogger("multipy.serve")
 
 #: What an answer's JSON is written as: FastAPI's JSONResponse's
 _JSON = {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}
@@ -186,16 +191,18 @@ class ServedLitAPI:
                 for each in error.errors(include_url=False)])) from None
 
     def _predict(self, inputs: list[Any], contexts: list[dict]) -> list[Any]:
-        """predict's output for each input: through batch and unbatch when batching
-        (RuntimeError if unbatch gives another number of outputs), else one by one."""
+        """predict's output for each input: through batch and unbatch when batching,
+        else one by one.  HTTPException(500, "Batch size mismatch"), as LitServe's, if
+        unbatch gives another number of outputs (logged, with the numbers)."""
         if not self._batched:
             return [self._hook("predict", context, x) for x, context in zip(inputs, contexts)]
         outputs = list(self._hook("unbatch", contexts, self._hook(
             "predict", contexts, self._hook("batch", contexts, inputs))))
         if len(outputs) != len(inputs):
-            raise RuntimeError(f"predict and unbatch gave {len(outputs)} outputs for a batch "
-                               f"of {len(inputs)} requests: predict must return one output "
-                               f"per input of the batch")
+            logger.error("%s: predict and unbatch gave %d outputs for a batch of %d "
+                         "requests: predict must return one output per input of the batch",
+                         type(self.instance).__qualname__, len(outputs), len(inputs))
+            raise self._http_error(500, "Batch size mismatch")
         return outputs
 
     def _encoded(self, value: Any) -> Any:

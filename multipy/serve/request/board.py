@@ -17,7 +17,8 @@ LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 #: Requests per call.
 BATCHED = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The HTTP statuses an inference request can fail with (499: the client went away);
-#: any other is counted as 500.  (408 and 431 are a connection's, before any model is
+#: any other is counted as its class's: another 4xx as 400 (a LitAPI's HTTPException
+#: may answer 422, say), the rest as 500.  (408 and 431 are a connection's, before any model is
 #: named: multipy.serve.http.connection.)
 STATUSES = (400, 404, 413, 499, 500, 503)
 

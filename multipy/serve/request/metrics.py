@@ -113,8 +113,9 @@ class ModelSeries:
 
     def answered(self, status: int, elapsed_ns: int, timing: Timing | None = None) -> None:
         """One request answered with that HTTP status elapsed_ns after it arrived: its
-        latency, and its success with timing's parts (``Timing``), or
-        its failure."""
+        latency, and its success with timing's parts (``Timing``), or its failure, under
+        its status (one of ``STATUSES``), else its class's: 400 for another 4xx, 500 for
+        the rest."""
         own = self._own
         seconds = elapsed_ns / 1e9
         own[LATENCY_AT + bisect.bisect_left(LATENCY, seconds)] += 1.0
@@ -127,7 +128,8 @@ class ModelSeries:
             own[INFER_NS] += timing.infer_ns
             own[OUTPUT_NS] += timing.output_ns
             return
-        where = STATUSES.index(status) if status in STATUSES else STATUSES.index(500)
+        where = STATUSES.index(status if status in STATUSES else
+                               400 if 400 <= status < 500 else 500)
         own[FAILURES + where] += 1.0
         own[FAILURE_NS] += elapsed_ns
 

@@ -210,7 +210,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
-    classes = ["SimpleLitAPI", "InferencePipeline", "Moody", "Typed", "OwnBatches"]
+    classes = ["SimpleLitAPI", "InferencePipeline", "Moody", "Typed"]
     server = _start(tmp_path_factory.mktemp("litserve_served"),
                     [f"{models}/lit_models.py:{name}" for name in classes],
                     "--interpreters", "2")
@@ -222,10 +222,11 @@ def served(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def strict_served(models, tmp_path_factory):
-    """Strict on /predict (as LitServe's own tests of HTTPException) and SlowMoody, on
-    one interpreter."""
+    """Strict on /predict (as LitServe's own tests of HTTPException), SlowMoody and
+    OwnBatches, on one interpreter."""
     server = _start(tmp_path_factory.mktemp("litserve_strict"),
-                    [f"{models}/lit_models.py:{name}" for name in ("Strict", "SlowMoody")],
+                    [f"{models}/lit_models.py:{name}"
+                     for name in ("Strict", "SlowMoody", "OwnBatches")],
                     "--interpreters", "1")
     try:
         yield server
@@ -315,7 +316,7 @@ def test_health_follows_the_apis_health_and_info_names_the_paths(served, models)
     assert status == 200
     assert json.loads(answer)["server"]["models"] == {
         "/predict": "simplelitapi", "/pipeline": "inferencepipeline",
-        "/moody": "moody", "/typed": "typed", "/own": "ownbatches"}
+        "/moody": "moody", "/typed": "typed"}
 
 
 def test_while_the_host_answers_health_follows_the_apis_last_health(strict_served, models):
@@ -372,11 +373,11 @@ def test_two_apis_on_one_path_are_refused(models):
     assert "both answer on /predict" in run.stderr
 
 
-def test_an_api_batches_as_its_own_init_says_without_max_batch_size(served):
+def test_an_api_batches_as_its_own_init_says_without_max_batch_size(strict_served):
     answers: list = [None] * 6
 
     def send(k: int) -> None:
-        answers[k] = _post(served, "/own", {"input": k})
+        answers[k] = _post(strict_served, "/own", {"input": k})
 
     threads = [threading.Thread(target=send, args=(k,)) for k in range(6)]
     for thread in threads:
@@ -387,6 +388,7 @@ def test_an_api_batches_as_its_own_init_says_without_max_batch_size(served):
     assert [answer and answer[0] for answer in answers] == [200] * 6, answers
     assert [answer[1]["output"] for answer in answers] == [2 * k for k in range(6)]
     assert all(1 <= answer[1]["batch"] <= 4 for answer in answers), answers
+    assert max(answer[1]["batch"] for answer in answers) > 1  # (batched: its batch_timeout)
 
 
 def test_batch_and_unbatch_under_max_batch_size(models, tmp_path):

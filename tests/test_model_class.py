@@ -102,6 +102,16 @@ class DeclaredNet(Net):
               {"name": "offset", "datatype": "FP32", "shape": [-1, 1]}]
 
 
+class OptionalNet(torch.nn.Module):
+    """Two optional inputs, declared as a and b: forward's x and shift, by position."""
+
+    inputs = [{"name": "a", "datatype": "FP32", "shape": [-1], "optional": True},
+              {"name": "b", "datatype": "FP32", "shape": [-1], "optional": True}]
+
+    def forward(self, x=None, shift=None):
+        return (x if x is not None else 0) + (shift if shift is not None else 100)
+
+
 class NeedsSize(torch.nn.Module):
     def __init__(self, size):
         super().__init__()
@@ -140,10 +150,11 @@ def classes(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def class_served(classes, packages, tmp_path_factory):
-    """Scaler, Echo, Net and DeclaredNet beside an archive, with --timeout and gRPC."""
+    """Scaler, Echo and three nn.Modules beside an archive, with --timeout and gRPC."""
     server = _start(tmp_path_factory.mktemp("class_served"),
                     [f"{classes}/models.py:Scaler", f"{classes}/models.py:Echo",
                      f"{classes}/models.py:Net", f"{classes}/models.py:DeclaredNet",
+                     f"{classes}/models.py:OptionalNet",
                      packages["pair"]],
                     "--interpreters", "2", "--timeout", "10", "--grpc-port", "0")
     try:
@@ -235,6 +246,21 @@ def test_an_nn_modules_declared_inputs_go_by_position_in_declared_order(class_se
         assert answer["outputs"][0]["data"] == pytest.approx(expected)
 
 
+def test_a_declared_input_left_out_before_one_given_is_a_400(class_served):
+    """By position, a left-out optional input would move the next one into its place."""
+    def infer(**given):
+        return _infer_json(class_served, "optionalnet", {"inputs": [
+            {"name": name, "datatype": "FP32", "shape": [2], "data": data}
+            for name, data in given.items()]})
+
+    status, answer = infer(b=[2, 2], a=[1, 1])
+    assert status == 200 and answer["outputs"][0]["data"] == [3, 3], answer
+    status, answer = infer(a=[1, 1])
+    assert status == 200 and answer["outputs"][0]["data"] == [101, 101], answer
+    status, answer = infer(b=[1, 1])
+    assert status == 400 and "input 'a' is missing" in answer["error"], answer
+
+
 def test_an_nn_module_that_needs_arguments_is_refused_with_its_wrapper(classes):
     port = _free_port()
     run = subprocess.run([sys.executable, "-m", "multipy", "serve",
@@ -316,7 +342,7 @@ def _refused(target: str, *options: str) -> tuple[subprocess.CompletedProcess, b
     ("nowhere.py:Scaler", "nowhere.py: no such file"),
     ("{folder}/models.py:Missing", "has no class Missing at its top level (its classes: "
                                    "Scaler, Echo, Broken, NoPredict, BadInit, Net, "
-                                   "DeclaredNet, NeedsSize, Base, NoPredictOfItsBases)"),
+                                   "DeclaredNet, OptionalNet, NeedsSize, Base, NoPredictOfItsBases)"),
     ("{folder}/models.py:NoPredict", "class NoPredict of"),
     ("no_such_module_here:Scaler", "no module 'no_such_module_here' on the server's Python path"),
 ])

@@ -342,7 +342,8 @@ def _refused(target: str, *options: str) -> tuple[subprocess.CompletedProcess, b
     ("nowhere.py:Scaler", "nowhere.py: no such file"),
     ("{folder}/models.py:Missing", "has no class Missing at its top level (its classes: "
                                    "Scaler, Echo, Broken, NoPredict, BadInit, Net, "
-                                   "DeclaredNet, OptionalNet, NeedsSize, Base, NoPredictOfItsBases)"),
+                                   "DeclaredNet, OptionalNet, NeedsSize, Base, "
+                                   "NoPredictOfItsBases)"),
     ("{folder}/models.py:NoPredict", "class NoPredict of"),
     ("no_such_module_here:Scaler", "no module 'no_such_module_here' on the server's Python path"),
 ])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-
 from typing import Any
 
 from ..serve.request.messages import ProtocolError

@@ -18,10 +18,11 @@ ratio.  Every answer is checked against the model run eagerly here.
   serve extra (`make test-kserve` makes .venv/3.11-kserve); clients POST the protocol's
   JSON to /v2/models/linear/infer.
 - triton: benchmarks/anchors/triton/ (Triton's add_sub example for its Python backend,
-  instance_group count N) served by `tritonserver --model-repository` (--tritonserver:
-  a tritonserver binary with the Python backend) and by `multipy serve
-  --model-repository --interpreters N`; clients POST the protocol's JSON to
-  /v2/models/add_sub/infer.
+  instance_group count N) served by `tritonserver --model-repository` and by `multipy
+  serve --model-repository --interpreters N`; clients POST the protocol's JSON to
+  /v2/models/add_sub/infer.  The tritonserver is the one nvidia-pytriton's wheel bundles
+  (with its Python backend and a backend stub per Python version; no GPU needed),
+  installed into --triton-venv if missing, or --tritonserver.
 
     multipy run benchmarks/anchors.py [--anchors litserve,kserve,triton] [--counts 2,1]
         [--seconds 10] [--warm-up 3] [--rounds 3] [--json FILE] [--plot FILE.png]
@@ -47,6 +48,7 @@ from serve_load import (HERE, ROOT, _medians, ensure_peer_venv, free_port,  # no
 
 MODELS = os.path.join(HERE, "anchors")
 ANCHORS = ("litserve", "kserve", "triton")
+TRITON_PACKAGES = ("nvidia-pytriton==0.7.0",)
 NAMES = {"litserve": "LitServe", "kserve": "KServe", "triton": "Triton"}
 #: the anchor's server, as the tables and the plot name it
 LABELS = {"litserve": "litserve.LitServer, {n} workers", "kserve": "kserve.ModelServer, {n} workers",
@@ -118,12 +120,39 @@ def triton_case(n: int, args) -> Case:
     b = np.full(4, 0.5, dtype=np.float32)
     return Case({"multipy": [sys.executable, "-m", "multipy", "serve", "--model-repository",
                              repository, "--interpreters", str(n), "--port", "{http}"],
-                 "triton": [args.tritonserver, "--model-repository", repository,
+                 "triton": [*triton_command(args), "--model-repository", repository,
                             "--http-port", "{http}", "--grpc-port", "{grpc}",
                             "--metrics-port", "{metrics}", "--log-info", "false"]},
                 "json", "add_sub", "/v2/health/ready",
                 [("INPUT0", "FP32", a), ("INPUT1", "FP32", b)],
                 {"OUTPUT0": a + b, "OUTPUT1": a - b})
+
+
+def triton_command(args) -> list[str]:
+    """The start of the command that runs a tritonserver with the Python backend:
+    --tritonserver as it is, or nvidia-pytriton's (installed into --triton-venv if
+    missing; CalledProcessError if that fails), with its own libraries, the venv's python
+    first on PATH (the backend stub's numpy) and a backend directory in args.scratch: its
+    Python backend with the stub made for the venv's Python version."""
+    if args.tritonserver:
+        return [args.tritonserver]
+    python = ensure_peer_venv(args.triton_venv, TRITON_PACKAGES, "pytriton")
+    where = subprocess.run([python, "-c", "import os, sys, pytriton; print(os.path.dirname("
+                            "pytriton.__file__)); print('%d.%d' % sys.version_info[:2])"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    bundled, version = os.path.join(where[0], "tritonserver"), where[1]
+    backend = os.path.join(args.scratch, "backends", "python")
+    if not os.path.exists(backend):
+        os.makedirs(backend)
+        for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+            shutil.copy(os.path.join(bundled, "backends", "python", name), backend)
+        shutil.copy(os.path.join(bundled, "python_backend_stubs", version,
+                                 "triton_python_backend_stub"), backend)
+    libraries = os.path.join(os.path.dirname(where[0]), "nvidia_pytriton.libs")
+    return ["env", f"LD_LIBRARY_PATH={libraries}",
+            f"PATH={os.path.dirname(python)}:{os.environ['PATH']}",
+            os.path.join(bundled, "bin", "tritonserver"),
+            "--backend-directory", os.path.dirname(backend)]
 
 
 CASES = {"litserve": litserve_case, "kserve": kserve_case, "triton": triton_case}
@@ -239,8 +268,11 @@ def main() -> None:
                         default=os.path.join(ROOT, ".venv", "3.11-kserve", "bin", "python"),
                         help="the python that runs `multipy serve` for KServe's model: kserve "
                              "and multipy's serve extra (.venv/3.11-kserve, make test-kserve)")
-    parser.add_argument("--tritonserver", default=shutil.which("tritonserver"),
-                        help="a tritonserver binary with the Python backend (on PATH)")
+    parser.add_argument("--triton-venv", default=os.path.join(ROOT, ".venv", "pytriton"),
+                        help="nvidia-pytriton's environment, whose tritonserver serves Triton's "
+                             "model, made if missing (.venv/pytriton)")
+    parser.add_argument("--tritonserver",
+                        help="a tritonserver with the Python backend, instead of --triton-venv's")
     parser.add_argument("--json", help="also write the figures to this file")
     parser.add_argument("--plot", help="also plot the ratios into this PNG")
     parser.add_argument("--replot", help="plot (--plot) and print this --json file's figures; "
@@ -253,8 +285,6 @@ def main() -> None:
         anchors = args.anchors.split(",")
         if set(anchors) - set(ANCHORS):
             parser.error(f"--anchors: from {', '.join(ANCHORS)}")
-        if "triton" in anchors and not args.tritonserver:
-            parser.error("--anchors triton: no tritonserver (--tritonserver)")
         figures = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, shared",
                    "date": datetime.datetime.now(datetime.timezone.utc).strftime(
                        "%Y-%m-%d %H:%M UTC"),

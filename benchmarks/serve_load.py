@@ -76,18 +76,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_peer_venv(path: str) -> str:
-    """The python of a virtual environment at path that has KServe (and tokenizers);
-    made, or completed, if missing."""
+def ensure_peer_venv(path: str, packages: tuple = tuple(PEER_PACKAGES),
+                     modules: str = "kserve, torch, tokenizers") -> str:
+    """The python of a virtual environment at path that has packages (by default
+    KServe's, and tokenizers), that is, that imports modules; made, or completed, if
+    missing."""
     python = os.path.join(path, "bin", "python")
-    check = [python, "-c", "import kserve, torch, tokenizers"]
+    check = [python, "-c", f"import {modules}"]
     if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
         return python
-    print(f"making KServe's environment in {path}: {' '.join(PEER_PACKAGES)} (minutes)",
-          flush=True)
+    print(f"making an environment in {path}: {' '.join(packages)} (minutes)", flush=True)
     if not os.path.exists(python):
         subprocess.run([sys.executable, "-m", "venv", path], check=True)
-    subprocess.run([python, "-m", "pip", "install", "--quiet", *PEER_PACKAGES], check=True)
+    subprocess.run([python, "-m", "pip", "install", "--quiet", *packages], check=True)
     return python
 
 

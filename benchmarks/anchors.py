@@ -12,11 +12,12 @@ ratio.  Every answer is checked against the model run eagerly here.
   API servers: as many as the workers, LitServe's default) and by `multipy serve
   litserve_linear.py:LinearAPI --interpreters N`; clients POST /predict {"x": [...]}.
 - kserve: benchmarks/anchors/kserve_linear.py (a kserve.Model: the same Linear) served
-  by `kserve.ModelServer(workers=N)` in KServe's own environment (--peer-venv, as
-  serve_load.py makes it: KServe's pins) and by `multipy serve kserve_linear.py:Linear
-  --interpreters N` run by --kserve-multipy-python, a Python with kserve and multipy's
-  serve extra (`make test-kserve` makes .venv/3.11-kserve); clients POST the protocol's
-  JSON to /v2/models/linear/infer.
+  by `kserve.ModelServer(workers=N)` (benchmarks/anchors/kserve_server.py: its liveness
+  ping waits 60 s, not 5, for a worker that starts slowly) in KServe's own environment
+  (--peer-venv, as serve_load.py makes it: KServe's pins) and by `multipy serve
+  kserve_linear.py:Linear --interpreters N` run by --kserve-multipy-python, a Python with
+  kserve and multipy's serve extra (`make test-kserve` makes .venv/3.11-kserve); clients
+  POST the protocol's JSON to /v2/models/linear/infer.
 - triton: benchmarks/anchors/triton/ (Triton's add_sub example for its Python backend,
   instance_group count N) served by `tritonserver --model-repository` and by `multipy
   serve --model-repository --interpreters N`; clients POST the protocol's JSON to
@@ -51,7 +52,8 @@ ANCHORS = ("litserve", "kserve", "triton")
 TRITON_PACKAGES = ("nvidia-pytriton==0.7.0",)
 NAMES = {"litserve": "LitServe", "kserve": "KServe", "triton": "Triton"}
 #: the anchor's server, as the tables and the plot name it
-LABELS = {"litserve": "litserve.LitServer, {n} workers", "kserve": "kserve.ModelServer, {n} workers",
+LABELS = {"litserve": "litserve.LitServer, {n} workers",
+          "kserve": "kserve.ModelServer, {n} workers",
           "triton": "tritonserver, python backend, {n} instances"}
 
 
@@ -98,7 +100,8 @@ def kserve_case(n: int, args) -> Case:
     peer = args.peer_python or ensure_peer_venv(args.peer_venv)
     return Case({"multipy": [args.kserve_multipy_python, "-m", "multipy", "serve",
                              f"{path}:Linear", "--interpreters", str(n), "--port", "{http}"],
-                 "kserve": [peer, path, "{http}", str(n)]},
+                 "kserve": [peer, os.path.join(MODELS, "kserve_server.py"), "{http}",
+                            str(n)]},
                 "json", "linear", "/v2/health/ready", [("x", "FP32", x.reshape(1, 8))],
                 {"y": y.reshape(1, 4)})
 

@@ -1,14 +1,12 @@
 """A KServe model as KServe's users write one (benchmarks/anchors.py serves it with
 KServe's own ModelServer and with `multipy serve kserve_linear.py:Linear`): a torch
 Linear (8 -> 4, seed 0) on input "x" (FP32, [1, 8]); output "y" (FP32, [1, 4]).
-
-    python kserve_linear.py PORT WORKERS        # kserve.ModelServer: WORKERS workers
+kserve_server.py starts it as a KServe script's `__main__` would.
 """
-import sys
-
 import kserve
 import torch
 from kserve import InferOutput, InferRequest, InferResponse
+from kserve.utils.utils import generate_uuid
 
 
 class Linear(kserve.Model):
@@ -30,9 +28,5 @@ class Linear(kserve.Model):
             y = self.net(x).numpy()
         output = InferOutput("y", list(y.shape), "FP32")
         output.set_data_from_numpy(y, binary_data=False)
-        return InferResponse(payload.id, self.name, [output])
+        return InferResponse(payload.id or generate_uuid(), self.name, [output])
 
-
-if __name__ == "__main__":
-    kserve.ModelServer(http_port=int(sys.argv[1]), workers=int(sys.argv[2]),
-                       enable_grpc=False, enable_latency_logging=False).start([Linear()])

@@ -32,6 +32,7 @@ ratio.  Every answer is checked against the model run eagerly here.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -57,15 +58,18 @@ LABELS = {"litserve": "litserve.LitServer, {n} workers",
           "triton": "tritonserver, python backend, {n} instances"}
 
 
+@dataclasses.dataclass
 class Case:
     """One anchor at N: the two servers' commands (ports "{http}", "{grpc}", "{metrics}"
     to be filled in), the transport and model the clients ask (serve_load's), the path
     that answers 200 once a server is ready, the inputs and the expected outputs."""
 
-    def __init__(self, commands: dict[str, list[str]], transport: str, model: str,
-                 ready: str, inputs: list, expected: dict) -> None:
-        self.commands, self.transport, self.model = commands, transport, model
-        self.ready, self.inputs, self.expected = ready, inputs, expected
+    commands: dict[str, list[str]]
+    transport: str
+    model: str
+    ready: str
+    inputs: list
+    expected: dict
 
 
 def _linear_case_inputs():
@@ -235,9 +239,10 @@ def plot(figures: dict, path: str) -> None:
                       width, label=label)
         ax.bar_label(bars, fmt="%.2fx", fontsize=8)
     ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_ylim(0, 1.25 * max(max(ratio) for ratio in ratios))  # room for the legend
     ax.set_xticks(list(spots), labels)
     ax.set_ylabel("multipy / anchor")
-    ax.legend()
+    ax.legend(loc="upper right")
     ax.set_title(f"multipy serve / each anchor, same model code, 2N closed-loop clients\n"
                  f"{figures['machine']}, {figures['date']}, commit {figures['commit']}",
                  fontsize=9)

@@ -293,6 +293,9 @@ def main() -> None:
         anchors = args.anchors.split(",")
         if set(anchors) - set(ANCHORS):
             parser.error(f"--anchors: from {', '.join(ANCHORS)}")
+        if "kserve" in anchors and not os.path.exists(args.kserve_multipy_python):
+            parser.error(f"--kserve-multipy-python: no {args.kserve_multipy_python} "
+                         f"(`make test-kserve` makes .venv/3.11-kserve)")
         figures = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, shared",
                    "date": datetime.datetime.now(datetime.timezone.utc).strftime(
                        "%Y-%m-%d %H:%M UTC"),

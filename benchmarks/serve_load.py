@@ -50,7 +50,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -61,7 +60,8 @@ PEER_PACKAGES = ["kserve==0.21.0", "torch==2.13.0", "numpy==2.4.6", "tokenizers=
 TRANSPORTS = ("http", "grpc", "json")
 #: each transport's clients, as the tables name them
 CLIENTS = {"http": "tritonclient.http, binary", "grpc": "tritonclient.grpc",
-           "json": "http.client, keep-alive, the protocol's JSON form"}
+           "json": "http.client, keep-alive, the protocol's JSON form",
+           "litserve": "http.client, keep-alive, LitServe's JSON body"}
 PEERS = ("kserve", "floor")
 #: the transports each server speaks: it is measured over those of --transports only
 SPEAKS = {"multipy": TRANSPORTS, "kserve": TRANSPORTS, "floor": ("json",)}
@@ -76,18 +76,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_peer_venv(path: str) -> str:
-    """The python of a virtual environment at path that has KServe (and tokenizers);
-    made, or completed, if missing."""
+def ensure_peer_venv(path: str, packages: tuple = tuple(PEER_PACKAGES),
+                     modules: str = "kserve, torch, tokenizers") -> str:
+    """The python of a virtual environment at path that has packages (by default
+    KServe's, and tokenizers), that is, that imports modules; made, or completed, if
+    missing."""
     python = os.path.join(path, "bin", "python")
-    check = [python, "-c", "import kserve, torch, tokenizers"]
+    check = [python, "-c", f"import {modules}"]
     if os.path.exists(python) and subprocess.run(check, capture_output=True).returncode == 0:
         return python
-    print(f"making KServe's environment in {path}: {' '.join(PEER_PACKAGES)} (minutes)",
-          flush=True)
+    print(f"making an environment in {path}: {' '.join(packages)} (minutes)", flush=True)
     if not os.path.exists(python):
         subprocess.run([sys.executable, "-m", "venv", path], check=True)
-    subprocess.run([python, "-m", "pip", "install", "--quiet", *PEER_PACKAGES], check=True)
+    subprocess.run([python, "-m", "pip", "install", "--quiet", *packages], check=True)
     return python
 
 
@@ -144,15 +145,15 @@ def device_memory_mib() -> float:
 
 
 def _wait_ready(port: int, process: subprocess.Popen, grpc_port: int | None = None,
-                seconds: float = 300) -> None:
-    """Returns once the server on port answers /v2/health/ready with 200 and, with
+                seconds: float = 300, path: str = "/v2/health/ready") -> None:
+    """Returns once the server on port answers path (GET) with 200 and, with
     grpc_port, accepts connections there too."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode} before it was ready")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
                 if r.status == 200:
                     if grpc_port is not None:
                         socket.create_connection(("127.0.0.1", grpc_port), timeout=2).close()
@@ -236,9 +237,12 @@ def _matches(answer, expected) -> bool:
 def _connect(port: int, transport: str, model: str, inputs, names: list[str]):
     """One connection over transport to the server on port: a function that sends one
     inference of inputs ((name, datatype, array) triples) to model and returns its
-    outputs named names as numpy arrays, and one that closes the connection."""
+    outputs named names as numpy arrays, and one that closes the connection.  For
+    "litserve", model is the path LitServe serves the API on ("predict")."""
     if transport == "json":
         return _json_connection(port, model, inputs, names)
+    if transport == "litserve":
+        return _litserve_connection(port, model, inputs, names)
     if transport == "grpc":
         import tritonclient.grpc as client
 
@@ -267,23 +271,50 @@ def _connect(port: int, transport: str, model: str, inputs, names: list[str]):
 def _json_connection(port: int, model: str, inputs, names: list[str]):
     """_connect() for "json": one keep-alive http.client connection POSTing the
     protocol's JSON form (flat data, BYTES as strings, Content-Type application/json)."""
-    import http.client
-
     import numpy as np
 
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = json.dumps({"inputs": [
+    body = {"inputs": [
         {"name": name, "shape": list(array.shape), "datatype": datatype,
          "data": ([each.decode() if isinstance(each, bytes) else str(each)
                    for each in array.reshape(-1)] if datatype == "BYTES"
                   else array.reshape(-1).tolist())}
-        for name, datatype, array in inputs]}).encode()
+        for name, datatype, array in inputs]}
+
+    def outputs(answer: dict) -> list:
+        given = {each["name"]: each for each in answer["outputs"]}
+        return [np.array(given[name]["data"],
+                         dtype=object if given[name]["datatype"] == "BYTES" else None
+                         ).reshape(given[name]["shape"]) if name in given else None
+                for name in names]
+
+    return _post_json(port, f"/v2/models/{model}/infer", body, outputs)
+
+
+def _litserve_connection(port: int, path: str, inputs, names: list[str]):
+    """_connect() for "litserve": one keep-alive http.client connection POSTing a JSON
+    object of each input's values as a list (by its name) to /path, as LitServe's clients
+    do; each output is the answer's field of its name."""
+    import numpy as np
+
+    body = {name: array.tolist() for name, _, array in inputs}
+    return _post_json(port, f"/{path}", body,
+                      lambda answer: [np.array(answer[name]) if name in answer else None
+                                      for name in names])
+
+
+def _post_json(port: int, path: str, body: dict, outputs):
+    """One keep-alive http.client connection: a function that POSTs body as JSON to path
+    and returns outputs(the answer's JSON) (RuntimeError unless the status is 200), and
+    one that closes the connection."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    encoded = json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
-    path = f"/v2/models/{model}/infer"
 
     def infer() -> list:
         try:
-            connection.request("POST", path, body, headers)
+            connection.request("POST", path, encoded, headers)
             response = connection.getresponse()
             answer = response.read()
         except Exception:
@@ -291,11 +322,7 @@ def _json_connection(port: int, model: str, inputs, names: list[str]):
             raise
         if response.status != 200:
             raise RuntimeError(f"{response.status}: {answer[:200]!r}")
-        outputs = {each["name"]: each for each in json.loads(answer)["outputs"]}
-        return [np.array(outputs[name]["data"],
-                         dtype=object if outputs[name]["datatype"] == "BYTES" else None
-                         ).reshape(outputs[name]["shape"]) if name in outputs else None
-                for name in names]
+        return outputs(json.loads(answer))
 
     return infer, connection.close
 
@@ -304,16 +331,19 @@ def _client(port: int, transport: str, model: str, seconds: float, warm_up: floa
             expected, start, results) -> None:
     """One client process of load(): warms up, waits for the others, then sends
     requests for seconds; puts (latencies, wrong answers) on results.  inputs are
-    (name, datatype, array) triples, expected the arrays of output0, output1, ..."""
-    infer, close = _connect(port, transport, model, inputs,
-                            [f"output{index}" for index in range(len(expected))])
+    (name, datatype, array) triples, expected the arrays of output0, output1, ... (or a
+    dict of arrays by output name)."""
+    if not isinstance(expected, dict):
+        expected = {f"output{index}": array for index, array in enumerate(expected)}
+    infer, close = _connect(port, transport, model, inputs, list(expected))
     wrong = 0
 
     def one() -> float:
         nonlocal wrong
         begin = time.perf_counter()
         try:
-            if not all(_matches(answer, array) for answer, array in zip(infer(), expected)):
+            if not all(_matches(answer, array)
+                       for answer, array in zip(infer(), expected.values())):
                 wrong += 1
         except Exception:
             wrong += 1
@@ -334,9 +364,10 @@ def _client(port: int, transport: str, model: str, seconds: float, warm_up: floa
 
 def run_server(command: list[str], ports: dict[str, int], order: tuple, model: str,
                clients: int, seconds: float, warm_up: float, inputs, expected,
-               on_gpu: bool = False) -> dict[str, dict]:
+               on_gpu: bool = False, ready: str = "/v2/health/ready") -> dict[str, dict]:
     """Starts the server (command), which serves HTTP on ports["http"] (binary and JSON
-    alike; and gRPC on ports["grpc"] if "grpc" is in order) and measures load() over
+    alike; and gRPC on ports["grpc"] if "grpc" is in order), waits until it answers
+    ready (a path) with 200, and measures load() over
     each transport of order, in turn, with the server's cores and the PSS of its process
     tree as each ends (and, on_gpu, the device memory it added); transport -> figures.
     The server is stopped at the end, or on an error (its log's end printed)."""
@@ -345,7 +376,8 @@ def run_server(command: list[str], ports: dict[str, int], order: tuple, model: s
         process = subprocess.Popen(command, stdout=log, stderr=log, text=True,
                                    start_new_session=True)
         try:
-            _wait_ready(ports["http"], process, ports["grpc"] if "grpc" in order else None)
+            _wait_ready(ports["http"], process, ports["grpc"] if "grpc" in order else None,
+                        path=ready)
             measured = {}
             for transport in order:
                 port = ports["grpc" if transport == "grpc" else "http"]

@@ -21,8 +21,7 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import (_evil, _grpc_port, _infer_json, _metrics, _request,  # noqa: E402
-                        _start, _stop, packages)  # noqa: F401
+from serving import _evil, _grpc_port, _infer_json, _metrics, _request, _start, _stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -19,8 +19,7 @@ np = pytest.importorskip("numpy")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from conftest import until, write_one  # noqa: E402
-from test_serve import (_grpc_port, _infer_json, _metrics, _request, _start,  # noqa: E402
-                        _stop)
+from serving import _grpc_port, _infer_json, _metrics, _request, _start, _stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

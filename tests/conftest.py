@@ -149,6 +149,11 @@ def per_loop(packages, tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items):
-    """The tests marked stops_shared_servers (SIGTERM to ``served`` and ``per_loop``) run
-    after every other test, in their order."""
-    items.sort(key=lambda item: item.get_closest_marker("stops_shared_servers") is not None)
+    """The tests marked stops_shared_servers (SIGTERM to ``served`` and ``per_loop``) run,
+    in their order, just after the last of the other tests that use either server."""
+    stopping = [item for item in items if item.get_closest_marker("stops_shared_servers")]
+    others = [item for item in items if not item.get_closest_marker("stops_shared_servers")]
+    users = [k for k, item in enumerate(others)
+             if {"served", "per_loop"} & set(getattr(item, "fixturenames", ()))]
+    at = users[-1] + 1 if users else len(others)
+    items[:] = others[:at] + stopping + others[at:]

@@ -311,8 +311,10 @@ def _stop(server: Server) -> None:
 
 
 def _request(server: Server, method: str, path: str, body: bytes | None = None,
-             headers: dict | None = None) -> tuple[int, dict, bytes]:
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+             headers: dict | None = None, timeout: float = 60) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of server's answer to a request on a new connection;
+    TimeoutError if none comes within timeout seconds."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
     try:
         connection.request(method, path, body=body, headers=headers or {})
         response = connection.getresponse()
@@ -344,9 +346,9 @@ def _infer_together(server: Server, model: str, requests: list[dict]) -> list[tu
     return answers
 
 
-def _metrics(server: Server) -> dict[tuple[str, tuple], float]:
-    """(sample name, sorted labels) -> value of every sample at /metrics."""
-    status, _, body = _request(server, "GET", "/metrics")
+def _metrics(server: Server, timeout: float = 60) -> dict[tuple[str, tuple], float]:
+    """(sample name, sorted labels) -> value of every sample at /metrics (see _request)."""
+    status, _, body = _request(server, "GET", "/metrics", timeout=timeout)
     assert status == 200
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(body.decode())
@@ -523,9 +525,9 @@ def _http_answers(sock: socket.socket) -> Iterator[tuple[bytes, bytes]]:
 
 
 def _tcp(port: int, state: str) -> list[list[str]]:
-    """The rows of /proc/net/tcp in state (hex: 01 established, 0A listening) whose local
-    or remote port is port, split: sl, local address, remote address, state,
-    tx_queue:rx_queue, ..."""
+    """The rows of /proc/net/tcp in state (hex: 01 established, 08 closed by the other
+    end only, 0A listening) whose local or remote port is port, split: sl, local
+    address, remote address, state, tx_queue:rx_queue, ..."""
     with open("/proc/net/tcp") as table:
         rows = [line.split() for line in table.readlines()[1:]]
     return [row for row in rows if row[3] == state
@@ -536,6 +538,15 @@ def _all_read(port: int) -> bool:
     """Whether the server on port has read every byte sent to it on this machine: no
     connection to it has any queued, on either side."""
     return all(row[4] == "00000000:00000000" for row in _tcp(port, "01"))
+
+
+def _all_closed(port: int) -> bool:
+    """Whether the server on port has closed every connection made to it on this machine
+    (and so has counted it closed: a front end counts a connection as its loop closes
+    it): none of its sockets on port is established, or closed by the client only
+    (CLOSE_WAIT)."""
+    return not any(int(row[1].split(":")[1], 16) == port
+                   for state in ("01", "08") for row in _tcp(port, state))
 
 
 def _until_accepted(port: int, seconds: float = 30) -> None:

@@ -202,10 +202,11 @@ def test_grpc_bytes_contents_cost_what_binary_data_costs_and_are_bounded(large):
 
 
 def _meanwhile(send, decoding, asks: dict) -> tuple[Any, list[str]]:
-    """send()'s value, sent on a thread of its own; once decoding() (the server decodes
-    it), each of asks (name -> a function that asks the server something and checks its
-    answer) is asked in turn: and the names of those answered, in order, with "large"
-    where send() returned."""
+    """send()'s value, sent on a thread of its own; once decoding() (the server has read
+    all of the request and counted it: its front end's loop begins to decode it before
+    it reads anything sent after), each of asks (name -> a function that asks the
+    server something and checks its answer) is asked in turn: and the names of those
+    answered, in order, with "large" where send() returned."""
     answered: list[str] = []
     value = []
 
@@ -217,7 +218,6 @@ def _meanwhile(send, decoding, asks: dict) -> tuple[Any, list[str]]:
     thread.start()
     try:
         until(decoding, 120)
-        time.sleep(0.2)  # (it has the whole request: it decodes within milliseconds)
         for name, ask in asks.items():
             ask()
             answered.append(name)
@@ -266,6 +266,10 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
     def grpc_ready() -> None:
         assert ready(messages.ServerReadyRequest(), timeout=60).ready
 
+    def received() -> float:
+        """The large requests counted (as each is read, before it is decoded)."""
+        return _metrics(large)[("multipy_inference_requests_total", (("model", "shape"),))]
+
     asks = {"kept": kept_ready, "new": new_ready, "grpc": grpc_ready}
     try:
         kept_ready()  # its connection is the front end's, as is the channel's
@@ -275,10 +279,10 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
         head = (b"POST /v2/models/shape/infer HTTP/1.1\r\nHost: test\r\nContent-Length: %d\r\n"
                 b"Inference-Header-Content-Length: %d\r\n\r\n" % (len(header) + len(data),
                                                                    len(header)))
-        sent = threading.Event()
+        sent, before = threading.Event(), received()
         answer, answered = _meanwhile(
             lambda: _answer_while_sending(large, [head + header, data], sent),
-            lambda: sent.is_set() and _all_read(large.port), asks)
+            lambda: sent.is_set() and _all_read(large.port) and received() > before, asks)
         assert answer == (400, message) and answered == ["kept", "new", "grpc", "large"], \
             answered
 
@@ -288,8 +292,6 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
                 model_name="shape", raw_input_contents=[data],
                 inputs=[messages.ModelInferRequest.InferInputTensor(name="x", datatype="BYTES",
                                                                     shape=[count])])
-            received = lambda: _metrics(large)[  # noqa: E731
-                ("multipy_inference_requests_total", (("model", "shape"),))]
             before = received()
 
             def refused() -> tuple:
@@ -305,12 +307,13 @@ def test_a_large_request_is_decoded_while_the_server_answers_others(large):
         count = 33_000_000
         body = json.dumps({"inputs": [{"name": "x", "shape": [count], "datatype": "INT8",
                                        "data": [0] * count}]}, separators=(",", ":")).encode()
-        sent = threading.Event()
+        sent, before = threading.Event(), received()
         answer, answered = _meanwhile(
             lambda: _answer_while_sending(large, [b"POST /v2/models/shape/infer HTTP/1.1\r\n"
                                                   b"Host: test\r\nContent-Length: %d\r\n\r\n"
                                                   % len(body), body], sent),
-            lambda: sent.is_set() and _all_read(large.port), {"new": new_ready})
+            lambda: sent.is_set() and _all_read(large.port) and received() > before,
+            {"new": new_ready})
         assert answer[0] == 200 and answer[1]["outputs"][0]["data"] == [count]
         assert answered == ["new", "large"], answered
     finally:

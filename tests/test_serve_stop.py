@@ -1,6 +1,6 @@
 """SIGTERM while requests run: every request in flight is answered, then the server exits 0.
 These tests stop the shared servers ``served`` and ``per_loop`` (conftest.py): marked
-``stops_shared_servers``, they run after every other test of the session.
+``stops_shared_servers``, they run after every other test that uses either server.
 """
 from __future__ import annotations
 

@@ -255,10 +255,11 @@ def test_exit_while_an_interpreter_never_returns(python):
 
 
 def _interrupt(process) -> str:
-    """Sends SIGINT once the call inside an interpreter printed "waiting" (it runs there
-    from then on); the script's stderr once it has ended."""
+    """Sends SIGINT once the call inside an interpreter has begun (it creates the file
+    whose path the script printed first); the script's stderr once it has ended."""
     try:
-        assert process.stdout.readline().strip() == "waiting"
+        started = process.stdout.readline().strip()
+        until(lambda: os.path.exists(started))
         process.send_signal(signal.SIGINT)
         return process.communicate(timeout=HANG)[1]
     finally:
@@ -267,13 +268,15 @@ def _interrupt(process) -> str:
 
 def test_ctrl_c_interrupts_a_call(python):
     process = python("""
-        import multipy
+        import os, tempfile, multipy
         m = multipy.InterpreterManager(1)
-        m.register_module_source("wait", "import time\\ndef forever():\\n"
-                                         "    print('waiting', flush=True)\\n"
+        m.register_module_source("wait", "import time\\ndef forever(path):\\n"
+                                         "    open(path, 'w').close()\\n"
                                          "    while True:\\n        time.sleep(0.05)\\n")
         forever = m.acquire_one().global_("wait", "forever")
-        forever()
+        started = os.path.join(tempfile.mkdtemp(), "started")
+        print(started, flush=True)
+        forever(started)
     """, popen=True)
     stderr = _interrupt(process)
     assert "KeyboardInterrupt" in stderr
@@ -284,14 +287,16 @@ def test_ctrl_c_interrupts_a_call(python):
 
 def test_ctrl_c_while_a_timed_call_blocks_in_c(python):
     process = python("""
-        import multipy
+        import os, tempfile, multipy
         m = multipy.InterpreterManager(1)
-        m.register_module_source("block", "import time\\ndef sleep(seconds):\\n"
-                                          "    print('waiting', flush=True)\\n"
+        m.register_module_source("block", "import time\\ndef sleep(path, seconds):\\n"
+                                          "    open(path, 'w').close()\\n"
                                           "    time.sleep(seconds)\\n")
         sleep = m.acquire_one().global_("block", "sleep")
+        started = os.path.join(tempfile.mkdtemp(), "started")
+        print(started, flush=True)
         with multipy.timeout(600):
-            sleep(300)
+            sleep(started, 300)
     """, popen=True)
     stderr = _interrupt(process)
     assert "KeyboardInterrupt" in stderr

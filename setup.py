@@ -15,13 +15,14 @@ extensions = [
 ]
 if sysconfig.get_config_var("Py_ENABLE_SHARED"):
     # The root object of each namespace (docs/design.md, "pthread keys"; it also gives the
-    # namespace a dlopen without RTLD_GLOBAL, "RTLD_GLOBAL"): a plain shared library that
+    # namespace a dlopen without RTLD_GLOBAL, "RTLD_GLOBAL", and a free that gives the host
+    # what is the host's, "Stacks from another libc"): a plain shared library that
     # needs libpython, so that loading it brings libpython into the
     # namespace's global scope behind it.  Without a shared libpython there is nothing
     # to load, and multipy says so when an interpreter starts.
     libdirs = [d for d in (sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LIBPL")) if d]
     extensions.append(Extension(
-        "multipy._keys", ["multipy/_keys.c", "multipy/_dlopen.c"], libraries=["dl"],
+        "multipy._keys", ["multipy/_keys.c", "multipy/_dlopen.c", "multipy/_free.c"], libraries=["dl"],
         library_dirs=libdirs,
         runtime_library_dirs=libdirs,
         # RPATH, not RUNPATH: searched before LD_LIBRARY_PATH, so that the namespace

@@ -119,6 +119,12 @@ def symbol(handle: int, name: str) -> int:
     return address
 
 
+def host_free() -> int:
+    """Address of the main program's free: the one that the dynamic linker looks up to
+    allocate threads' TLS with (docs/design.md, "Stacks from another libc")."""
+    return symbol(_libc._handle, "free")
+
+
 def process_keys() -> tuple[int, int] | None:
     """(in use, in all) of the process's pthread key slots, read from the host libc's
     table of them, or None where glibc does not describe that table as this expects.

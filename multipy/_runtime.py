@@ -34,6 +34,7 @@ del main
 
 _KEYS_START = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_char_p,
                                ctypes.c_size_t)
+_FREE_START = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _START = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
                           ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
 _STOP = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
@@ -104,6 +105,8 @@ class Runtime:
         # keys: its libc must hand out none (docs/design.md, "pthread keys").
         root, lmid = _glibc.open_namespace(_library_path("_keys"))
         _glibc.one_arena(root)  # before a thread of its own allocates there
+        # before it starts a thread: what its pthread_create frees is the host's
+        _FREE_START(_glibc.symbol(root, "multipy_free_start"))(_glibc.host_free())
         loaded = _glibc.file_of(_glibc.symbol(root, "Py_Initialize"))
         if loaded != os.path.realpath(libpython):
             raise InterpreterStartError(

@@ -133,6 +133,22 @@ class Fails(kserve.Model):
         raise KeyError("no such thing")
 
 
+class Flaky(kserve.Model):
+    """Healthy (its own async healthy(), as KServe's model readiness asks it) while the
+    file "sick" beside this module does not exist."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.ready = True
+
+    async def healthy(self) -> bool:
+        sick = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sick")
+        return self.ready and not os.path.exists(sick)
+
+    def predict(self, payload, headers=None, response_headers=None):
+        return payload
+
+
 class NotReady(kserve.Model):
     def __init__(self, name: str):
         super().__init__(name)
@@ -168,7 +184,7 @@ def direct(models):
 def served(models, tmp_path_factory):
     server = _start(tmp_path_factory.mktemp("kserve_served"),
                     [f"{models}/kmodels.py:Linear", f"{models}/kmodels.py:Words",
-                     f"{models}/kmodels.py:Fails"],
+                     f"{models}/kmodels.py:Fails", f"{models}/kmodels.py:Flaky"],
                     "--interpreters", "2", "--grpc-port", "0")
     try:
         yield server
@@ -296,6 +312,34 @@ def test_kserve_s_invalid_input_is_a_400_and_other_errors_a_500(served):
     status, answer = _infer_json(served, "fails", {"inputs": [
         {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
     assert status == 500 and "KeyError" in answer["error"] and "no such thing" in answer["error"]
+
+
+def test_a_kserve_model_is_ready_while_its_healthy_says_so(served, models):
+    """Over HTTP and gRPC, as KServe's model readiness is its healthy(); the server stays
+    ready (KServe's server readiness does not ask the models)."""
+
+    def grpc_ready() -> bool:
+        async def call():
+            client = InferenceGRPCClient(f"127.0.0.1:{_grpc_port(served)}", timeout=60)
+            try:
+                return await client.is_model_ready("flaky")
+            finally:
+                await client.close()
+
+        return asyncio.run(call())
+
+    assert _request(served, "GET", "/v2/models/flaky/ready")[0] == 200 and grpc_ready()
+    sick = models / "sick"
+    sick.write_text("")
+    try:
+        for _ in range(4):  # new connections: both interpreters
+            assert _request(served, "GET", "/v2/models/flaky/ready")[0] == 400
+        assert not grpc_ready()
+        assert _request(served, "GET", "/v2/models/linear/ready")[0] == 200
+        assert _request(served, "GET", "/v2/health/ready")[0] == 200
+    finally:
+        sick.unlink()
+    assert _request(served, "GET", "/v2/models/flaky/ready")[0] == 200 and grpc_ready()
 
 
 def test_requests_to_a_kserve_model_are_batched(models, tmp_path):

@@ -18,15 +18,19 @@ LAYERS = ["errors", "_launch", "_parallel", "_host", "_keys", "_bootstrap", "_gl
 #: layers below "serve".  The request path that host and interpreters share, HTTP and
 #: gRPC, then the host's models and start-up, the supervisor of --processes, Ray, the
 #: command.
-SERVE_LAYERS = ["request", "request.messages", "request.protocol", "request.batching",
-                "request.metrics", "request.poison", "request.requests", "request.contract",
+SERVE_LAYERS = ["request", "request.messages", "request.tensors", "request.protocol", "request.batching",
+                "request.board", "request.metrics", "request.poison", "request.requests", "request.litserve",
+                "request.contract",
                 "request.restricted", "request.repository", "request.inference",
-                "http", "http.connection", "http.uvicorn_server", "http.inbox", "http.app",
+                "http", "http.connection", "http.uvicorn_server", "http.uvicorn_protocol",
+                "http.inbox", "http.litserve", "http.app",
                 "rpc", "rpc.inference_pb2", "rpc.server",
-                "host", "host.archive", "host.model_class", "host.models", "host.control",
+                "host", "host.archive", "host.model_class", "host.model_config_pb2",
+                "host.triton_model", "host.models", "host.control",
                 "host.progress", "host.service", "host.front_ends",
                 "processes", "processes.link", "processes.tasks", "processes.policy",
-                "processes.handover", "processes.supervised", "processes.supervisor",
+                "processes.handover", "processes.replication", "processes.rolling",
+                "processes.supervised", "processes.supervisor",
                 "on_ray", "command", "main", "__main__", "__init__"]
 #: What the code inside interpreters may import of multipy: of multipy.serve, the
 #: request path that the host and each interpreter's front end share.
@@ -156,6 +160,7 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
                           "multipy._inside.serving", "multipy._inside.served_class",
                           "multipy._inside.classes",
                           "multipy._inside.served_kserve",
+                          "multipy._inside.served_litserve", "multipy._inside.served_module",
                           "multipy._protocol", "multipy._cuda",  # (the driver, both sides)
                           "multipy._sharing", *front_end}, names
 
@@ -174,9 +179,17 @@ def _members(path: Path, name: str) -> tuple[dict[str, list[str]], set[str]]:
     return methods, attributes
 
 
+#: The classes of a model loaded in an interpreter (module in _inside, class), which
+#: contract.ServedCalls calls.
+SERVED_KINDS = [("serving.py", "Served"), ("served_class.py", "ServedClass"),
+                ("served_kserve.py", "ServedKServeModel"), ("served_triton.py", "ServedTriton"),
+                ("served_litserve.py", "ServedLitAPI")]
+
+
 def test_the_seams_of_the_server_hold():
     """Each of the host's calls of a front end (contract.FrontEndCalls) is a method of
-    FrontEnd with the same parameters, and both servers that the request path answers
+    FrontEnd with the same parameters, each of its calls of a served model
+    (contract.ServedCalls) a method of every kind of served model, and both servers that the request path answers
     for, the host's Service and an interpreter's FrontEnd, have every member of the
     contract.Server protocol (read from their source: neither is imported here)."""
     from multipy.serve.request import contract
@@ -191,5 +204,16 @@ def test_the_seams_of_the_server_hold():
     wanted = {name for name in vars(contract.Server) if not name.startswith("_")} \
         | set(contract.Server.__annotations__)
     service, service_attributes = _members(PACKAGE / "serve" / "host" / "service.py", "Service")
+    served_calls = {name for name, value in vars(contract.ServedCalls).items()
+                    if callable(value) and not name.startswith("_")}
+    assert served_calls
+    found: dict[str, set[str]] = {}  # each kind's methods, with its listed bases'
+    for path, kind in SERVED_KINDS:
+        methods, _ = _members(PACKAGE / "_inside" / path, kind)
+        tree = ast.parse((PACKAGE / "_inside" / path).read_text())
+        bases = next(ast.unparse(b) for node in tree.body if isinstance(node, ast.ClassDef)
+                     and node.name == kind for b in [*node.bases, ast.Name("object")])
+        found[kind] = set(methods) | found.get(bases, set())
+        assert not served_calls - found[kind], (kind, served_calls - found[kind])
     for methods, attributes in ((front, front_attributes), (service, service_attributes)):
         assert not wanted - set(methods) - attributes, wanted - set(methods) - attributes

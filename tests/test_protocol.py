@@ -16,7 +16,8 @@ np = pytest.importorskip("numpy")
 
 from multipy.serve.request import protocol  # noqa: E402
 from multipy.serve.request.protocol import (ProtocolError, Tensor, decode_request,  # noqa: E402
-                                    encode_response, to_length_prefixed)
+                                    encode_response)
+from multipy.serve.request.tensors import to_length_prefixed  # noqa: E402
 
 #: The ways an answer's JSON is written: orjson's, where it is installed, and json's.
 WRITERS = ["orjson", "json"]

@@ -20,7 +20,7 @@ pytest.importorskip("prometheus_client")
 
 from multipy.serve.request.batching import Batcher  # noqa: E402
 from multipy.serve.http.connection import Limits  # noqa: E402
-from multipy.serve.http.uvicorn_server import guarded  # noqa: E402
+from multipy.serve.http.uvicorn_protocol import guarded  # noqa: E402
 from multipy.serve.http.inbox import open_inbox, receive  # noqa: E402
 from multipy.serve.host.front_ends import FrontEnds  # noqa: E402
 from multipy.serve.request.metrics import Metrics  # noqa: E402

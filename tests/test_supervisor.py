@@ -13,7 +13,8 @@ import pytest
 pytest.importorskip("httptools")  # (the supervisor accepts with multipy.serve.http.connection)
 
 from multipy.serve.request import poison  # noqa: E402
-from multipy.serve.processes.link import LARGEST, Link, TooLarge, pair  # noqa: E402
+from multipy.serve.processes.link import (LARGEST, Ask, Do, Link, Pong, RepositoryRequest,  # noqa: E402
+                                          Start, TooLarge, decode, encode, pair)
 from multipy.serve.request.messages import ProtocolError  # noqa: E402
 from multipy.serve.request.repository import PATH_MAX, archive  # noqa: E402
 from multipy.serve.processes.policy import START_FAILURES, Present, decide  # noqa: E402
@@ -57,34 +58,37 @@ def test_models_that_fail_at_the_first_start_stop_the_server_at_once():
 # -- the repository's present state --
 
 def _replayed(present: Present) -> list[tuple]:
-    return [(r["what"], r["name"], tuple(sorted(r["archive"].items())))
-            for r in present.requests()]
+    return [(r.what, r.name, tuple(sorted(r.archive.items()))) for r in present.requests()]
+
+
+def _note(present: Present, what: str, name: str, archive: dict, statuses: list) -> None:
+    present.note(RepositoryRequest(what, name, archive), statuses)
 
 
 def test_the_present_is_one_entry_per_name_however_many_requests_came():
     present = Present(["a", "b"])
     for _ in range(50):
-        present.note("unload", "a", {}, [200, 200])
-        present.note("load", "a", {}, [200, 200])
+        _note(present, "unload", "a", {}, [200, 200])
+        _note(present, "load", "a", {}, [200, 200])
     for _ in range(50):
-        present.note("load", "nothing", {"path": "x" * 3000}, [404, 404])  # failed: kept not
+        _note(present, "load", "nothing", {"path": "x" * 3000}, [404, 404])  # failed: kept not
     assert _replayed(present) == [("load", "a", ())]
-    present.note("unload", "b", {}, [200, None])  # one process ended meanwhile
-    present.note("load", "c", {"path": "c.pt"}, [200, 200])
-    present.note("load", "c", {"path": "c2.pt"}, [500, 500])  # c serves on from c.pt
-    present.note("unload", "c", {}, [200, 200])
+    _note(present, "unload", "b", {}, [200, None])  # one process ended meanwhile
+    _note(present, "load", "c", {"path": "c.pt"}, [200, 200])
+    _note(present, "load", "c", {"path": "c2.pt"}, [500, 500])  # c serves on from c.pt
+    _note(present, "unload", "c", {}, [200, 200])
     assert _replayed(present) == [("load", "a", ()), ("unload", "b", ()),
                                   ("load", "c", (("path", "c.pt"),)), ("unload", "c", ())]
 
 
 def test_a_new_name_whose_load_failed_keeps_its_place_and_is_tried_again():
     present = Present(["a"])
-    present.note("load", "d", {"path": "d.pt"}, [500, 500])  # in the index, UNAVAILABLE
-    present.note("load", "e", {"path": "e.pt"}, [400, 400])  # not an archive: nothing
-    present.note("unload", "zzz", {}, [404, 404])
-    present.note("load", "f", {}, [None, None])  # every process ended: nothing known
+    _note(present, "load", "d", {"path": "d.pt"}, [500, 500])  # in the index, UNAVAILABLE
+    _note(present, "load", "e", {"path": "e.pt"}, [400, 400])  # not an archive: nothing
+    _note(present, "unload", "zzz", {}, [404, 404])
+    _note(present, "load", "f", {}, [None, None])  # every process ended: nothing known
     assert _replayed(present) == [("load", "d", (("path", "d.pt"),))]
-    present.note("load", "d", {"path": "d2.pt"}, [200, 200])
+    _note(present, "load", "d", {"path": "d2.pt"}, [200, 200])
     assert _replayed(present) == [("load", "d", (("path", "d2.pt"),))]
 
 
@@ -148,19 +152,19 @@ def test_the_table_keeps_the_newest_refused_digests():
 
 
 def test_the_crash_is_pinned_on_the_call_the_handler_names_or_the_only_one():
-    from multipy.serve.request.metrics import _CRASHED, _INPUT, _SINCE, Board
+    from multipy.serve.request.board import CRASHED, INPUT, SINCE, Board
 
     board = Board(3, 20)  # a process's host row, then its two interpreters'
-    board.row(1)[_INPUT], board.row(2)[_INPUT] = 11.0, 22.0
-    board.row(1)[_SINCE] = board.row(2)[_SINCE] = 5.0
+    board.row(1)[INPUT], board.row(2)[INPUT] = 11.0, 22.0
+    board.row(1)[SINCE] = board.row(2)[SINCE] = 5.0
     assert board.crashed_input(0, 3) is None  # two calls ran, and nothing says which
-    board.row(0)[_CRASHED] = 2.0  # the handler: interpreter 1's call
+    board.row(0)[CRASHED] = 2.0  # the handler: interpreter 1's call
     assert board.crashed_input(0, 3) == 22
-    board.row(0)[_CRASHED] = -1.0  # a signal another process sent
+    board.row(0)[CRASHED] = -1.0  # a signal another process sent
     assert board.crashed_input(0, 3) is None
-    board.row(0)[_CRASHED], board.row(1)[_SINCE] = 0.0, 0.0  # one call ran: that one
+    board.row(0)[CRASHED], board.row(1)[SINCE] = 0.0, 0.0  # one call ran: that one
     assert board.crashed_input(0, 3) == 22
-    board.row(2)[_INPUT] = 0.0  # a batch's call: no digest
+    board.row(2)[INPUT] = 0.0  # a batch's call: no digest
     assert board.crashed_input(0, 3) is None
 
 
@@ -170,10 +174,11 @@ def test_a_message_too_large_is_refused_where_it_is_sent_and_the_link_serves_on(
     here, there = pair()
     process = Link(there)
     with pytest.raises(TooLarge):
-        here.send({"op": "do", "path": "\u00e9" * LARGEST})
-    here.send({"op": "do", "path": "\u00e9" * 20_000})  # 40 KB as UTF-8: it fits
+        here.send(Do(1, RepositoryRequest("load", "m", {"path": "\u00e9" * LARGEST})))
+    fits = Do(2, RepositoryRequest("load", "m", {"path": "\u00e9" * 20_000}))  # 40 KB of UTF-8
+    here.send(fits)
     [(message, fds)] = process.receive()
-    assert message["path"] == "\u00e9" * 20_000 and fds == []
+    assert message == fits and fds == []
     here.close()
     process.close()
 
@@ -187,10 +192,24 @@ def test_messages_that_are_not_ones_are_dropped_and_the_next_is_read():
         there.send(b"\xff\xfe")
         with socket.socket(socket.AF_UNIX) as spare:  # a descriptor that comes with one
             socket.send_fds(there, [b"{not json"], [spare.fileno()])
-        there.send(json.dumps({"op": "pong", "stuck": 0}).encode())
-        assert here.receive() == [({"op": "pong", "stuck": 0}, [])]
+        for wrong in ({"op": "pong", "stuck": True}, {"op": "pong", "stuck": "1"},
+                      {"op": "pong", "stuck": 0, "more": 1}, {"op": "start", "process": 1},
+                      {"op": "nothing"}, {"op": "ask", "number": 1, "request": {"what": 1}},
+                      {"op": "do", "number": 1, "request": {"what": "load", "name": "m",
+                                                            "archive": {"path": 1}}}):
+            there.send(json.dumps(wrong).encode())  # a field of another type, unknown, missing
+        there.send(json.dumps({"op": "pong", "stuck": 1}).encode())
+        assert here.receive() == [(Pong(stuck=1), [])]
     assert here.receive() is None
     here.close()
+
+
+def test_every_message_is_read_back_as_it_was_sent():
+    for message in (Start(3, 4, 5), Pong(4, 1, 2),
+                    Ask(7, RepositoryRequest("load", "m\u00e9", {"path": "/a b", "x": ""})),
+                    Do(8, RepositoryRequest("unload", "m"))):
+        assert decode(encode(message)) == message
+        assert json.loads(encode(message))["op"] == type(message).__name__.lower()
 
 
 def test_a_load_request_that_names_no_file_is_refused_where_it_arrives():

@@ -65,14 +65,14 @@ def test_uvicorn_has_what_multipy_relies_on(where, name, kind):
 
 
 def test_every_name_of_uvicorn_that_the_adapter_uses_is_declared():
-    """The adapter reads no attribute of a uvicorn cycle or protocol that RELIED_ON does
-    not name (a new use must be declared, and so checked)."""
-    from multipy.serve.http import uvicorn_server
+    """The adapter (its two modules) reads no attribute of a uvicorn cycle or protocol
+    that RELIED_ON does not name (a new use must be declared, and so checked)."""
+    from multipy.serve.http import uvicorn_protocol, uvicorn_server
 
-    tree = ast.parse(inspect.getsource(uvicorn_server))
     declared = {name.partition("(")[0] for _, name, _ in RELIED_ON}
     used = set()
-    for node in ast.walk(tree):
+    for node in (node for module in (uvicorn_server, uvicorn_protocol)
+                 for node in ast.walk(ast.parse(inspect.getsource(module)))):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.value.id == "cycle":
             used.add(node.attr)

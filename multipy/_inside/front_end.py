@@ -50,9 +50,10 @@ from typing import Any, Callable, Mapping
 import _multipy_bootstrap
 
 from ..serve.http.app import create_app, logging_config
-from ..serve.http.connection import Limits
 from ..serve.http.inbox import FORCE, receive, send
-from ..serve.http.uvicorn_server import Config, Server, guarded
+from ..serve.http.uvicorn_protocol import guarded
+from ..serve.http.uvicorn_server import Config, Server
+from ..serve.request.contract import FrontEndSettings
 from ..serve.request.messages import InferRequest, ProtocolError
 from ..serve.request.metrics import Metrics
 from ..serve.request.poison import Table, check
@@ -77,56 +78,43 @@ _STOPS_WITHIN = 0.5
 
 class FrontEnd:
     """This interpreter's front end for the models it has loaded (name -> Served), as
-    settings say: ``inbox`` (the read end of its inbox, multipy.serve.http.inbox, which the
-    host owns), ``names`` (every model, in the server's order),
-    ``described`` (name -> the model's metadata), ``interpreters``, ``row`` and
-    ``board`` (this front end's row of the metrics board at that address),
-    ``max_batch_size``, ``batch_delay`` (seconds), ``timeout`` (seconds or None),
-    ``max_request_size`` (bytes), ``limits`` (multipy.serve.http.connection.Limits, as a dict),
-    ``graceful_timeout`` (seconds or None), ``grpc`` (the "HOST:PORT" its gRPC server
-    shares with the other interpreters', or None for none), ``states`` (each model's
-    (state, reason), multipy.serve.request.repository), ``model_control``,
-    ``strict_readiness``, ``http_restricted`` and ``grpc_restricted`` (as
-    multipy.serve.request.contract.Server has them), ``slots`` (the metrics' room for
-    models) and ``control`` (the write end of its control pipe).
+    settings (multipy.serve.request.contract.FrontEndSettings) say.
 
     The host calls ``run`` on a thread of its own; it returns once a STOP or FORCE from
     the inbox has stopped the server."""
 
-    def __init__(self, models: dict[str, Served], settings: dict[str, Any]) -> None:
+    def __init__(self, models: dict[str, Served], settings: FrontEndSettings) -> None:
         logging.config.dictConfig(logging_config(server_lines=False))
-        names = settings["names"]
-        self.metrics = Metrics(names, settings["interpreters"], rows=settings["rows"],
-                               row=settings["row"], address=settings["board"],
-                               stuck_after=settings["stuck_after"], slots=settings["slots"],
-                               first=settings["first"], processes=settings["processes"])
-        self.states: dict[str, tuple[str, str]] = dict(settings["states"])
-        self.model_control = settings["model_control"]
-        self.strict_readiness = settings["strict_readiness"]
-        self.http_restricted = settings["http_restricted"]
-        self.grpc_restricted = settings["grpc_restricted"]
-        self._control = settings["control"]
+        self.metrics = Metrics(list(settings.names), settings.interpreters, rows=settings.rows,
+                               row=settings.row, address=settings.board,
+                               stuck_after=settings.stuck_after, slots=settings.slots,
+                               first=settings.first, processes=settings.processes)
+        self.states: dict[str, tuple[str, str]] = dict(settings.states)
+        self.model_control = settings.model_control
+        self.strict_readiness = settings.strict_readiness
+        self.http_restricted = settings.http_restricted
+        self.grpc_restricted = settings.grpc_restricted
+        self._control = settings.control
         self._asked: dict[int, tuple[tuple, asyncio.Future]] = {}  # number -> (request, answer)
         self._numbers = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()  # (asyncio keeps only weak references)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.max_request_size = settings["max_request_size"]
-        self._limits = Limits(**settings["limits"])
-        self._graceful_timeout = settings["graceful_timeout"]
+        self.max_request_size = settings.max_request_size
+        self._limits = settings.limits
+        self._graceful_timeout = settings.graceful_timeout
         self.ready = True
-        self._worker = None if settings["timeout"] is None else _Worker(self._stuck_changed)
+        self._worker = None if settings.timeout is None else _Worker(self._stuck_changed)
         #: the watch of calls on the loop (without a worker) for their clients' going
         self._hangups = Hangups() if self._worker is None else None
-        self._refused = None if settings.get("refused") is None else \
-            Table(address=settings["refused"])
+        self._refused = None if settings.refused is None else Table(address=settings.refused)
         self._settings = settings
         self.models: dict[str, _Model] = {}
         for name, served in models.items():
-            self.add_model(name, served, settings["described"][name])
+            self.add_model(name, served, settings.described[name])
         self._app = create_app(self) if self._worker is None else \
             _closing_while_stuck(create_app(self), self._worker)
-        self._inbox = settings["inbox"]
-        self._grpc_address = settings["grpc"]
+        self._inbox = settings.inbox
+        self._grpc_address = settings.grpc
         self._grpc: Any = None  # the gRPC server serving here, if one does
         self._grpc_private = ""  # its address of its own (see _grpc_through)
         self._grpc_stops: dict[Any, asyncio.Future] = {}  # server stopped -> its stop
@@ -187,7 +175,7 @@ class FrontEnd:
         self.metrics.add(name)
         settings = self._settings
         model = _Model(name, served, self.metrics.models[name], self._worker, self._hangups,
-                       settings["max_batch_size"], settings["batch_delay"], settings["timeout"],
+                       settings.max_batch_size, settings.batch_delay, settings.timeout,
                        self._refused)
         model.describe(described)
         self.models = {**self.models, name: model}
@@ -209,12 +197,7 @@ class FrontEnd:
 
         async def leave() -> None:
             deadline = asyncio.get_running_loop().time() + _LEAVE_WAIT
-            while any(not protocol.transport.is_closing() and
-                      (protocol.received < target or protocol.pipeline)
-                      for protocol, target in waiting.items()):
-                if asyncio.get_running_loop().time() > deadline:
-                    break
-                await asyncio.sleep(0.001)
+            await _read_and_answered(waiting, deadline)
             if self._grpc is not None:  # the gRPC calls received before are taken up
                 remaining = deadline - asyncio.get_running_loop().time()
                 try:
@@ -391,8 +374,8 @@ class FrontEnd:
             if self._grpc is None:
                 self._keep(self._restart_grpc())
             return
-        if self._grpc is not None and self.metrics.free_elsewhere(self._settings["row"]):
-            self._stop_grpc(self._settings["timeout"])  # (every call here ends within it)
+        if self._grpc is not None and self.metrics.free_elsewhere(self._settings.row):
+            self._stop_grpc(self._settings.timeout)  # (every call here ends within it)
 
     async def _restart_grpc(self) -> None:
         try:
@@ -437,6 +420,28 @@ class _Server(Server):
         await self._finish()
 
 
+async def _read_and_answered(waiting: dict[Any, int], deadline: float) -> None:
+    """Returns once each connection of waiting (its protocol -> the bytes it will have
+    read) has read that many, has no request left in its pipeline, or is closing; or
+    at deadline (the loop's time)."""
+    loop = asyncio.get_running_loop()
+    progress = asyncio.Event()  # (set by a protocol that reads, answers or ends)
+    for protocol in waiting:
+        protocol.progress = progress
+    try:
+        while any(not protocol.transport.is_closing() and
+                  (protocol.received < target or protocol.pipeline)
+                  for protocol, target in waiting.items()):
+            progress.clear()
+            try:
+                await asyncio.wait_for(progress.wait(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return
+    finally:
+        for protocol in waiting:
+            protocol.progress = None
+
+
 def _closing_while_stuck(app: Any, worker: _Worker) -> Any:
     """The ASGI application app, but an answer it gives while worker is stuck closes its
     connection (Connection: close): the client's next request comes on a new connection,
@@ -469,6 +474,14 @@ class _Model(ModelRequests):
         self._noted = f"model {name!r}, "  # what a crash report names, before the requests
         #: the crash report's note while a call of one request without an id runs (most)
         self._anonymous = (b"inference", (self._noted + NO_ID).encode())
+
+    async def healthy(self) -> bool:  # (one that raises is not healthy, as in LitServe)
+        healthy = getattr(self._served, "healthy", None)
+        try:
+            return True if healthy is None else await healthy()
+        except Exception:
+            logger.exception("the health check of model %r raised", self.name)
+            return False
 
     @property
     def cancellable(self) -> bool:  # (an async predict gives the loop its turns)

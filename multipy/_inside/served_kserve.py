@@ -4,11 +4,13 @@ what ``multipy serve FILE.py:CLASS`` serves when CLASS subclasses ``kserve.Model
 
 The class is made with the model's served name, its ``load()`` (or an ``async`` one)
 runs once, and it must leave ``ready`` true, as KServe refuses a model that is not ready;
-then its ``start()`` runs.  Each request becomes a ``kserve.InferRequest`` (the model's
-name, one ``InferInput`` per input over its numpy array, BYTES as an array of dtype
-object holding bytes; the request's id and parameters, but under ``--max-batch-size``,
-where a call may hold several requests) and goes through the model's own ``__call__``, as
-KServe's data plane calls it: ``preprocess`` -> ``validate`` -> ``predict`` ->
+then its ``start()`` runs.  Afterwards the model is ready while its ``healthy()`` (sync or
+async; KServe's returns ``ready``) returns true, as KServe's model readiness says.
+Each request becomes a ``kserve.InferRequest`` (the model's name, one ``InferInput`` per
+input over its numpy array, BYTES as an array of dtype object holding bytes; the
+request's id and parameters, but under ``--max-batch-size``, where a call may hold
+several requests) and goes through the model's own ``__call__``, as KServe's data plane
+calls it: ``preprocess`` -> ``validate`` -> ``predict`` ->
 ``postprocess``, each sync or async, with headers ``{}``.  What it returns, an
 ``InferResponse`` or a dict in the protocol's shape (``{"outputs": [{"name", "datatype",
 "shape", "data"}]}``), becomes the outputs, of the datatypes it names.  KServe's
@@ -110,6 +112,11 @@ class ServedKServeModel(ServedClass):
             return {output.name: output.as_numpy() for output in response.outputs}
         except self.invalid as error:  # the client's fault, as KServe says
             raise InvalidInput(str(error)) from None
+
+    async def healthy(self) -> bool:
+        """The model's ``healthy()`` (sync or async), as KServe's model readiness asks it."""
+        state = self.instance.healthy()
+        return bool(await state if inspect.isawaitable(state) else state)
 
     def metadata(self) -> dict[str, Any]:
         """The inputs and outputs the model's get_input_types() and get_output_types()

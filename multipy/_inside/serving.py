@@ -222,7 +222,7 @@ class Served:
         """The inputs (forward's parameters) and, when the archive has an example, the
         outputs, each as {"name", "datatype", "shape"}: shapes are the example's with
         -1 for the leading (batch) dimension (BYTES for an example of str or bytes, as
-        ``_array`` takes them); without an example, FP32 and [-1].  What config.json
+        ``output_array`` takes them); without an example, FP32 and [-1].  What config.json
         declares instead, where it does ("declared": True then, and requests are checked
         against the inputs)."""
         import torch
@@ -289,7 +289,7 @@ def _outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, str, A
     bytes only (not empty) is one output, BYTES of shape [len], not a list of outputs.
     An output over one of the storages in state (the model's own) is a copy."""
     if torch is not None and isinstance(result, torch.Tensor):  # (the most common: at once)
-        return [("output0", *_array(torch, "output0", result, state))]
+        return [("output0", *output_array(torch, "output0", result, state))]
     if isinstance(result, dict):
         items = [(str(key), value) for key, value in result.items()]
     elif isinstance(result, (tuple, list)) and not _is_string_list(result):
@@ -304,7 +304,7 @@ def _outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, str, A
         elif isinstance(value, (tuple, list)) and not _is_string_list(value):
             items[:0] = [(f"{name}.{i}", each) for i, each in enumerate(value)]
         else:
-            flat.append((name, *_array(torch, name, value, state)))
+            flat.append((name, *output_array(torch, name, value, state)))
     return flat
 
 
@@ -315,8 +315,8 @@ def _is_string_list(value: Any) -> bool:
 
 
 def _is_strings(value: Any) -> bool:
-    """Whether value is BYTES as ``_array`` takes it: a str or bytes, a list of them, or
-    a numpy array of them."""
+    """Whether value is BYTES as ``output_array`` takes it: a str or bytes, a list of
+    them, or a numpy array of them."""
     if isinstance(value, (str, bytes)) or _is_string_list(value):
         return True
     numpy = sys.modules.get("numpy")
@@ -341,10 +341,12 @@ def _tensor_datatypes(torch: Any) -> dict[Any, str]:
     return _TENSOR_DATATYPES
 
 
-def _array(torch: Any, name: str, value: Any, state: set[int]) -> tuple[str, Any]:
-    """(datatype, numpy array over the same memory) for an output value; a copy of a
+def output_array(torch: Any, name: str, value: Any, state: set[int]) -> tuple[str, Any]:
+    """(datatype, numpy array over the same memory) for an output value (named name, for
+    errors; torch: the module, or None where the model has no tensors); a copy of a
     tensor over one of the storages in state; for str and bytes (see the module's
-    docstring), a new array of dtype object holding bytes."""
+    docstring), a new array of dtype object holding bytes.  TypeError for a value the
+    protocol has no datatype for.  Every kind of served model's outputs go through it."""
     if torch is not None and isinstance(value, torch.Tensor):
         tensor = value.detach() if value.requires_grad else value
         if tensor.untyped_storage().data_ptr() in state:

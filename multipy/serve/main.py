@@ -37,7 +37,8 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from types import FrameType
+from typing import Iterator
 
 from .. import _host
 from .._launch import make_room
@@ -47,8 +48,9 @@ from .host.front_ends import FrontEnds
 from .host.service import Place, Service
 from .http.app import create_app, logging_config
 from .http.connection import Limits, accept, bind, listen, request_line
-from .http.uvicorn_server import Config, Server, guarded
-from .processes.link import Link
+from .http.uvicorn_protocol import guarded
+from .http.uvicorn_server import Config, Server
+from .processes.link import Link, Start
 from .processes.supervised import Supervised
 from .processes.supervisor import HEALTH_TIMEOUT, Supervisor, Tunables
 
@@ -71,7 +73,7 @@ class _Server(Server):
         self._limits = limits
         self._listener = listener
         self._supervised = supervised
-        self._protocol: Any = None
+        self._protocol: type | None = None
         self._accepting: asyncio.Task | None = None
         #: set once the server has started (or stopped without): the models load then
         self.begun = threading.Event()
@@ -89,7 +91,7 @@ class _Server(Server):
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def handle_exit(self, sig: int, frame: Any) -> None:
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         if self.force_exit:  # a second SIGINT: the front ends stop at once too
             threading.Thread(target=self._fronts.force, name="multipy-serve-force",
@@ -190,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.link is not None:  # a process of --processes: its supervisor reserved the port
         link = Link.inherited(args.link)
         start, fds = link.first()
-        place = Place(start["process"], start["processes"], fds[0], start["slots"], fds[1])
+        if not isinstance(start, Start):
+            raise ConnectionError(f"the supervisor's first message is {start}, not its Start")
+        place = Place(start.process, start.processes, fds[0], start.slots, fds[1])
         grpc = None if args.grpc_port is None else _host_port(args.host, args.grpc_port)
         reserved = None
         bound = None

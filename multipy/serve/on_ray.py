@@ -33,6 +33,7 @@ import signal
 import socket
 import sys
 import time
+from types import FrameType
 from typing import Any
 
 import ray
@@ -244,7 +245,7 @@ def serve_on_ray(options: Options, *, replicas: int = 1, replica_cpus: float | N
 
 
 def _stop_on_signals() -> None:
-    def stop(signum: int, frame: Any) -> None:
+    def stop(signum: int, frame: FrameType | None) -> None:
         raise _Stopped()
 
     signal.signal(signal.SIGINT, stop)

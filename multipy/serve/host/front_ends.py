@@ -11,7 +11,7 @@ import socket
 import threading
 
 from ..http.inbox import FORCE, STOP, open_inbox, receive, send
-from ..request.contract import FrontEndCalls
+from ..request.contract import FrontEndCalls, FrontEndSettings
 from ..request.metrics import Metrics
 from .control import Control, Repository
 from .service import Service
@@ -50,22 +50,19 @@ class FrontEnds:
         repository requests done by repository (default: the service; see
         multipy.serve.host.control); raises what failed."""
         options, metrics = service.options, service.metrics
-        settings = {"names": list(service.models), "interpreters": service.interpreters,
-                    "board": metrics.board.address, "rows": metrics.board.rows,
-                    "first": metrics.first, "processes": metrics.processes,
-                    "max_batch_size": options.max_batch_size,
-                    "batch_delay": options.batch_timeout_ms / 1000, "timeout": options.timeout,
-                    "max_request_size": options.max_request_size,
-                    "limits": dataclasses.asdict(options.limits),
-                    "stuck_after": metrics.stuck_after,
-                    "graceful_timeout": options.graceful_timeout, "grpc": grpc,
-                    "states": service.states, "model_control": service.model_control,
-                    "strict_readiness": service.strict_readiness,
-                    "http_restricted": service.http_restricted,
-                    "grpc_restricted": service.grpc_restricted,
-                    "refused": None if service.refused is None else service.refused.address,
-                    "slots": metrics.slots,
-                    "described": {name: model.described for name, model in service.models.items()}}
+        settings = FrontEndSettings(
+            names=tuple(service.models),
+            described={name: model.described for name, model in service.models.items()},
+            states=dict(service.states), interpreters=service.interpreters,
+            board=metrics.board.address, rows=metrics.board.rows, first=metrics.first,
+            processes=metrics.processes, slots=metrics.slots, stuck_after=metrics.stuck_after,
+            max_batch_size=options.max_batch_size,
+            batch_delay=options.batch_timeout_ms / 1000, timeout=options.timeout,
+            max_request_size=options.max_request_size, limits=options.limits,
+            graceful_timeout=options.graceful_timeout, grpc=grpc,
+            model_control=service.model_control, strict_readiness=service.strict_readiness,
+            http_restricted=service.http_restricted, grpc_restricted=service.grpc_restricted,
+            refused=None if service.refused is None else service.refused.address)
         fronts, inboxes, controls = [], [], []
         interpreters = service.manager.all_instances()
         try:
@@ -75,9 +72,8 @@ class FrontEnds:
                 loaded = {name: model.instance(interpreter)
                           for name, model in service.models.items()}
                 make = interpreter.global_("multipy._inside.front_end", "FrontEnd")
-                fronts.append(FrontEndCalls(make(loaded, {
-                    **settings, "row": k + 1, "inbox": inboxes[k][0],
-                    "control": controls[k][1]})))
+                fronts.append(FrontEndCalls(make(loaded, dataclasses.replace(
+                    settings, row=k + 1, inbox=inboxes[k][0], control=controls[k][1]))))
         except BaseException:
             for pipe in inboxes + controls:
                 os.close(pipe[0])

@@ -11,6 +11,7 @@ import os
 import sys
 
 from ...errors import InterpreterError, RemoteTraceback
+from ..request.litserve import API_PATH, clashes
 
 
 class ClassError(ValueError):
@@ -32,7 +33,17 @@ def failed(served: str, error: Exception) -> ClassError:
         f"{type(error).__name__}: {error}"
     text = cause.traceback_text if isinstance(cause, RemoteTraceback) else ""
     return ClassError(f"{served}: loading it in an interpreter raised {what}",
-                      text if text.strip().count("\n") else "")  # (one line says what alone)
+                      text if 'File "' in text else "")  # (without frames: what says it all)
+
+
+def check_paths(models: list[tuple[str, dict | None]]) -> None:
+    """ClassError if two of models (each: what it is served from, and its metadata, None
+    before it loads) are LitAPIs on one path, or one is on a path of the server's own
+    (multipy.serve.request.litserve.clashes)."""
+    clash = clashes([(served, described[API_PATH]) for served, described in models
+                     if described and described.get(API_PATH)])
+    if clash:
+        raise ClassError(clash)
 
 
 def parse(target: str) -> tuple[str, str, str] | None:
@@ -53,7 +64,8 @@ def parse(target: str) -> tuple[str, str, str] | None:
 def check(path: str, module: str, name: str) -> None:
     """ClassError unless the file at path (or, without one, module on sys.path) defines
     class name at its top level, with a ``predict`` of its own or bases that may give
-    one."""
+    one (``litserve.LitAPI`` and ``torch.nn.Module``, which the interpreters recognise
+    as they load it, do: multipy._inside.classes)."""
     source = path or _module_file(module)
     if not os.path.isfile(source):
         raise ClassError(f"{source}: no such file")

@@ -15,6 +15,8 @@ arrived while the interpreters started (``ServedModel.infer``).
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -22,26 +24,32 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import InterpreterError
 from ...replicated import ReplicatedObj
+from ..request.contract import ServedCalls
 from ..request.messages import InferRequest, ProtocolError
 from ..request.poison import Table, check
 from ..request.requests import ModelError, ModelRequests, Started
 from . import archive
 from . import model_class
+from . import triton_model
 
 if TYPE_CHECKING:
     from ...manager import InterpreterManager
     from ...session import Interpreter, Obj
     from ..request.metrics import Metrics
 
+logger = logging.getLogger("multipy.serve")
+
 _INSIDE = "multipy._inside.serving"
 _INSIDE_CLASS = "multipy._inside.classes"
+_INSIDE_TRITON = "multipy._inside.served_triton"
 
 
 @dataclass
 class ModelSpec:
     """What to serve, as name: the archive at path, its object at (module, resource);
     or, of kind "class", the class called resource in module (imported by name, or from
-    the file at path if there is one)."""
+    the file at path if there is one); or, of kind "triton", the Triton Python model in
+    the folder at path (multipy.serve.host.triton_model)."""
 
     name: str
     path: str
@@ -50,16 +58,35 @@ class ModelSpec:
     kind: str = "archive"
 
     def check(self) -> None:
-        """ArchiveError, or model_class.ClassError, unless the model can be loaded (as
-        far as the host sees without importing it)."""
+        """ArchiveError, model_class.ClassError or triton_model.ModelConfigError, unless
+        the model can be loaded (as far as the host sees without importing it)."""
         if self.kind == "class":
             model_class.check(self.path, self.module, self.resource)
+        elif self.kind == "triton":
+            triton_model.read(self.path)
         else:
             archive.check(self.path, self.module, self.resource)
+
+    @property
+    def loading(self) -> str:
+        """What loading it does in each interpreter, as the start-up log says it."""
+        if self.kind == "triton":
+            return "a Triton model's model.py imported and its initialize() run"
+        if self.kind == "class":
+            return "a model class's instance made"
+        return "torch imported and an archive loaded"
+
+    @property
+    def has_code(self) -> bool:
+        """Whether loading the model runs its own code (a class's, a Triton model's),
+        which may raise: the first interpreter loads it before the server listens."""
+        return self.kind in ("class", "triton")
 
     def __str__(self) -> str:
         if self.kind == "class":
             return f"{self.path or self.module}:{self.resource}"
+        if self.kind == "triton":
+            return f"Triton model {self.name!r} ({self.path})"
         return self.path
 
 
@@ -67,12 +94,12 @@ class ServedModel(ModelRequests):
     """One model on every interpreter of a manager.
 
     ``materialise(interpreter)`` loads it there (and runs its example once, if the
-    archive has one), on device (an archive's model: "cpu", "cuda" or "cuda:N"; a class
-    chooses its own); ``ready`` is true once every interpreter has it, and ``instance``
-    is the loaded model there.  ``infer(request)`` (see ModelRequests) runs a request
-    on a free interpreter: every call of every model takes a turn from ``turns``, which
-    the server's models share, so that at most one call per interpreter runs and the
-    others wait in arrival order.
+    archive has one), on device (an archive's model: "cpu", "cuda" or "cuda:N"; so is a
+    LitAPI's and an nn.Module's, other classes choose their own); ``ready`` is true once
+    every interpreter has it, and ``instance`` is the loaded model there.
+    ``infer(request)`` (see ModelRequests) runs a request on a free interpreter: every
+    call of every model takes a turn from ``turns``, which the server's models share, so
+    that at most one call per interpreter runs and the others wait in arrival order.
     """
 
     def __init__(self, spec: ModelSpec, manager: InterpreterManager, metrics: Metrics,
@@ -87,10 +114,12 @@ class ServedModel(ModelRequests):
         self._manager = manager
         self._turns = turns
         self.device = device
+        self.max_batch_size = max_batch_size
         self._refused = refused  # with --processes: the inputs that crashed processes
         self._storages: tuple | None = None  # load's storages (and device, keeper) arguments
         self._mapping = threading.Lock()
         self.replicated = ReplicatedObj(manager, self._load)
+        self._calls = ServedCalls(self.replicated)
         self._materialised: set[Interpreter] = set()
 
     # -- loading: from the start-up thread --
@@ -98,8 +127,14 @@ class ServedModel(ModelRequests):
     def _load(self, interpreter: Interpreter) -> Obj:
         spec = self.spec
         if spec.kind == "class":
-            return interpreter.global_(_INSIDE_CLASS, "load")(spec.path, spec.module,
-                                                              spec.resource, spec.name)
+            return interpreter.global_(_INSIDE_CLASS, "load")(
+                spec.path, spec.module, spec.resource, spec.name, self.device,
+                self.max_batch_size)
+        if spec.kind == "triton":
+            model = triton_model.read(spec.path)
+            return interpreter.global_(_INSIDE_TRITON, "load")(
+                model.model_file, spec.name, model.version, json.dumps(model.config),
+                interpreter.index)
         with self._mapping:  # interpreters load in parallel: the archive is read once
             if self._storages is None:
                 spans = archive.records(self.spec.path)
@@ -113,10 +148,9 @@ class ServedModel(ModelRequests):
         the first one also reads the metadata."""
         if interpreter in self._materialised:
             return
-        instance = self.instance(interpreter)
-        instance.call_value("warm_up")
+        self._calls.warm_up(interpreter)
         if self._described is None:
-            self.describe(instance.call_value("metadata"))
+            self.describe(self._calls.metadata(interpreter))
         self._materialised.add(interpreter)
 
     def instance(self, interpreter: Interpreter) -> Obj:
@@ -128,7 +162,17 @@ class ServedModel(ModelRequests):
         keeps of its package for good (multipy._inside.serving.Served.forget), before
         the model is dropped."""
         for interpreter in self._materialised:
-            self.instance(interpreter).call_value("forget")
+            self._calls.forget(interpreter)
+
+    def finish(self) -> None:
+        """At the server's stop: a Triton model's ``finalize()`` in every interpreter
+        that has it (``forget``: multipy._inside.served_triton), a failure logged;
+        nothing for other kinds."""
+        if self.spec.kind == "triton":
+            try:
+                self.forget()
+            except Exception:
+                logger.exception("model %r: finalize() failed", self.name)
 
     @property
     def ready(self) -> bool:
@@ -148,8 +192,7 @@ class ServedModel(ModelRequests):
         try:
             async with self._turns:
                 with started:
-                    return await self.replicated.acall_method("infer", names, datatypes,
-                                                              *arrays, **given)
+                    return await self._calls.infer(names, datatypes, *arrays, **given)
         except InterpreterError as error:  # a type the host cannot re-create
             raise ModelError(f"model {self.name!r} raised {error.type_name}: "
                              f"{error.message}") from error
@@ -205,5 +248,5 @@ class Turns:
                 self.give()  # handed, then cancelled before it ran: passed on
             raise  # (handed but not yet there: _hand passes it on)
 
-    async def __aexit__(self, *exc_info: Any) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
         self.give()

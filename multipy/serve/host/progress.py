@@ -64,5 +64,5 @@ class _NoBar:
     def stop(self) -> None:
         pass
 
-    def update(self, task: int, **changes: Any) -> None:
+    def update(self, task: int, **changes: object) -> None:
         pass

@@ -162,20 +162,22 @@ class Service:
         the interpreters and loads each such model on the first, so that what the
         class's own code raises (importing its module, making the instance, its
         ``load()``; no ``predict``) stops the server before it listens, as
-        model_class.ClassError with the interpreter's traceback.  Nothing for archives,
+        model_class.ClassError with the interpreter's traceback; so do two LitAPIs on
+        one path (model_class.check_paths).  Nothing for archives,
         whose checks need no interpreter (``Service()``'s); ``start`` does the rest."""
-        classes = [spec for spec in self.specs.values() if spec.kind == "class"]
+        classes = [spec for spec in self.specs.values() if spec.has_code]
         if not classes:
             return
         logger.info("starting %d interpreter(s), and loading %s on the first before "
                     "listening", self.interpreters, ", ".join(map(str, classes)))
         self._start_interpreters()
         for model in self._loading:
-            if model.spec.kind == "class":
+            if model.spec.has_code:
                 try:
                     model.materialise(self.manager[0])
                 except Exception as error:
                     raise model_class.failed(str(model.spec), error) from error
+        model_class.check_paths([(str(model.spec), model.described) for model in self._loading])
 
     def start(self, before_ready: Callable[[], None] | None = None) -> None:
         """Starts the interpreters (unless ``prepare`` has) and materialises every model
@@ -189,9 +191,9 @@ class Service:
                 self._start_interpreters()
             progress.advance(n, "interpreters started")
             models, self._loading = self._loading, []  # (self.models holds them from now on)
-            progress.stage(f"materialising {m} model(s) on {n} interpreter(s): torch is "
-                           f"imported and each archive loaded in every interpreter "
-                           f"({self.manager.torch_threads} torch thread(s) each)")
+            loading = "; ".join(dict.fromkeys(model.spec.loading for model in models))
+            progress.stage(f"materialising {m} model(s) on {n} interpreter(s), in each: "
+                           f"{loading} ({self.manager.torch_threads} torch thread(s))")
             self._materialise(models, progress)
             for model in models:
                 inputs = ", ".join(f"{i['name']} {i['datatype']}{i['shape']}"
@@ -389,5 +391,8 @@ class Service:
             await model.drain()
 
     def close(self) -> None:
+        """Has each model finish (ServedModel.finish), then stops the interpreters."""
         if self.manager is not None:
+            for model in self.models.values():
+                model.finish()
             self.manager.close()

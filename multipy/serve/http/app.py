@@ -29,6 +29,7 @@ from ..request.inference import (decode_apart, infer as infer_through, ready_mod
 from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
                                 compress, error_body, json_object)
 from ..request.restricted import HTTP_ROUTES, Restrictions
+from .litserve import litserve_first
 from .uvicorn_server import LOGGING_CONFIG, write_answer
 
 
@@ -40,117 +41,16 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
     runs when the server starts (the host starts loading the models there), and batches
     still waiting run at shutdown.  A Starlette application answers every request but
     inference requests, which go to the inference endpoint without it
-    (``_inference_first``).  A request to an endpoint of a category that
-    ``service.http_restricted`` restricts is answered 403 unless it carries the header
-    that the category needs (multipy.serve.request.restricted)."""
+    (``_inference_first``), and LitServe's routes for the LitAPIs it serves
+    (multipy.serve.http.litserve), answered before Starlette's.  A request to an
+    endpoint of a category that ``service.http_restricted`` restricts is answered 403
+    unless it carries the header that the category needs
+    (multipy.serve.request.restricted)."""
     restrictions = Restrictions(service.http_restricted)
-
-    def guarded(path: str, endpoint: Callable) -> Callable:
-        """The endpoint of route path, behind the restriction of its category, if it is
-        restricted (a Starlette endpoint, or an ASGI application: the inference one)."""
-        category = HTTP_ROUTES[path]
-        header = restrictions.header(category)
-        if header is None:
-            return endpoint
-        required = header.encode("latin-1")
-        if not inspect.isfunction(endpoint):
-            return _Restricted(endpoint, restrictions, category, required)
-
-        async def checked(request: Request) -> Response:
-            refused = restrictions.refused(category, _header(request.scope, required))
-            return _error(403, refused) if refused else await endpoint(request)
-
-        return checked
-
-    async def live(request: Request) -> Response:
-        return Response(status_code=200)
-
-    async def ready(request: Request) -> Response:
-        if not service.ready:
-            return Response(status_code=400)
-        reason = service.metrics.all_stuck() or repository.not_ready(
-            service.states, service.strict_readiness)
-        return _error(400, reason) if reason else Response(status_code=200)
-
-    async def metadata(request: Request) -> Response:
-        return JSONResponse(server_metadata())
-
-    async def model_metadata(request: Request) -> Response:
-        try:
-            model = ready_model(service, request.path_params["model"],
-                                request.path_params.get("version"))
-        except ProtocolError as error:
-            return _error(error.status, str(error))
-        return JSONResponse(model.metadata())
-
-    async def model_statistics(request: Request) -> Response:
-        try:
-            found = statistics(service, request.path_params.get("model"),
-                               request.path_params.get("version"))
-        except ProtocolError as error:
-            return _error(error.status, str(error))
-        return JSONResponse(found)
-
-    async def model_ready(request: Request) -> Response:
-        try:
-            model = service.model(request.path_params["model"],
-                                  request.path_params.get("version"))
-        except ProtocolError as error:
-            return _error(error.status, str(error))
-        if model is None or not model.ready:
-            return Response(status_code=400)
-        stuck = service.metrics.all_stuck()
-        return _error(400, stuck) if stuck else Response(status_code=200)
-
-    async def repository_index(request: Request) -> Response:
-        try:
-            body = await _json_body(request)
-            ready = body.get("ready", False)
-            if not isinstance(ready, bool):
-                raise ProtocolError('"ready" must be true or false')
-        except ProtocolError as error:
-            return _error(error.status, str(error))
-        return JSONResponse(repository.index(service.states, ready))
-
-    async def repository_load(request: Request) -> Response:
-        try:
-            parameters = (await _json_body(request)).get("parameters") or {}
-            if not isinstance(parameters, dict):
-                raise ProtocolError('"parameters" must be a JSON object')
-            await repository.load(service, request.path_params["model"], parameters)
-        except ProtocolError as error:
-            return _error(error.status, str(error))
-        return Response(status_code=200)
-
-    async def repository_unload(request: Request) -> Response:
-        try:
-            await _json_body(request)  # (its "parameters" say nothing to this server)
-            await repository.unload(service, request.path_params["model"])
-        except ProtocolError as error:
-            return _error(error.status, str(error))
-        return Response(status_code=200)
-
-    async def metrics(request: Request) -> Response:
-        body, content_type = service.metrics.render()
-        return Response(body, headers={"Content-Type": content_type})
-
-    async def http_error(request: Request, error: Exception) -> Response:
-        assert isinstance(error, HTTPException)
-        if error.status_code == 404:
-            return _error(404, f"no such endpoint: {request.method} {request.url.path}")
-        # with the headers the router gave (Allow, for a 405: HTTP requires it)
-        return _error(error.status_code, f"{error.detail}: {request.method} {request.url.path}",
-                      error.headers)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        if on_startup is not None:
-            on_startup()
-        yield
-        await service.drain()
+    endpoints = _Endpoints(service, on_startup)
 
     def route(path: str, endpoint: Callable, method: str) -> Route:
-        return Route(path, guarded(path, endpoint), methods=[method])
+        return Route(path, _guarded(restrictions, path, endpoint), methods=[method])
 
     inference = _Inference(service)
     model_path = "/v2/models/{model}"
@@ -159,25 +59,138 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
         # (under a root path: else _inference_first answers these before Starlette)
         route(f"{model_path}/infer", inference, "POST"),
         route(f"{version_path}/infer", inference, "POST"),
-        route("/v2/health/live", live, "GET"),
-        route("/v2/health/ready", ready, "GET"),
-        route("/v2", metadata, "GET"),
-        route("/v2/models/stats", model_statistics, "GET"),
-        route(f"{model_path}/stats", model_statistics, "GET"),
-        route(f"{version_path}/stats", model_statistics, "GET"),
-        route(model_path, model_metadata, "GET"),
-        route(version_path, model_metadata, "GET"),
-        route(f"{model_path}/ready", model_ready, "GET"),
-        route(f"{version_path}/ready", model_ready, "GET"),
-        route("/v2/repository/index", repository_index, "POST"),
-        route("/v2/repository/models/{model}/load", repository_load, "POST"),
-        route("/v2/repository/models/{model}/unload", repository_unload, "POST"),
-        route("/metrics", metrics, "GET"),
+        route("/v2/health/live", endpoints.live, "GET"),
+        route("/v2/health/ready", endpoints.ready, "GET"),
+        route("/v2", endpoints.metadata, "GET"),
+        route("/v2/models/stats", endpoints.model_statistics, "GET"),
+        route(f"{model_path}/stats", endpoints.model_statistics, "GET"),
+        route(f"{version_path}/stats", endpoints.model_statistics, "GET"),
+        route(model_path, endpoints.model_metadata, "GET"),
+        route(version_path, endpoints.model_metadata, "GET"),
+        route(f"{model_path}/ready", endpoints.model_ready, "GET"),
+        route(f"{version_path}/ready", endpoints.model_ready, "GET"),
+        route("/v2/repository/index", endpoints.repository_index, "POST"),
+        route("/v2/repository/models/{model}/load", endpoints.repository_load, "POST"),
+        route("/v2/repository/models/{model}/unload", endpoints.repository_unload, "POST"),
+        route("/metrics", endpoints.metrics, "GET"),
     ]
     infer = routes[0].endpoint  # (the inference endpoint, behind its restriction if any)
-    return _inference_first(infer, Starlette(routes=routes,
-                                             exception_handlers={HTTPException: http_error},
-                                             lifespan=lifespan))
+    app = Starlette(routes=routes, exception_handlers={HTTPException: endpoints.http_error},
+                    lifespan=endpoints.lifespan)
+    return _inference_first(infer, litserve_first(service, app, _body))
+
+
+def _guarded(restrictions: Restrictions, path: str, endpoint: Callable) -> Callable:
+    """The endpoint of route path, behind the restriction of its category, if it is
+    restricted (a Starlette endpoint, or an ASGI application: the inference one)."""
+    category = HTTP_ROUTES[path]
+    header = restrictions.header(category)
+    if header is None:
+        return endpoint
+    required = header.encode("latin-1")
+    if not inspect.ismethod(endpoint):  # (the endpoints are _Endpoints's methods)
+        return _Restricted(endpoint, restrictions, category, required)
+
+    async def checked(request: Request) -> Response:
+        refused = restrictions.refused(category, _header(request.scope, required))
+        return _error(403, refused) if refused else await endpoint(request)
+
+    return checked
+
+
+class _Endpoints:
+    """The endpoints of every route of service's but inference's (Starlette's), and the
+    application's lifespan, which runs on_startup() as the server starts."""
+
+    def __init__(self, service: Server, on_startup: Callable[[], Any] | None) -> None:
+        self._service, self._on_startup = service, on_startup
+
+    async def live(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(self, request: Request) -> Response:
+        if not self._service.ready:
+            return Response(status_code=400)
+        reason = self._service.metrics.all_stuck() or repository.not_ready(
+            self._service.states, self._service.strict_readiness)
+        return _error(400, reason) if reason else Response(status_code=200)
+
+    async def metadata(self, request: Request) -> Response:
+        return JSONResponse(server_metadata())
+
+    async def model_metadata(self, request: Request) -> Response:
+        try:
+            model = ready_model(self._service, request.path_params["model"],
+                                request.path_params.get("version"))
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return JSONResponse(model.metadata())
+
+    async def model_statistics(self, request: Request) -> Response:
+        try:
+            found = statistics(self._service, request.path_params.get("model"),
+                               request.path_params.get("version"))
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return JSONResponse(found)
+
+    async def model_ready(self, request: Request) -> Response:
+        try:
+            model = self._service.model(request.path_params["model"],
+                                  request.path_params.get("version"))
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        if model is None or not model.ready or not await model.healthy():
+            return Response(status_code=400)
+        stuck = self._service.metrics.all_stuck()
+        return _error(400, stuck) if stuck else Response(status_code=200)
+
+    async def repository_index(self, request: Request) -> Response:
+        try:
+            body = await _json_body(request)
+            ready = body.get("ready", False)
+            if not isinstance(ready, bool):
+                raise ProtocolError('"ready" must be true or false')
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return JSONResponse(repository.index(self._service.states, ready))
+
+    async def repository_load(self, request: Request) -> Response:
+        try:
+            parameters = (await _json_body(request)).get("parameters") or {}
+            if not isinstance(parameters, dict):
+                raise ProtocolError('"parameters" must be a JSON object')
+            await repository.load(self._service, request.path_params["model"], parameters)
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return Response(status_code=200)
+
+    async def repository_unload(self, request: Request) -> Response:
+        try:
+            await _json_body(request)  # (its "parameters" say nothing to this server)
+            await repository.unload(self._service, request.path_params["model"])
+        except ProtocolError as error:
+            return _error(error.status, str(error))
+        return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        body, content_type = self._service.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+    async def http_error(self, request: Request, error: Exception) -> Response:
+        assert isinstance(error, HTTPException)
+        if error.status_code == 404:
+            return _error(404, f"no such endpoint: {request.method} {request.url.path}")
+        # with the headers the router gave (Allow, for a 405: HTTP requires it)
+        return _error(error.status_code, f"{error.detail}: {request.method} {request.url.path}",
+                      error.headers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        if self._on_startup is not None:
+            self._on_startup()
+        yield
+        await self._service.drain()
 
 
 def _inference_first(infer: Callable, app: Starlette) -> Callable:

@@ -55,7 +55,7 @@ class Coalescing:
 
     __slots__ = ("_transport", "_head", "fd")
 
-    def __init__(self, transport: Any) -> None:
+    def __init__(self, transport: asyncio.Transport) -> None:
         self._transport = transport
         self._head: bytes | None = None
         connection = transport.get_extra_info("socket")

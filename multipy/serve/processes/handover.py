@@ -11,8 +11,8 @@ import itertools
 import socket
 import time
 from dataclasses import dataclass, field
-from ..request.metrics import Board
-from .link import Link
+from ..request.board import Board
+from .link import Connection, Link, Pong
 
 #: Seconds without an answer to a health check after which a process gets no new
 #: connection.
@@ -43,12 +43,13 @@ class ServerProcess:
     replaces: ServerProcess | None = None  #: the process it replaces while that one runs
     #: since when a health check waits for its answer (time.monotonic(); None: none waits)
     waiting: float | None = None
-    health: dict[str, int] = field(default_factory=dict)  #: what it answered last
+    health: Pong = field(default_factory=Pong)  #: what it answered last
     recycle_at: int | None = None  #: the requests after which it is replaced
     #: numbers of the connections handed to it and not yet taken -> the connection
     handed: dict[int, socket.socket] = field(default_factory=dict)
     #: numbers of the ``do`` requests sent to it -> the future of its ``done``
     doing: dict[int, asyncio.Future] = field(default_factory=dict)
+    became_ready: asyncio.Event = field(default_factory=asyncio.Event)  #: set with ready
     ended: asyncio.Event = field(default_factory=asyncio.Event)
 
     def responsive(self, now: float) -> bool:
@@ -60,7 +61,7 @@ class ServerProcess:
         """Whether it takes new connections before any other kind: ready, not retiring,
         answering, with an interpreter free of a stuck call."""
         return self.ready and not self.retiring and self.responsive(now) and \
-            self.health.get("stuck", 0) < self.health.get("interpreters", 1)
+            self.health.stuck < self.health.interpreters
 
     def name(self) -> str:
         return f"server process {self.index} (pid {self.process.pid})"
@@ -107,8 +108,7 @@ class Handover:
             record = takers[(turn + k) % len(takers)]
             number = next(self._numbers)
             try:
-                record.link.send({"op": "connection", "number": number},
-                                 (connection.fileno(),))
+                record.link.send(Connection(number), (connection.fileno(),))
             except OSError:  # ending, or its link is full: the next
                 continue
             record.handed[number] = connection
@@ -119,6 +119,10 @@ class Handover:
             self._held.append(connection)
         else:
             connection.close()
+
+    def served(self, record: ServerProcess) -> int:
+        """The requests process record has answered since it started."""
+        return self._board.requests(record.slot * self._rows, self._rows) - record.baseline
 
     def release(self, record: ServerProcess) -> None:
         """Closes the copies of the connections process record has taken."""

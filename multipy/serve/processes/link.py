@@ -2,37 +2,39 @@
 Unix SOCK_SEQPACKET socket pair, so that each message arrives whole, with the file
 descriptors it carries (an accepted connection, the metrics board).
 
-A message is a JSON object with an ``op``:
+Each message is one of the frozen dataclasses below, written as a JSON object whose
+``op`` names its class (``encode``) and read back into one (``decode``):
 
-- supervisor to process: ``start`` (its slot of the metrics board, of how many, and how
+- supervisor to process: ``Start`` (its slot of the metrics board, of how many, and how
   many processes serve; carries the metrics board and the table of refused inputs,
-  multipy.serve.request.poison), ``connection`` (carries one accepted connection under a
-  ``number``), ``do`` (a model repository request to do here: ``what`` "load" or
-  "unload", ``name``, ``archive``; under a ``number``), ``answer`` (to an ``ask``:
-  ``number``, ``status``, ``message``), ``ping`` (a health check);
-- process to supervisor: ``prepared`` (its models are checked as a single server
-  checks them before it listens: it takes connections), ``ready`` (its models
-  are loaded: it takes requests), ``ask`` (a repository request that one of its front
-  ends received, for every process: ``number``, ``what``, ``name``, ``archive``), ``done``
-  (a ``do`` done: ``number``, ``status``, ``message``), ``pong`` (a ``ping`` answered
-  from its event loop: ``stuck`` and ``busy`` interpreters, of ``interpreters``, and the
-  inference ``requests`` it has answered).
+  multipy.serve.request.poison), ``Connection`` (carries one accepted connection under a
+  ``number``), ``Do`` (a model repository request to do here, under a ``number``),
+  ``Answer`` (to an ``Ask``), ``Ping`` (a health check);
+- process to supervisor: ``Prepared`` (its models are checked as a single server
+  checks them before it listens: it takes connections), ``Ready`` (its models are
+  loaded: it takes requests), ``Ask`` (a repository request that one of its front ends
+  received, for every process), ``Done`` (a ``Do`` done), ``Pong`` (a ``Ping`` answered
+  from its event loop: its ``stuck`` and ``busy`` interpreters, of ``interpreters``).
 
 No message exceeds LARGEST bytes: ``send`` refuses one that would (the caller says so
 where the request arrived), and ``receive`` drops, and logs, one that is cut or is not
-a JSON object with an ``op``, so that nothing read from a link can wedge its reader.
-The supervisor's end is non-blocking (read from its event loop); a process's end
-blocks, and is read from its event loop when readable (``receive`` never waits).
+one of these messages with fields of their types, so that nothing read from a link can
+wedge its reader.  The supervisor's end is non-blocking (read from its event loop); a
+process's end blocks, and is read from its event loop when readable (``receive`` never
+waits).
 """
 from __future__ import annotations
 
 import array
+import functools
 import json
 import logging
 import os
 import socket
 import threading
-from typing import Any
+import typing
+from dataclasses import dataclass, field
+from typing import Union
 
 logger = logging.getLogger("multipy.serve")
 
@@ -46,6 +48,142 @@ _FDS = 4  # the most descriptors one message carries
 
 class TooLarge(ValueError):
     """A message that would take more than LARGEST bytes."""
+
+
+# -- the messages --
+
+@dataclass(frozen=True)
+class Start:
+    """Supervisor to process, first: its slot of the metrics board, of ``slots``, and
+    how many processes serve (carries the board and the table of refused inputs)."""
+
+    process: int
+    processes: int
+    slots: int
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Supervisor to process: one accepted connection (carried), under a number."""
+
+    number: int
+
+
+@dataclass(frozen=True)
+class RepositoryRequest:
+    """A model repository request: ``what`` ("load" or "unload") model ``name``,
+    loaded from ``archive`` (the load request's body; {} for an unload)."""
+
+    what: str
+    name: str
+    archive: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Do:
+    """Supervisor to process: do ``request`` here, and say how it went (``Done``)."""
+
+    number: int
+    request: RepositoryRequest
+
+
+@dataclass(frozen=True)
+class Ask:
+    """Process to supervisor: have every process do ``request``, which one of this
+    process's front ends received, and say how it went (``Answer``)."""
+
+    number: int
+    request: RepositoryRequest
+
+
+@dataclass(frozen=True)
+class Done:
+    """Process to supervisor: ``Do`` number went as status (HTTP's) and message say."""
+
+    number: int
+    status: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Supervisor to process: ``Ask`` number went as status and message say."""
+
+    number: int
+    status: int
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Ping:
+    """Supervisor to process: a health check, answered with a ``Pong``."""
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Process to supervisor: its interpreters, and how many are stuck and busy."""
+
+    interpreters: int = 1
+    stuck: int = 0
+    busy: int = 0
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Process to supervisor: its models are checked; it takes connections."""
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Process to supervisor: its models are loaded."""
+
+
+Message = Union[Start, Connection, Do, Ask, Done, Answer, Ping, Pong, Prepared, Ready]
+
+_KINDS: dict[str, type] = {kind.__name__.lower(): kind for kind in typing.get_args(Message)}
+
+
+def encode(message: Message) -> bytes:
+    """message as the bytes that carry it: the JSON object of its fields, and its
+    class's name, lowercase, as ``op``."""
+    return json.dumps({"op": type(message).__name__.lower(), **vars(message)},
+                      ensure_ascii=False, default=vars).encode()  # (vars: a field's own)
+
+
+def decode(data: bytes) -> Message:
+    """The message that data carries; ValueError if it carries none (not JSON, not an
+    object, an unknown ``op``, a field missing, unknown or of another type)."""
+    value = json.loads(data)
+    kind = _KINDS.get(value.get("op")) if isinstance(value, dict) else None
+    if kind is None:
+        raise ValueError("not a message")
+    return _built({k: v for k, v in value.items() if k != "op"}, kind)
+
+
+@functools.cache
+def _hints(kind: type) -> dict[str, object]:
+    return typing.get_type_hints(kind)
+
+
+def _built(value: object, kind: object) -> object:
+    """value (decoded JSON) as kind: a message's class (or RepositoryRequest), int, str
+    or dict[str, str]; ValueError if it is not one."""
+    if kind in (int, str):
+        if type(value) is not kind:  # (a bool is not an int here)
+            raise ValueError(f"{value!r} is not a {kind.__name__}")
+        return value
+    if typing.get_origin(kind) is dict:
+        if not isinstance(value, dict) or not all(
+                type(k) is str and type(v) is str for k, v in value.items()):
+            raise ValueError(f"{value!r} is not an object of strings")
+        return value
+    hints = _hints(kind)
+    if not isinstance(value, dict) or set(value) - set(hints):
+        raise ValueError(f"{value!r} is not a {kind.__name__}")
+    try:
+        return kind(**{name: _built(item, hints[name]) for name, item in value.items()})
+    except TypeError as error:  # a field missing
+        raise ValueError(str(error)) from None
 
 
 def pair() -> tuple[Link, socket.socket]:
@@ -72,20 +210,21 @@ class Link:
     def fileno(self) -> int:
         return self.socket.fileno()
 
-    def send(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    def send(self, message: Message, fds: tuple[int, ...] = ()) -> None:
         """Sends message with fds (which stay open here); OSError if the other end has
         gone (BrokenPipeError) or, on a non-blocking end, cannot take it now
         (BlockingIOError); TooLarge if it would take more than LARGEST bytes."""
-        data = json.dumps(message, ensure_ascii=False).encode()
+        data = encode(message)
         if len(data) > LARGEST:
-            raise TooLarge(f"a {message.get('op')!r} message of {len(data)} bytes (at most "
-                           f"{LARGEST})")
+            raise TooLarge(f"a {type(message).__name__} message of {len(data)} bytes (at "
+                           f"most {LARGEST})")
         with self._sending:
             socket.send_fds(self.socket, [data], list(fds))
 
-    def first(self) -> tuple[dict[str, Any], list[int]]:
-        """The next message, waiting for it (a process's ``start``, which the supervisor
-        sends as it starts the process); ConnectionError if the link has closed."""
+    def first(self) -> tuple[Message, list[int]]:
+        """The next message, waiting for it (a process's ``Start``, which the supervisor
+        sends as it starts the process); ConnectionError if the link has closed or
+        that is not a message."""
         data, fds, flags = _receive(self.socket, 0)
         if not data:
             raise ConnectionError("the supervisor closed the link before it said anything")
@@ -94,10 +233,10 @@ class Link:
             raise ConnectionError("the supervisor's first message is not one")
         return message, fds
 
-    def receive(self) -> list[tuple[dict[str, Any], list[int]]] | None:
+    def receive(self) -> list[tuple[Message, list[int]]] | None:
         """The messages waiting now, each with the descriptors it carried (the caller's
-        to close); None once the other end has closed the link.  A message that is not
-        one (cut at LARGEST bytes, not a JSON object with an "op") is logged and
+        to close); None once the other end has closed the link.  One that is not a
+        message (cut at LARGEST bytes, or not one that ``decode`` reads) is logged and
         dropped, its descriptors closed."""
         got = []
         while True:
@@ -134,17 +273,14 @@ def _receive(sock: socket.socket, flags: int) -> tuple[bytes, list[int], int]:
     return data, list(fds), got
 
 
-def _parsed(data: bytes, flags: int) -> dict[str, Any] | None:
+def _parsed(data: bytes, flags: int) -> Message | None:
     """The message that data holds, or None (logged) if it holds none."""
     if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > LARGEST:
         logger.error("a link message of more than %d bytes (or with more descriptors than "
                      "one carries) was dropped", LARGEST)
         return None
     try:
-        message = json.loads(data)
-    except ValueError as error:
-        message = error
-    if not isinstance(message, dict) or not isinstance(message.get("op"), str):
-        logger.error("a link message that is not one was dropped: %r", data[:200])
+        return decode(data)
+    except ValueError as error:  # (json's JSONDecodeError and UnicodeDecodeError are too)
+        logger.error("a link message that is not one was dropped (%s): %r", error, data[:200])
         return None
-    return message

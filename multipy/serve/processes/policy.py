@@ -3,8 +3,11 @@ what it knows, tested without processes: what follows a process's end (``decide`
 the model repository's present state that a replacement redoes (``Present``)."""
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Iterable, Iterator
+
+from .link import RepositoryRequest
 
 #: Replacements in a row that die while starting before the server gives up.
 START_FAILURES = 5
@@ -55,10 +58,9 @@ class Present:
         self._started_with = frozenset(started_with)
         self._names: dict[str, tuple[dict[str, str], str]] = {}  # name -> (archive, state)
 
-    def note(self, what: str, name: str, archive: dict[str, str],
-             statuses: list[int | None]) -> None:
-        """Request what ("load", "unload") of model name (from archive) had statuses
-        from the processes (None: one ended first)."""
+    def note(self, request: RepositoryRequest, statuses: list[int | None]) -> None:
+        """request had statuses from the processes (None: one ended first)."""
+        what, name, archive = request.what, request.name, request.archive
         known = name in self._names or name in self._started_with
         if what == "load":
             if 200 in statuses:
@@ -68,10 +70,21 @@ class Present:
         elif 200 in statuses and known:
             self._names[name] = (self._names.get(name, ({}, ""))[0], "unloaded")
 
-    def requests(self) -> Iterator[dict[str, Any]]:
+    def requests(self) -> Iterator[RepositoryRequest]:
         """The requests that make a freshly started process's repository this one."""
         for name, (archive, state) in self._names.items():
             if state != "unloaded" or name not in self._started_with:
-                yield {"what": "load", "name": name, "archive": archive}
+                yield RepositoryRequest("load", name, archive)
             if state == "unloaded":
-                yield {"what": "unload", "name": name, "archive": {}}
+                yield RepositoryRequest("unload", name)
+
+
+def ended_how(status: int) -> str:
+    """How a process ended, as returncode says it."""
+    if status < 0:
+        try:
+            name = signal.Signals(-status).name
+        except ValueError:
+            name = "?"
+        return f"was killed by signal {-status} ({name})"
+    return f"exited with status {status}"

@@ -17,12 +17,13 @@ import itertools
 import logging
 import os
 import socket
-from typing import Any, Callable
+from typing import Callable
 
 from ..host.control import Watcher, do
 from ..host.service import Service
 from ..request.messages import ProtocolError
-from .link import Link, TooLarge
+from .link import (Answer, Ask, Connection, Do, Done, Link, Message, Ping, Pong, Prepared,
+                   Ready, RepositoryRequest, TooLarge)
 from .tasks import Tasks
 
 logger = logging.getLogger("multipy.serve")
@@ -59,15 +60,15 @@ class Supervised:
     def prepared(self) -> None:
         """Tells the supervisor that this process has checked its models as it does
         before listening (Service.prepare): it takes connections from now on."""
-        self._tell("prepared")
+        self._tell(Prepared())
 
     def ready(self) -> None:
         """Tells the supervisor that this process's models are loaded."""
-        self._tell("ready")
+        self._tell(Ready())
 
-    def _tell(self, op: str, **fields: Any) -> None:
+    def _tell(self, message: Message) -> None:
         try:
-            self._link.send({"op": op, **fields})
+            self._link.send(message)
         except OSError:  # it has gone: the link's end says so
             pass
 
@@ -83,17 +84,17 @@ class Supervised:
             return
         connections = []
         for message, fds in messages:
-            op = message["op"]
-            if op == "connection" and fds:
-                connections.append((message.get("number"), fds.pop(0)))
-            elif op == "ping":
-                self._tell("pong", **self._service.metrics.health())
-            elif op == "do":
-                self._tasks.start(self._do(message), "a model repository request")
-            elif op == "answer":
-                future = self._asked.pop(message["number"], None)
-                if future is not None and not future.done():
-                    future.set_result((message["status"], message["message"]))
+            match message:
+                case Connection(number) if fds:
+                    connections.append((number, fds.pop(0)))
+                case Ping():
+                    self._tell(Pong(**self._service.metrics.health()))
+                case Do():
+                    self._tasks.start(self._do(message), "a model repository request")
+                case Answer(number, status, text):
+                    future = self._asked.pop(number, None)
+                    if future is not None and not future.done():
+                        future.set_result((status, text))
             for fd in fds:
                 os.close(fd)
         if connections:  # this process owns them before it reads a byte of one
@@ -106,15 +107,12 @@ class Supervised:
             if not future.done():
                 future.set_result((503, "the server is stopping"))
 
-    async def _do(self, message: dict[str, Any]) -> None:
+    async def _do(self, message: Do) -> None:
         """Does a repository request for the supervisor, and says how it went."""
-        status, text = await asyncio.to_thread(do, self._service, message["what"],
-                                               message["name"], message["archive"])
-        try:
-            self._link.send({"op": "done", "number": message["number"], "status": status,
-                             "message": text})
-        except OSError:  # the supervisor has gone
-            pass
+        request = message.request
+        status, text = await asyncio.to_thread(do, self._service, request.what, request.name,
+                                               request.archive)
+        self._tell(Done(message.number, status, text))
 
     # -- what multipy.serve.host.control calls, on its thread --
 
@@ -136,8 +134,7 @@ class Supervised:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._asked[number] = future
         try:
-            self._link.send({"op": "ask", "number": number, "what": what, "name": name,
-                             "archive": archive})
+            self._link.send(Ask(number, RepositoryRequest(what, name, archive)))
         except TooLarge as error:  # (multipy.serve.request.repository bounds what a request says)
             self._asked.pop(number, None)
             raise ProtocolError(f"the request is too large: {error}") from None

@@ -20,7 +20,6 @@ stops.  SIGTERM or SIGINT: every process answers what it has received (within
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import random
@@ -29,15 +28,17 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 from ..._launch import launch_environment
 from ..http.connection import accept, bind, listen
-from ..request.metrics import Board, board_width
+from ..request.board import Board, board_width
 from ..request.poison import Crashes, Table
 from .handover import Handover, ServerProcess
-from .link import pair
-from .policy import Present, decide
+from .link import Ask, Done, Ping, Pong, Prepared, Ready, Start, pair
+from .policy import decide, ended_how
+from .replication import Replication
+from .rolling import Rolling
 from .tasks import Tasks
 
 logger = logging.getLogger("multipy.serve")
@@ -83,10 +84,12 @@ class Supervisor:
         self._tasks = Tasks()
         self._starting: dict[int, int] = {}  # slot -> index of the processes starting
         self._handover = Handover(self.board, self._rows)
-        self._numbers = itertools.count(1)  # of the repository's requests
-        self._present = Present(models)
-        self._repository: asyncio.Lock | None = None
-        self._rolling: asyncio.Task | None = None  # a SIGHUP's round, or a recycling
+        self._models = tuple(models)
+        self._replication: Replication | None = None
+        self._rolling = Rolling(self._processes, self._handover, self._tasks,
+                                lambda k, old: self._start(k, replaces=old),
+                                lambda: self._stopping, self._stop_within(),
+                                tunables.max_requests)
         self._failures = 0  # processes in a row that died while starting
         self._stopping = False
         self._signals = 0
@@ -102,7 +105,7 @@ class Supervisor:
 
     async def _main(self) -> int:
         loop = asyncio.get_running_loop()
-        self._repository = asyncio.Lock()
+        self._replication = Replication(self._models)
         self._finished = loop.create_future()
         self._prepared = asyncio.Event()
         bound = bind(self._host, self._port)  # (a port that is taken is said first)
@@ -123,8 +126,7 @@ class Supervisor:
         else:
             await self._serve(listen(bound))
         checking.cancel()
-        if self._rolling is not None:
-            self._rolling.cancel()
+        self._rolling.cancel()
         await self._stop_all()
         return self._status
 
@@ -169,8 +171,7 @@ class Supervisor:
             raise
         finally:
             there.close()
-        here.send({"op": "start", "process": slot, "processes": self._count,
-                   "slots": self._slots}, (self.board.fd, self.refused.fd))
+        here.send(Start(slot, self._count, self._slots), (self.board.fd, self.refused.fd))
         record = ServerProcess(k, slot, here, process,
                           self.board.requests(slot * self._rows, self._rows), replaces=replaces)
         tunables = self._tunables
@@ -208,12 +209,12 @@ class Supervisor:
             self._handover.hand(connection)
         if self._stopping:
             if status not in (0, -signal.SIGTERM, -signal.SIGINT):
-                logger.error("%s %s", record.name(), _status(status))
+                logger.error("%s %s", record.name(), ended_how(status))
             if not self._processes:
                 self._finish(self._status)
             return
         if record.retiring:
-            logger.info("%s, replaced, %s", record.name(), _status(status))
+            logger.info("%s, replaced, %s", record.name(), ended_how(status))
             return
         running = f", with {calls} call(s) in progress (its report above names them)" \
             if calls else ""
@@ -222,12 +223,12 @@ class Supervisor:
                          "before: identical requests are refused from now on", record.name())
         if record.replaces in self._processes and not record.loaded:
             logger.error("%s, started to replace %s, %s while starting%s; that one serves "
-                         "on", record.name(), record.replaces.name(), _status(status), running)
+                         "on", record.name(), record.replaces.name(), ended_how(status), running)
             return
         if any(p.index == record.index and not p.retiring for p in self._processes) \
                 or record.index in self._starting.values():
             logger.error("%s %s%s; its replacement is starting", record.name(),
-                         _status(status), running)
+                         ended_how(status), running)
             return
         served = record.ready or calls > 0
         restart = decide(status, served, self._failures, self._prepared.is_set(),
@@ -235,12 +236,12 @@ class Supervisor:
         self._failures = restart.failures
         when = "" if served else " while starting"
         if restart.stop is not None:
-            logger.error("%s %s%s%s; %s: stopping the server", record.name(), _status(status),
+            logger.error("%s %s%s%s; %s: stopping the server", record.name(), ended_how(status),
                          when, running, restart.why)
             self._finish(restart.stop)
             return
         others = "the other processes serve on, and " if served and self._count > 1 else ""
-        logger.error("%s %s%s%s; %s%s", record.name(), _status(status), when, running, others,
+        logger.error("%s %s%s%s; %s%s", record.name(), ended_how(status), when, running, others,
                      restart.why)
         await self._replace(record.index, restart.pause)
 
@@ -267,49 +268,38 @@ class Supervisor:
         for message, fds in messages:
             for fd in fds:
                 os.close(fd)
-            op = message["op"]
-            if op == "pong":
-                record.waiting, record.health = None, message
-                self._handover.order(self._processes)
-            elif op == "prepared":
-                record.prepared = True
-                self._prepared.set()
-                self._handover.order(self._processes)
-            elif op == "ready":
-                record.loaded = True
-                self._tasks.start(self._ready(record), f"readying {record.name()}")
-            elif op == "ask":
-                self._tasks.start(self._ask(record, message),
-                                  f"a model repository request of {record.name()}")
-            elif op == "done" and message.get("number") in record.doing:
-                future = record.doing.pop(message["number"])
-                if not future.done():
-                    future.set_result((message.get("status"), message.get("message", "")))
+            match message:
+                case Pong():
+                    record.waiting, record.health = None, message
+                    self._handover.order(self._processes)
+                case Prepared():
+                    record.prepared = True
+                    self._prepared.set()
+                    self._handover.order(self._processes)
+                case Ready():
+                    record.loaded = True
+                    self._tasks.start(self._ready(record), f"readying {record.name()}")
+                case Ask():
+                    self._tasks.start(self._replication.ask(record, message, self._processes),
+                                      f"a model repository request of {record.name()}")
+                case Done(number, status, text) if number in record.doing:
+                    future = record.doing.pop(number)
+                    if not future.done():
+                        future.set_result((status, text))
 
     async def _ready(self, record: ServerProcess) -> None:
         """Process record has loaded its start-up models: it redoes the repository's
         present state, then takes connections (and the process it replaces retires)."""
-        redone = 0
-        async with self._repository:
-            for request in self._present.requests():
-                redone += 1
-                status, message = await self._do(record, request)
-                if status is None:
-                    return  # it ended
-                if status != 200:
-                    logger.warning("server process %d: redoing the model repository's %s of "
-                                   "%r: %s", record.index, request["what"], request["name"],
-                                   message)
-            if record not in self._processes:
-                return
-            record.ready = True
+        redone = await self._replication.redo(record, self._processes)
+        if redone is None:
+            return  # it ended
         self._failures = 0
         logger.info("%s ready in %.1f s%s", record.name(), time.monotonic() - record.started,
                     f" (its models as the repository has them: {redone} request(s) redone)"
                     if redone else "")
         self._handover.order(self._processes)
         if record.replaces is not None:
-            self._retire(record.replaces)
+            self._rolling.retire(record.replaces)
             record.replaces = None
         if not self._ready_once and sum(p.ready for p in self._processes) >= self._count:
             self._ready_once = True
@@ -318,42 +308,6 @@ class Supervisor:
             logger.info("ready: %d server processes of %d interpreter(s), "
                         "http://%s:%d/v2/models/NAME/infer%s", self._count,
                         self._interpreters, self._host, self._port, also)
-
-    async def _do(self, record: ServerProcess, request: dict[str, Any]) -> tuple[int | None, str]:
-        """(status, message) of process record doing request; (None, why) if it ended."""
-        number = next(self._numbers)
-        future = asyncio.get_running_loop().create_future()
-        record.doing[number] = future
-        try:
-            record.link.send({**request, "op": "do", "number": number})
-        except (OSError, ValueError) as error:
-            record.doing.pop(number, None)
-            return None, str(error)
-        return await future
-
-    async def _ask(self, record: ServerProcess, message: dict[str, Any]) -> None:
-        """A repository request that process record received: every ready process does
-        it; record gets the first failure, else success."""
-        try:
-            request = {"what": message["what"], "name": str(message["name"]),
-                       "archive": dict(message["archive"])}
-        except (KeyError, TypeError, ValueError):
-            status, text = 400, "a model repository request that says nothing this server knows"
-        else:
-            async with self._repository:
-                ready = [p for p in self._processes if p.ready and not p.retiring]
-                answers = await asyncio.gather(*(self._do(p, request) for p in ready))
-                self._present.note(request["what"], request["name"], request["archive"],
-                                   [status for status, _ in answers])
-            failed = [answer for answer in answers if answer[0] not in (200, None)]
-            status, text = failed[0] if failed else (200, "")
-            if not any(answer[0] is not None for answer in answers):
-                status, text = 503, "no server process could do it; try again"
-        try:
-            record.link.send({"op": "answer", "number": message.get("number"),
-                              "status": status, "message": text})
-        except OSError:  # it has ended: no one waits
-            pass
 
     # -- health, and replacing processes that run --
 
@@ -380,85 +334,22 @@ class Supervisor:
                     record.process.kill()
                     continue
                 try:
-                    record.link.send({"op": "ping"})
+                    record.link.send(Ping())
                 except OSError:  # ending, or its link is full: it answers nothing
                     pass
-                if record.recycle_at is not None and record.ready and not record.retiring \
-                        and self._rolling is None and self._served(record) >= record.recycle_at:
-                    logger.info("%s has answered %d requests (--max-requests): replacing it",
-                                record.name(), self._served(record))
-                    self._rolling = self._tasks.start(self._roll([record]),
-                                                      "replacing a process")
-
-    def _served(self, record: ServerProcess) -> int:
-        return self.board.requests(record.slot * self._rows, self._rows) - record.baseline
+                self._rolling.recycle(record)
 
     def _reload(self) -> None:
         """SIGHUP: every process is replaced, one at a time."""
-        if self._stopping:
-            return
-        if self._rolling is not None:
-            logger.warning("SIGHUP: processes are being replaced already; try again once "
-                           "they are")
-            return
-        logger.info("SIGHUP: replacing the %d server processes, one at a time",
-                    len(self._processes))
-        self._rolling = self._tasks.start(
-            self._roll(sorted(self._processes, key=lambda p: p.index)), "SIGHUP's round")
-
-    async def _roll(self, old: list[ServerProcess]) -> None:
-        """Replaces each process of old in turn: a new one starts beside it, and once
-        it is ready the old one retires (and has stopped before the next starts).  A new
-        one that dies first ends the round."""
-        try:
-            for record in old:
-                if record not in self._processes or record.retiring or self._stopping:
-                    continue
-                try:
-                    new = await self._start(record.index, replaces=record)
-                except OSError as error:
-                    logger.error("replacing the server processes stopped: a process could "
-                                 "not be started (%s); the others serve on as they are",
-                                 error)
-                    return
-                ended = asyncio.get_running_loop().create_task(new.ended.wait())
-                while not (new.ready or new.ended.is_set()):
-                    await asyncio.wait([ended], timeout=0.1)
-                ended.cancel()
-                if not new.ready:
-                    logger.error("replacing the server processes stopped: the others serve "
-                                 "on as they are")
-                    if record.recycle_at is not None:  # tried again after as many more
-                        record.recycle_at = self._served(record) + \
-                            self._tunables.max_requests
-                    return
-                limit = None if self._graceful_timeout is None else self._graceful_timeout + 30
-                try:
-                    await asyncio.wait_for(record.ended.wait(), limit)
-                except asyncio.TimeoutError:
-                    logger.error("%s did not stop within %g s: killing it", record.name(),
-                                 limit)
-                    record.process.kill()
-                    await record.ended.wait()
-        finally:
-            self._rolling = None
-
-    def _retire(self, record: ServerProcess) -> None:
-        """Process record, replaced, takes no new connection and stops gracefully."""
-        if record not in self._processes:
-            return
-        record.retiring = True
-        self._handover.order(self._processes)
-        logger.info("%s is replaced: it answers what it has received, and stops",
-                    record.name())
-        try:
-            os.kill(record.process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-
-    # -- connections --
+        if not self._stopping:
+            self._rolling.every_process()
 
     # -- stopping --
+
+    def _stop_within(self) -> float | None:
+        """Seconds a process may take to stop (--graceful-timeout, and 30 more) before
+        it is killed; None: no limit."""
+        return None if self._graceful_timeout is None else self._graceful_timeout + 30
 
     def _signalled(self, sig: int) -> None:
         self._signals += 1
@@ -491,7 +382,7 @@ class Supervisor:
                     os.kill(record.process.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        limit = None if self._graceful_timeout is None else self._graceful_timeout + 30
+        limit = self._stop_within()
         try:
             await asyncio.wait_for(
                 asyncio.gather(*(p.process.wait() for p in running)), limit)
@@ -503,14 +394,3 @@ class Supervisor:
                     record.process.kill()
             await asyncio.gather(*(p.process.wait() for p in running))
         await asyncio.sleep(0)  # the watchers' last turn
-
-
-def _status(status: int) -> str:
-    """How a process ended, as returncode says it."""
-    if status < 0:
-        try:
-            name = signal.Signals(-status).name
-        except ValueError:
-            name = "?"
-        return f"was killed by signal {-status} ({name})"
-    return f"exited with status {status}"

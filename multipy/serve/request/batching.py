@@ -4,8 +4,10 @@ Requests whose inputs all have the same leading (batch) size, and agree in names
 datatypes and the other dimensions, wait together until their rows reach the largest
 batch or the oldest has waited the batch timeout.  Then each input is concatenated along
 dimension 0, the model runs once, and every output is split back along dimension 0, each
-request getting its own rows.  A request that cannot be batched (a scalar input, inputs
-of different leading sizes, or as many rows as the largest batch) runs alone, at once.
+request getting its own rows; or, for a model that answers each request of a call on its
+own (a Triton Python model's ``execute``), each gets its own answer (``Outcomes``).  A
+request that cannot be batched (a scalar input, inputs of different leading sizes, or as
+many rows as the largest batch) runs alone, at once.
 """
 from __future__ import annotations
 
@@ -15,8 +17,22 @@ from typing import Any, Awaitable, Callable
 
 from .messages import Tensor
 
-#: Runs the model once: (inputs, the tokens of the requests they hold) -> outputs.
-Run = Callable[[list[Tensor], list[Any]], Awaitable[list[Tensor]]]
+
+class Outcomes(list):
+    """A call's answer for each of its requests, in order: its outputs (a list of
+    Tensor), or the exception that its client gets."""
+
+    def only(self) -> list[Tensor]:
+        """The outputs of a call's one request; raises its exception."""
+        (outcome,) = self
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+
+#: Runs the model once: (inputs, the tokens of the requests they hold) -> outputs, or
+#: each request's own.
+Run = Callable[[list[Tensor], list[Any]], Awaitable["list[Tensor] | Outcomes"]]
 
 
 class BatchError(Exception):
@@ -27,7 +43,7 @@ class BatchError(Exception):
 class _Waiting:
     inputs: list[Tensor]
     rows: int
-    token: Any
+    token: object
     answer: asyncio.Future
 
 
@@ -57,9 +73,11 @@ class Batcher:
         """Requests waiting for their batch to start."""
         return sum(len(batch.waiting) for batch in self._open.values())
 
-    async def submit(self, inputs: list[Tensor], token: Any = None) -> list[Tensor]:
+    async def submit(self, inputs: list[Tensor], token: object = None
+                     ) -> list[Tensor] | Outcomes:
         """The outputs for this request's inputs, run in a batch when it can be; token
-        goes with the request to ``run``.
+        goes with the request to ``run`` (Outcomes of one, if run gives them, where it
+        runs alone).
 
         Raises what the model call raised, or BatchError if an output has not one row
         per row of the batch.  Cancelling the caller takes its request out of the batch;
@@ -113,6 +131,15 @@ class Batcher:
                              np.concatenate([w.inputs[i].array for w in waiting]))
                       for i, first in enumerate(waiting[0].inputs)]
             outputs = await self._run(inputs, [w.token for w in waiting])
+            if isinstance(outputs, Outcomes):
+                for w, outcome in zip(waiting, outputs):
+                    if w.answer.done():
+                        continue
+                    if isinstance(outcome, BaseException):
+                        w.answer.set_exception(outcome)
+                    else:
+                        w.answer.set_result(outcome)
+                return
             for output in outputs:
                 if output.array.ndim == 0 or output.array.shape[0] != total:
                     raise BatchError(

@@ -24,7 +24,8 @@ from .batching import BatchError
 from .contract import Server
 from .messages import TRACEBACK_LIMIT, InferRequest, ProtocolError, Tensor, bounded
 from .repository import LOADING, UNAVAILABLE
-from .requests import ModelError, ModelRequests, ServiceTimeout, Timing
+from .metrics import Timing
+from .requests import ModelError, ModelRequests, ServiceTimeout
 
 logger = logging.getLogger("multipy.serve")
 
@@ -137,7 +138,7 @@ async def _unless_gone(work: Awaitable[Answer],
 
 
 async def decode_apart(service: Server, size: int, decode: Callable[..., InferRequest],
-                       *args: Any) -> InferRequest:
+                       *args: object) -> InferRequest:
     """decode(*args): the decoding of a request with size bytes to decode, in service.
     One of more than LARGE_REQUEST bytes is decoded on a thread, so that the event loop
     goes on answering other requests (the thread gives up the interpreter's GIL every

@@ -10,7 +10,7 @@ import gzip
 import json
 import zlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,11 +57,13 @@ def bounded(text: str, limit: int = MESSAGE_LIMIT) -> str:
 
 class ProtocolError(Exception):
     """A request that the protocol refuses: answered with {"error": message} and status
-    (400, the client's fault, unless said otherwise); message bounded (``bounded``)."""
+    (400, the client's fault, unless said otherwise); message bounded (``bounded``).
+    code: the gRPC status's name where it is not the one of status (a model's own)."""
 
-    def __init__(self, message: str, status: int = 400) -> None:
+    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
         super().__init__(bounded(message))
         self.status = status
+        self.code = code
 
 
 class InvalidInput(ProtocolError):
@@ -81,6 +83,21 @@ class Tensor(NamedTuple):
     array: np.ndarray
 
 
+class Answer(NamedTuple):
+    """One request's answer, from a model inside that answers each request of a call on
+    its own (multipy._inside.served_triton): its outputs' names and datatypes (their
+    arrays follow the call's answers, in order), or its error (status: the HTTP status,
+    not 0; code: the gRPC status's name; message).  It crosses from the interpreter as a
+    plain tuple (``tuple(answer)``), which the call's fast paths carry as they are, and
+    is read back with ``Answer._make``."""
+
+    names: tuple[str, ...] = ()
+    datatypes: tuple[str, ...] = ()
+    status: int = 0
+    code: str = ""
+    message: str = ""
+
+
 @dataclass
 class InferRequest:
     """A decoded inference request."""
@@ -97,7 +114,7 @@ class InferRequest:
     #: (multipy._inside.hangups): what gives the connection it came on (the HTTP face's
     #: ``send``: multipy.serve.http.uvicorn_server.connection_of), and the time
     #: (time.monotonic) past which its client waits no more (a gRPC deadline).
-    connection: Any = None
+    connection: Callable | None = None
     deadline: float | None = None
 
 

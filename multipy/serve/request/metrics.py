@@ -25,147 +25,33 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
-import mmap
-import os
 import time
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-#: Latency buckets (seconds): from a fast model's millisecond to a slow batch's seconds.
-_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-            30.0, 60.0)
-#: Requests per call.
-_BATCHED = (1, 2, 4, 8, 16, 32, 64, 128)
-#: The HTTP statuses an inference request can fail with (499: the client went away);
-#: any other is counted as 500.  (408 and 431 are a connection's, before any model is
-#: named: multipy.serve.http.connection.)
-STATUSES = (400, 404, 413, 499, 500, 503)
+from .board import (ABANDONED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board, CALLS, CLOSED,
+                    CRASHED, DECODING, FAILURES, FAILURE_NS, INFER_NS, INPUT, INPUT_NS, LAST_CALL,
+                    LATENCY, LATENCY_AT, LATENCY_SUM, OUTPUT_NS, PER_MODEL, QUEUED, QUEUE_NS,
+                    REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, board_width)
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
 #: Seconds after which an interpreter in one call counts as stuck, without --timeout.
 STUCK_AFTER = 30.0
 
-# A row: [connections closed, since when it runs a call (time.monotonic(), 0 if it
-# runs none), 1 + the index of the model whose call its request gave up on (0 if
-# none), large requests it decodes on a thread, the digest of the one request of the
-# call it runs (multipy.serve.request.poison; 0: none, or a batch), and in a process's first row
-# (its host's) 1 + the interpreter whose call crashed it (multipy._host.crash_cell; 0:
-# none; -1: a signal another process sent) and the number of the last connection its
-# supervisor handed it that it has taken, then per model: requests, failures by
-# status, latency (a count per bucket and one past the last, then the sum), queued,
-# busy, calls, batched (the same), successes, then nanoseconds: of successes, of
-# failures, and of successes queued, decoding, in calls and encoding; then when the
-# last call began (milliseconds since the epoch)].
-_CLOSED = 0
-_SINCE = 1
-_ABANDONED = 2
-_DECODING = 3
-_INPUT = 4
-_CRASHED = 5
-_TAKEN = 6
-_ROW = 7
-_REQUESTS = 0
-_FAILURES = 1
-_LATENCY_AT = _FAILURES + len(STATUSES)
-_LATENCY_SUM = _LATENCY_AT + len(_LATENCY) + 1
-_QUEUED = _LATENCY_SUM + 1
-_BUSY = _QUEUED + 1
-_CALLS = _BUSY + 1
-_BATCHED_AT = _CALLS + 1
-_BATCHED_SUM = _BATCHED_AT + len(_BATCHED) + 1
-_SUCCESSES = _BATCHED_SUM + 1
-_SUCCESS_NS = _SUCCESSES + 1
-_FAILURE_NS = _SUCCESS_NS + 1
-_QUEUE_NS = _FAILURE_NS + 1
-_INPUT_NS = _QUEUE_NS + 1
-_INFER_NS = _INPUT_NS + 1
-_OUTPUT_NS = _INFER_NS + 1
-_LAST_CALL = _OUTPUT_NS + 1
-_PER_MODEL = _LAST_CALL + 1
+
+class Timing:
+    """Where one request's time went, in nanoseconds: decoding it (input), waiting for
+    its call (queue), the call (infer: a batch's, for each of its requests) and encoding
+    its answer (output); filled in as it goes (multipy.serve.request.inference.infer)."""
+
+    __slots__ = ("input_ns", "queue_ns", "infer_ns", "output_ns")
+
+    def __init__(self) -> None:
+        self.input_ns = self.queue_ns = self.infer_ns = self.output_ns = 0
 
 
-def board_width(slots: int) -> int:
-    """The float64s in a row of a board with room for the series of slots models."""
-    return _ROW + _PER_MODEL * slots
-
-
-class Board:
-    """``rows`` rows of ``width`` float64s in memory that any interpreter of this
-    process can address: made here, zeroed (``address`` and ``fd`` None), mapped from
-    the shared memory file ``fd`` (the supervisor's, which every server process maps:
-    ``shared``), or addressed at ``address`` (one the host mapped, which outlives every
-    user)."""
-
-    def __init__(self, rows: int, width: int, address: int | None = None,
-                 fd: int | None = None) -> None:
-        self.rows, self.width = rows, width
-        if address is None:
-            self._memory = mmap.mmap(-1 if fd is None else fd, rows * width * 8)
-            address = ctypes.addressof(ctypes.c_char.from_buffer(self._memory))
-        self.address = address
-        self.values = memoryview((ctypes.c_double * (rows * width)).from_address(address)) \
-            .cast("B").cast("d")
-
-    def row(self, k: int) -> memoryview:
-        return self.values[k * self.width:(k + 1) * self.width]
-
-    def total(self, column: int) -> float:
-        return sum(self.values[column::self.width])
-
-    def most(self, column: int) -> float:
-        return max(self.values[column::self.width])
-
-    @classmethod
-    def shared(cls, rows: int, width: int) -> Board:
-        """A zeroed board in a new shared memory file, whose descriptor (``fd``) other
-        processes map with ``Board(rows, width, fd=...)``."""
-        fd = os.memfd_create("multipy-serve-metrics")
-        os.ftruncate(fd, rows * width * 8)
-        board = cls(rows, width, fd=fd)
-        board.fd = fd
-        return board
-
-    def reset(self, first: int, count: int) -> None:
-        """Rows first to first + count - 1 belonged to a process that has ended: what
-        they say of the present (connections closed, a call running, requests decoding,
-        requests queued, calls running) goes back to 0; the counts of what happened
-        stay."""
-        for k in range(first, first + count):
-            row = self.row(k)
-            row[_CLOSED] = row[_SINCE] = row[_ABANDONED] = row[_DECODING] = 0.0
-            row[_INPUT] = row[_CRASHED] = row[_TAKEN] = 0.0
-            for at in range(_ROW, self.width, _PER_MODEL):
-                row[at + _QUEUED] = row[at + _BUSY] = 0.0
-
-    def busy(self, first: int, count: int) -> int:
-        """How many calls rows first to first + count - 1 run now."""
-        return int(sum(self.row(k)[at + _BUSY] for k in range(first, first + count)
-                       for at in range(_ROW, self.width, _PER_MODEL)))
-
-    def taken(self, first: int) -> int:
-        """The number of the last connection that the process whose host row is first
-        has taken from its supervisor (``Metrics.took``)."""
-        return int(self.row(first)[_TAKEN])
-
-    def requests(self, first: int, count: int) -> int:
-        """How many inference requests rows first to first + count - 1 have counted."""
-        return int(sum(self.row(k)[at + _REQUESTS] for k in range(first, first + count)
-                       for at in range(_ROW, self.width, _PER_MODEL)))
-
-    def crashed_input(self, first: int, count: int) -> int | None:
-        """The digest of the request whose call crashed the process of rows first to
-        first + count - 1 (its host's, then its interpreters'): that of the interpreter
-        its host's row names, else of the only call running; None if neither says, or
-        the signal came from another process (the row says -1)."""
-        crashed = int(self.row(first)[_CRASHED])
-        if crashed < 0:
-            return None
-        if 0 < crashed < count:
-            rows = [first + crashed]
-        else:
-            rows = [k for k in range(first + 1, first + count) if self.row(k)[_SINCE]]
-        return int(self.row(rows[0])[_INPUT]) or None if len(rows) == 1 else None
-
-
-class _Count:
+class Count:
     """One number of a row (counter or gauge), written by the row's owner only."""
 
     __slots__ = ("_values", "_at")
@@ -187,56 +73,56 @@ class ModelSeries:
     __slots__ = ("requests", "queued", "_values", "_own", "_index")
 
     def __init__(self, values: memoryview, at: int, index: int) -> None:
-        self.requests = _Count(values, at + _REQUESTS)
-        self.queued = _Count(values, at + _QUEUED)
+        self.requests = Count(values, at + REQUESTS)
+        self.queued = Count(values, at + QUEUED)
         self._values, self._index = values, index
-        self._own = values[at:at + _PER_MODEL]  # (its series, at offsets from 0)
+        self._own = values[at:at + PER_MODEL]  # (its series, at offsets from 0)
 
     def call_began(self, requests: int) -> None:
         """A call of the model for that many requests begins in this row's interpreter:
         one more call, and interpreter busy with it, since now."""
         own = self._own
-        own[_BUSY] += 1.0
-        own[_CALLS] += 1.0
-        own[_BATCHED_AT + bisect.bisect_left(_BATCHED, requests)] += 1.0
-        own[_BATCHED_SUM] += requests
-        own[_LAST_CALL] = time.time() * 1000.0
-        self._values[_SINCE] = time.monotonic()
+        own[BUSY] += 1.0
+        own[CALLS] += 1.0
+        own[BATCHED_AT + bisect.bisect_left(BATCHED, requests)] += 1.0
+        own[BATCHED_SUM] += requests
+        own[LAST_CALL] = time.time() * 1000.0
+        self._values[SINCE] = time.monotonic()
 
     def call_ended(self) -> None:
         """The call that began last in this row's interpreter has ended."""
-        self._values[_SINCE] = 0.0
-        self._own[_BUSY] -= 1.0
+        self._values[SINCE] = 0.0
+        self._own[BUSY] -= 1.0
 
     def running(self, digest: int) -> None:
         """The call that begins now runs the one request of that digest
         (multipy.serve.request.poison; 0: it has ended)."""
-        self._values[_INPUT] = digest
+        self._values[INPUT] = digest
 
     def abandoned(self, running: bool) -> None:
         """A call of the model that its request gave up on still runs (True), or has
         ended."""
-        self._values[_ABANDONED] = self._index + 1.0 if running else 0.0
+        self._values[ABANDONED] = self._index + 1.0 if running else 0.0
 
-    def answered(self, status: int, elapsed_ns: int, timing: Any = None) -> None:
+    def answered(self, status: int, elapsed_ns: int, timing: Timing | None = None) -> None:
         """One request answered with that HTTP status elapsed_ns after it arrived: its
-        latency, and its success with timing's parts (multipy.serve.request.requests.Timing), or
+        latency, and its success with timing's parts (``Timing``), or
         its failure."""
         own = self._own
         seconds = elapsed_ns / 1e9
-        own[_LATENCY_AT + bisect.bisect_left(_LATENCY, seconds)] += 1.0
-        own[_LATENCY_SUM] += seconds
+        own[LATENCY_AT + bisect.bisect_left(LATENCY, seconds)] += 1.0
+        own[LATENCY_SUM] += seconds
         if status == 200:
-            own[_SUCCESSES] += 1.0
-            own[_SUCCESS_NS] += elapsed_ns
-            own[_QUEUE_NS] += timing.queue_ns
-            own[_INPUT_NS] += timing.input_ns
-            own[_INFER_NS] += timing.infer_ns
-            own[_OUTPUT_NS] += timing.output_ns
+            own[SUCCESSES] += 1.0
+            own[SUCCESS_NS] += elapsed_ns
+            own[QUEUE_NS] += timing.queue_ns
+            own[INPUT_NS] += timing.input_ns
+            own[INFER_NS] += timing.infer_ns
+            own[OUTPUT_NS] += timing.output_ns
             return
         where = STATUSES.index(status) if status in STATUSES else STATUSES.index(500)
-        own[_FAILURES + where] += 1.0
-        own[_FAILURE_NS] += elapsed_ns
+        own[FAILURES + where] += 1.0
+        own[FAILURE_NS] += elapsed_ns
 
 
 class Metrics:
@@ -260,13 +146,13 @@ class Metrics:
         self.first, self.processes = first, processes
         self.board = Board(rows, board_width(self.slots), address, fd)
         self._values = values = self.board.row(first + row)
-        self._closed = _Count(values, _CLOSED)
-        self._decoding = _Count(values, _DECODING)
+        self._closed = Count(values, CLOSED)
+        self._decoding = Count(values, DECODING)
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
         for name in models:
             self.add(name)
-        self._registry: Any = None  # render's, made at its first call
+        self._registry: CollectorRegistry | None = None  # render's, made at its first call
 
     def add(self, name: str) -> None:
         """Gives model name the next slot (its series, at 0), unless it has one; every
@@ -279,7 +165,7 @@ class Metrics:
             raise ValueError(f"this server has room for the metrics of {self.slots} models, "
                              f"and every one is taken ({', '.join(map(repr, self.names))})")
         k = len(self.names)
-        self.models = {**self.models, name: ModelSeries(self._values, _ROW + _PER_MODEL * k, k)}
+        self.models = {**self.models, name: ModelSeries(self._values, ROW + PER_MODEL * k, k)}
         self.names = [*self.names, name]
 
     def closed_connection(self) -> None:
@@ -287,7 +173,7 @@ class Metrics:
 
     def closed_connections(self, row: int) -> int:
         """How many connections the writer of row (of this process's rows) has closed."""
-        return int(self.board.row(self.first + row)[_CLOSED])
+        return int(self.board.row(self.first + row)[CLOSED])
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
@@ -303,7 +189,7 @@ class Metrics:
         """How many calls the writer of row (of this process's rows) runs now, and large
         requests it decodes."""
         at = self.first + row
-        return self.board.busy(at, 1) + int(self.board.row(at)[_DECODING])
+        return self.board.busy(at, 1) + int(self.board.row(at)[DECODING])
 
     def calling_for(self, row: int) -> float:
         """How long the writer of row (of this process's rows) has been in its current
@@ -311,7 +197,7 @@ class Metrics:
         return self._calling_for(self.first + row)
 
     def _calling_for(self, at: int) -> float:
-        since = self.board.row(at)[_SINCE]
+        since = self.board.row(at)[SINCE]
         return time.monotonic() - since if since else 0.0
 
     def stuck(self, row: int) -> str | None:
@@ -322,8 +208,8 @@ class Metrics:
 
     def _stuck(self, at: int) -> str | None:
         values = self.board.row(at)
-        if values[_ABANDONED]:
-            name = self.names[int(values[_ABANDONED]) - 1]
+        if values[ABANDONED]:
+            name = self.names[int(values[ABANDONED]) - 1]
             return (f"it still runs a call of model {name!r} that its request gave up on "
                     f"(it passed --timeout, or its client went away)")
         running = self._calling_for(at)
@@ -342,12 +228,12 @@ class Metrics:
     def took(self, number: int) -> None:
         """This process has taken every connection its supervisor handed it up to the
         one of that number (read by the supervisor, alive or after its death)."""
-        self.board.row(self.first)[_TAKEN] = number
+        self.board.row(self.first)[TAKEN] = number
 
     def crash_cell(self) -> int:
         """The address of the float64 in this process's host row where the fatal-signal
         handler notes which interpreter's call crashed it (multipy._host.crash_cell)."""
-        return self.board.address + 8 * (self.first * self.board.width + _CRASHED)
+        return self.board.address + 8 * (self.first * self.board.width + CRASHED)
 
     def health(self) -> dict[str, int]:
         """This process's interpreters: how many there are, how many are ``stuck``, how
@@ -392,26 +278,26 @@ class Metrics:
         board = self.board
         stats = []
         for name in names:
-            at = _ROW + _PER_MODEL * self.names.index(name)
+            at = ROW + PER_MODEL * self.names.index(name)
             total = lambda offset: int(board.total(at + offset))  # noqa: E731
-            successes = total(_SUCCESSES)
-            failures = sum(total(_FAILURES + i) for i in range(len(STATUSES)))
+            successes = total(SUCCESSES)
+            failures = sum(total(FAILURES + i) for i in range(len(STATUSES)))
 
             def duration(count: int, offset: int) -> dict[str, int]:
                 return {"count": count, "ns": total(offset)}
 
             stats.append({
                 "name": name, "version": "1",
-                "last_inference": int(board.most(at + _LAST_CALL)),
-                "inference_count": total(_BATCHED_SUM),
-                "execution_count": total(_CALLS),
+                "last_inference": int(board.most(at + LAST_CALL)),
+                "inference_count": total(BATCHED_SUM),
+                "execution_count": total(CALLS),
                 "inference_stats": {
-                    "success": duration(successes, _SUCCESS_NS),
-                    "fail": duration(failures, _FAILURE_NS),
-                    "queue": duration(successes, _QUEUE_NS),
-                    "compute_input": duration(successes, _INPUT_NS),
-                    "compute_infer": duration(successes, _INFER_NS),
-                    "compute_output": duration(successes, _OUTPUT_NS),
+                    "success": duration(successes, SUCCESS_NS),
+                    "fail": duration(failures, FAILURE_NS),
+                    "queue": duration(successes, QUEUE_NS),
+                    "compute_input": duration(successes, INPUT_NS),
+                    "compute_infer": duration(successes, INFER_NS),
+                    "compute_output": duration(successes, OUTPUT_NS),
                     "cache_hit": {"count": 0, "ns": 0},
                     "cache_miss": {"count": 0, "ns": 0}},
                 "batch_stats": []})
@@ -431,7 +317,7 @@ class _Collector:
         board, names = self._metrics.board, self._metrics.names
 
         def total(k: int, offset: int) -> float:
-            return board.total(_ROW + _PER_MODEL * k + offset)
+            return board.total(ROW + PER_MODEL * k + offset)
 
         def histogram(family: HistogramMetricFamily, k: int, at: int,
                       bounds: Sequence[float]) -> None:
@@ -463,16 +349,16 @@ class _Collector:
                                         "Requests answered by one call of the model",
                                         labels=["model"])
         for k, name in enumerate(names):
-            requests.add_metric([name], total(k, _REQUESTS))
+            requests.add_metric([name], total(k, REQUESTS))
             for i, status in enumerate(STATUSES):
-                failed = total(k, _FAILURES + i)
+                failed = total(k, FAILURES + i)
                 if failed:
                     failures.add_metric([name, str(status)], failed)
-            histogram(latency, k, _LATENCY_AT, _LATENCY)
-            queued.add_metric([name], total(k, _QUEUED))
-            busy.add_metric([name], total(k, _BUSY))
-            calls.add_metric([name], total(k, _CALLS))
-            histogram(batched, k, _BATCHED_AT, _BATCHED)
+            histogram(latency, k, LATENCY_AT, LATENCY)
+            queued.add_metric([name], total(k, QUEUED))
+            busy.add_metric([name], total(k, BUSY))
+            calls.add_metric([name], total(k, CALLS))
+            histogram(batched, k, BATCHED_AT, BATCHED)
         metrics = self._metrics
         interpreters = GaugeMetricFamily("multipy_interpreters", "Interpreters serving the models")
         interpreters.add_metric([], metrics.interpreters * metrics.processes)

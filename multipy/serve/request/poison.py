@@ -22,9 +22,12 @@ import hashlib
 import mmap
 import os
 import time
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .messages import ProtocolError
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: Processes that a digest must have crashed before it is refused.
 REFUSE_AFTER = 2
@@ -42,7 +45,7 @@ _SIZE = _KEY + 8 * (_DIGESTS + _ROOM)
 
 
 def digest(key: bytes, model: str, names: Sequence[str] | None, datatypes: Sequence[str],
-           arrays: Sequence[Any], parameters: Any = None) -> int:
+           arrays: Sequence[np.ndarray], parameters: object = None) -> int:
     """The digest of a call of model on arrays (numpy arrays: their shapes, types and
     contents; a BYTES array's elements), with their names (None: by position) and
     datatypes, and the request's parameters if the model is given them: a 52-bit

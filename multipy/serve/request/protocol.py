@@ -1,7 +1,8 @@
 """The Open Inference Protocol (KServe's v2 protocol, which Triton speaks too) over
 HTTP/REST: inference requests and responses as JSON tensors, with the binary tensor data
 extension.  numpy only; nothing here knows about models or interpreters.  The requests
-and errors themselves are multipy.serve.request.messages', which needs no numpy.
+and errors themselves are multipy.serve.request.messages', which needs no numpy; a
+tensor's data, multipy.serve.request.tensors'.
 
 A tensor's data is a numpy array of its shape.  BF16 has no numpy dtype: its arrays hold
 the bits, as uint16 (what the interpreters turn into bfloat16 tensors), and JSON carries
@@ -22,8 +23,6 @@ body is JSON, whatever its Content-Type.  Outputs asked for with
 from __future__ import annotations
 
 import json
-import math
-import struct
 from json.encoder import c_make_encoder, encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, Iterable
 
@@ -36,28 +35,8 @@ except ImportError:  # (CPython 3.15: no orjson wheel yet)
 
 from .messages import (HEADER_LENGTH, MAX_REQUEST_SIZE, InferRequest, ProtocolError, Tensor,
                        decompressed, json_object)
-
-#: The most dimensions a tensor may have (numpy's own limit, and other servers').
-MAX_RANK = 64
-#: The most elements a tensor may claim: more than any body could carry (2**48).
-MAX_ELEMENTS = 1 << 48
-
-#: Each numeric datatype's numpy dtype (little-endian; BF16: its bits).
-DTYPES: dict[str, np.dtype] = {
-    "BOOL": np.dtype("?"), "UINT8": np.dtype("u1"), "UINT16": np.dtype("<u2"),
-    "UINT32": np.dtype("<u4"), "UINT64": np.dtype("<u8"), "INT8": np.dtype("i1"),
-    "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"), "BF16": np.dtype("<u2"), "FP32": np.dtype("<f4"),
-    "FP64": np.dtype("<f8"),
-}
-#: The datatype of elements of variable length (text, or any bytes): its arrays are of
-#: dtype object, holding ``bytes``.
-BYTES = "BYTES"
-#: Every datatype this server takes and gives.
-DATATYPES = (*DTYPES, BYTES)
-#: The bytes of a BYTES element's length, in binary data (little-endian).
-LENGTH_PREFIX = 4
-_LENGTH = struct.Struct("<I")
+from .tensors import (BYTES, DATATYPES, DTYPES, bf16_bits_to_float32, element_count, from_json,
+                      from_length_prefixed, quoted, tensor_bytes)
 
 
 def _compact_json() -> Any:
@@ -133,7 +112,7 @@ def parse_request(request: Any, binary: memoryview) -> InferRequest:
         outputs = [_requested(spec, parameters) for spec in request["outputs"]]
         if len({name for name, _ in outputs}) != len(outputs):
             raise ProtocolError("each output may be asked for once: "
-                                f"{_short([name for name, _ in outputs])}")
+                                f"{quoted([name for name, _ in outputs])}")
     request_id = request.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise ProtocolError('"id" must be a string')
@@ -181,12 +160,12 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
     datatype = spec.get("datatype")
     if not isinstance(datatype, str):
         raise ProtocolError(f'input {name!r}: "datatype" must be a string, not '
-                            f"{_short(datatype)}")
+                            f"{quoted(datatype)}")
     if datatype not in DATATYPES:
-        raise ProtocolError(f"input {name!r}: unknown datatype {_short(datatype)}; "
+        raise ProtocolError(f"input {name!r}: unknown datatype {quoted(datatype)}; "
                             f"the datatypes are {', '.join(DATATYPES)}")
     shape = spec.get("shape")
-    count = _count(name, shape)
+    count = element_count(name, shape)
     parameters = spec.get("parameters")
     if parameters is None:  # (most inputs: their data in the JSON)
         if "data" not in spec:
@@ -218,244 +197,6 @@ def _input(spec: Any, position: int, binary: memoryview, offset: int) -> tuple[T
         raise ProtocolError(f'input {name!r} has no "data" (nor binary_data_size)')
     return Tensor(name, datatype, from_json(name, datatype, shape, spec["data"], count)), offset
 
-
-def from_length_prefixed(name: str, shape: list[int], data: memoryview) -> np.ndarray:
-    """The BYTES array of shape (of input name) in its binary data: each element a 4-byte
-    little-endian length, then that many bytes, row-major; ProtocolError if a length or
-    an element is cut short by the data's end, or the data holds more or fewer elements
-    than the shape.  A shape that claims more elements than the data has lengths for is
-    refused before any is read."""
-    count = math.prod(shape)
-    size = len(data)
-    if count > size // LENGTH_PREFIX:
-        raise ProtocolError(f"input {name!r}: shape {shape} of BYTES has {count} elements, "
-                            f"which need at least {count * LENGTH_PREFIX} bytes (a "
-                            f"{LENGTH_PREFIX}-byte length each), but binary_data_size is "
-                            f"{size}")
-    raw = data.tobytes()  # slices of bytes are quicker to take than of a memoryview
-    elements: list[bytes] = []
-    position = 0
-    for index in range(count):
-        if size - position < LENGTH_PREFIX:
-            if position == size:
-                raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, "
-                                    f"but its binary data holds {index}")
-            raise ProtocolError(f"input {name!r}: BYTES element {index} is cut short: its "
-                                f"{LENGTH_PREFIX}-byte length at byte {position} has only "
-                                f"{size - position} bytes before the data's end "
-                                f"(binary_data_size {size})")
-        (length,) = _LENGTH.unpack_from(raw, position)
-        start = position + LENGTH_PREFIX
-        position = start + length
-        if position > size:
-            raise ProtocolError(f"input {name!r}: BYTES element {index} is cut short: its "
-                                f"length says {length} bytes, but only {size - start} are "
-                                f"left (binary_data_size {size})")
-        elements.append(raw[start:position])
-    if position != size:
-        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
-                            f"{size - position} bytes of its binary data are left after them "
-                            f"(binary_data_size {size})")
-    return bytes_array(elements, shape)
-
-
-def to_length_prefixed(array: np.ndarray) -> bytes:
-    """The binary data of a BYTES array (of bytes objects): each element's 4-byte
-    little-endian length, then its bytes, row-major."""
-    parts = []
-    for element in array.reshape(-1):
-        parts.append(_LENGTH.pack(len(element)))
-        parts.append(element)
-    return b"".join(parts)
-
-
-def bytes_array(elements: list[bytes], shape: list[int]) -> np.ndarray:
-    """An array of dtype object of shape, holding elements (row-major)."""
-    array = np.empty(len(elements), dtype=object)
-    array[:] = elements
-    return array.reshape(shape)
-
-
-#: The type of a size in a shape (bool is not one).
-_INT = frozenset({int})
-
-
-def _count(name: str, shape: Any) -> int:
-    """How many elements shape claims, checked in time bounded by MAX_RANK: a list of at
-    most MAX_RANK sizes from 0 to MAX_ELEMENTS whose product, zeros left out, is at most
-    MAX_ELEMENTS (numpy refuses an empty array whose other sizes multiply past its
-    limit)."""
-    if (not isinstance(shape, list) or len(shape) > MAX_RANK
-            or not _INT.issuperset(map(type, shape))
-            or (shape and not 0 <= min(shape) <= max(shape) <= MAX_ELEMENTS)):
-        raise ProtocolError(f"input {name!r}: shape must be a list of at most {MAX_RANK} "
-                            f"sizes (integers from 0 to {MAX_ELEMENTS}), not {_short(shape)}")
-    count = math.prod(shape)  # of at most MAX_RANK sizes that small: quick
-    if count > MAX_ELEMENTS or (
-            not count and math.prod(size for size in shape if size) > MAX_ELEMENTS):
-        raise ProtocolError(f"input {name!r}: shape {_short(shape)} has more than "
-                            f"{MAX_ELEMENTS} elements (its sizes that are not 0 multiplied)")
-    return count
-
-
-def _short(value: Any, limit: int = 200) -> str:
-    """repr(value), cut to about limit characters: error messages quote what clients sent."""
-    text = repr(value) if not isinstance(value, list) or len(value) <= 64 else \
-        repr(value[:64])[:-1] + f", ... ({len(value)} in all)]"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _leaf_types(data: Any, limit: int) -> set[type] | None:
-    """The types of the values of nested lists data (lists of lists, or of values), or
-    None if they hold more than limit values: a walk of the lists that builds nothing."""
-    if type(data) is list and (not data or type(data[0]) is not list):  # flat: at once
-        return set(map(type, data)) if len(data) <= limit else None
-    types: set[type] = set()
-    pending, seen = [data], 0
-    while pending:
-        items = pending.pop()
-        if not isinstance(items, list):
-            types.add(type(items))
-            seen += 1
-        elif items and type(items[0]) is list:
-            pending.extend(items)
-            continue
-        else:
-            types.update(map(type, items))
-            seen += len(items)
-        if seen > limit:
-            return None
-    return types
-
-
-#: The Python types of JSON values that numeric data may hold.
-_NUMBERS = frozenset({int, float, bool})
-_FLOAT = frozenset({float})
-#: The datatypes of numpy's floats (BF16's arrays hold its bits).
-_FLOATS = frozenset({"FP16", "FP32", "FP64"})
-#: Each numeric datatype's kinds of numpy arrays that its JSON data may be read as, and
-#: what an error calls them.
-_ALLOWED = {datatype: ("b", "true or false") if datatype == "BOOL" else
-            ("iu", "integers") if dtype.kind in "iu" and datatype != "BF16" else
-            ("iuf", "numbers") for datatype, dtype in DTYPES.items()}
-
-
-def from_json(name: str, datatype: str, shape: list[int], data: Any,
-              count: int | None = None) -> np.ndarray:
-    """The array of JSON tensor data (flat or nested, row-major) of a datatype and shape
-    (of count elements, if given); ProtocolError if the values do not fit the datatype
-    or their count the shape.  The values' types and count are checked before any array
-    is built.  BYTES data are strings, UTF-8 encoded into the array's bytes, or bytes
-    (gRPC's bytes_contents), the array's as they are."""
-    if datatype == BYTES:
-        return _bytes_from_json(name, shape, data)
-    if count is None:
-        count = math.prod(shape)
-    dtype = DTYPES[datatype]
-    allowed, wanted = _ALLOWED[datatype]
-    types = _leaf_types(data, count)
-    if types is None:
-        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
-                            f"the data has more")
-    if not types <= _NUMBERS:
-        wrong = sorted(t.__name__ for t in types - _NUMBERS)[0]
-        raise ProtocolError(f"input {name!r}: {datatype} data must be {wanted}; got a {wrong}")
-    # floats for a float datatype: read as its dtype at once, as astype would give them
-    exact = datatype in _FLOATS and types <= _FLOAT
-    try:
-        values = np.array(data if isinstance(data, list) else [data],
-                          dtype=dtype if exact else None)
-    except (ValueError, TypeError, OverflowError):
-        raise ProtocolError(f"input {name!r}: data must be a (nested) list of "
-                            f"numbers of one shape") from None
-    if values.size != count:
-        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
-                            f"the data has {values.size}")
-    kind = values.dtype.kind
-    if count == 0:
-        kind = dtype.kind  # an empty list has no values to check
-    if allowed == "iu" and kind in "fO":  # big integers that numpy could not type alike
-        return _exact_integers(name, datatype, data).reshape(shape)
-    if kind not in allowed:
-        raise ProtocolError(f"input {name!r}: {datatype} data must be {wanted}; "
-                            f"got {_sample(values)}")
-    if datatype == "BF16":
-        return to_bf16_bits(values.astype(np.float32)).reshape(shape)
-    if allowed == "iu" and count:
-        info = np.iinfo(dtype)
-        if values.min() < info.min or values.max() > info.max:
-            raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range "
-                                f"[{info.min}, {info.max}]")
-    return (values if exact else values.astype(dtype, copy=False)).reshape(shape)
-
-
-def _bytes_from_json(name: str, shape: list[int], data: Any) -> np.ndarray:
-    """from_json for BYTES: strings, or bytes, in nested lists of one shape (or one)."""
-    count = math.prod(shape)
-    types = _leaf_types(data, count)
-    if types is None:
-        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
-                            f"the data has more")
-    ragged = ProtocolError(f"input {name!r}: data must be a (nested) list of strings of "
-                           f"one shape")
-    if list in types:  # lists beside strings
-        raise ragged
-    if not (types <= {str} or types <= {bytes}):
-        wrong = sorted(t.__name__ for t in types - {str})[0]
-        raise ProtocolError(f"input {name!r}: BYTES data must be strings; got a {wrong}")
-    level = data if isinstance(data, list) else [data]
-    while level and type(level[0]) is list:  # one depth of the lists at a time
-        if any(type(item) is not list or len(item) != len(level[0]) for item in level):
-            raise ragged
-        level = [value for item in level for value in item]
-    if len(level) != count:
-        raise ProtocolError(f"input {name!r}: shape {shape} has {count} elements, but "
-                            f"the data has {len(level)}")
-    if types <= {bytes}:
-        return bytes_array(level, shape)
-    elements = []
-    for position, text in enumerate(level):
-        try:
-            elements.append(text.encode())
-        except UnicodeEncodeError:  # a lone surrogate, which JSON's \u escapes can write
-            raise ProtocolError(f"input {name!r}: string {position} is not Unicode text "
-                                f"(it holds a lone surrogate, {text[:40]!r})") from None
-    return bytes_array(elements, shape)
-
-
-def _exact_integers(name: str, datatype: str, data: Any) -> np.ndarray:
-    """The values of an integer datatype that numpy read as floats or objects (0 and
-    2**64 - 1 together read as float64, say), checked one by one as Python ints."""
-    try:
-        flat = np.array(data if isinstance(data, list) else [data], dtype=object).reshape(-1)
-    except ValueError:
-        flat = np.array([None], dtype=object)
-    wrong = [v for v in flat if type(v) is not int][:1]
-    if wrong:
-        wrong = wrong[0]
-        raise ProtocolError(f"input {name!r}: {datatype} data must be integers; got {wrong!r}")
-    info = np.iinfo(DTYPES[datatype])
-    if flat.size and (min(flat) < info.min or max(flat) > info.max):
-        raise ProtocolError(f"input {name!r}: a value is out of {datatype}'s range "
-                            f"[{info.min}, {info.max}]")
-    return np.array(flat.tolist(), dtype=DTYPES[datatype])
-
-
-def _sample(values: np.ndarray) -> str:
-    flat = values.reshape(-1)
-    return repr(flat[0].item() if flat.dtype != object else flat[0]) if flat.size else "nothing"
-
-
-def to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    """BF16 bits (uint16) of float32 values, rounded to nearest even (NaN stays NaN)."""
-    bits = values.view(np.uint32).astype(np.uint64)
-    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
-    return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
-
-
-def bf16_bits_to_float32(bits: np.ndarray) -> np.ndarray:
-    """The float32 values of BF16 bits (uint16): exact."""
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def encode_response(model_name: str, model_version: str | None, request_id: str | None,
@@ -522,11 +263,3 @@ def _texts(name: str, array: np.ndarray) -> list[str]:
                 f"byte {error.start}), which JSON cannot carry: ask for the output as "
                 f'binary data ("parameters": {{"binary_data": true}})') from None
     return texts
-
-
-def tensor_bytes(tensor: Tensor) -> bytes:
-    """A tensor's data as the binary data extension and gRPC's raw contents carry it:
-    little-endian, row-major (BYTES: length-prefixed)."""
-    if tensor.datatype == BYTES:
-        return to_length_prefixed(tensor.array)
-    return np.ascontiguousarray(tensor.array, DTYPES[tensor.datatype]).tobytes()

@@ -10,9 +10,9 @@ import asyncio
 import time
 from typing import Any, Collection, Mapping
 
-from .batching import Batcher
-from .messages import InferRequest, ProtocolError, Tensor
-from .metrics import ModelSeries
+from .batching import Batcher, Outcomes, batch_rows
+from .messages import Answer, InferRequest, ProtocolError, Tensor
+from .metrics import Count, ModelSeries, Timing
 
 
 
@@ -40,10 +40,12 @@ def named(models: Mapping[str, Any], served: Collection[str], name: str,
     if name not in served:
         raise ProtocolError(f"unknown model {name!r}; this server serves "
                             f"{', '.join(map(repr, served))}", 404)
-    if version not in (None, "", "1"):
+    model = models.get(name)
+    versions = ("1",) if model is None else model.versions
+    if version not in (None, "", *versions):
         raise ProtocolError(f"model {name!r} has no version {version!r}; its only "
-                            f"version is '1'", 404)
-    return models.get(name)
+                            f"version is {versions[0]!r}", 404)
+    return model
 
 
 class ModelRequests(abc.ABC):
@@ -62,22 +64,41 @@ class ModelRequests(abc.ABC):
         self._platform = "pytorch_torch_package"  # "python": a class, given inputs by name
         #: whether a call of one request also gets its id and parameters (``request=``)
         self._wants_request = False
+        #: whether the model answers each request of a call on its own (``requests=``)
+        self._per_request = False
+        #: the versions it serves (the first is the one that answers)
+        self.versions: tuple[str, ...] = ("1",)
         self._batcher = Batcher(self._call, max_batch_size, batch_delay) \
             if max_batch_size > 1 else None
 
     def describe(self, described: dict[str, Any]) -> None:
         """Sets the model's inputs and outputs, as ``multipy._inside.serving.Served.metadata``
-        gives them; requests are checked against inputs it says are declared."""
+        gives them; requests are checked against inputs it says are declared.  A model
+        that answers each request on its own ("per_request": multipy._inside.
+        served_triton) says its versions and its own batching ([rows, seconds], or None
+        for none), which replace the server's."""
         self._described = described
         self._parameters = frozenset(spec["name"] for spec in described["inputs"])
         self._declared = {spec["name"]: spec for spec in described["inputs"]} \
             if described.get("declared") else None
         self._platform = described.get("platform", "pytorch_torch_package")
         self._wants_request = bool(described.get("wants_request"))
+        self._per_request = bool(described.get("per_request"))
+        #: the most rows a request may have (a Triton model's max_batch_size), or None
+        self._max_rows = described.get("max_rows")
+        self.versions = tuple(described.get("versions", ("1",)))
+        if "batching" in described:
+            batching = described["batching"]
+            self._batcher = None if batching is None else Batcher(self._call, *batching)
 
     @property
     def ready(self) -> bool:
         """Whether the model answers (the host's may still load on some interpreters)."""
+        return True
+
+    async def healthy(self) -> bool:
+        """The model's own word on its health, where it has one (a kserve.Model's
+        ``healthy()``, a LitAPI's ``health()``): while false, it is not ready."""
         return True
 
     @property
@@ -95,7 +116,7 @@ class ModelRequests(abc.ABC):
         """The protocol's model metadata: inputs named after forward's parameters, or
         those the model declares."""
         described = self._described or {"inputs": [], "outputs": []}
-        return {"name": self.name, "versions": ["1"], "platform": self._platform,
+        return {"name": self.name, "versions": list(self.versions), "platform": self._platform,
                 "inputs": [{key: spec[key] for key in ("name", "datatype", "shape")}
                            for spec in described["inputs"]],
                 "outputs": described["outputs"]}
@@ -117,7 +138,7 @@ class ModelRequests(abc.ABC):
         the timeout (the call is cancelled)."""
         if self._declared is not None:
             self._check(request.inputs)
-        place = _Place(self._series.queued, request.id, timing)
+        place = _Place(self._series.queued, request, timing)
         try:
             work = self._call(request.inputs, [place], request) if self._batcher is None \
                 else self._batcher.submit(request.inputs, place)
@@ -132,16 +153,23 @@ class ModelRequests(abc.ABC):
                         f"(--timeout); the call was cancelled") from None
         finally:
             place.leave()
+        if isinstance(outputs, Outcomes):
+            outputs = outputs.only()
         return outputs if request.outputs is None else self._select(outputs, request)
 
     async def _call(self, inputs: list[Tensor], places: list[_Place],
-                    request: InferRequest | None = None) -> list[Tensor]:
+                    request: InferRequest | None = None) -> list[Tensor] | Outcomes:
         """One call of the model, with inputs that hold the requests at places (request:
         the one request, when the call is not a batch's); what the model raises,
-        SystemExit or KeyboardInterrupt included, is a ModelError."""
+        SystemExit or KeyboardInterrupt included, is a ModelError.  Outcomes, request
+        by request, for a model that answers each on its own."""
         names, datatypes, arrays = zip(*inputs)
-        given = {"request": (request.id, request.parameters)} \
-            if self._wants_request and request is not None else {}
+        if self._per_request:
+            given: dict[str, Any] = {"requests": [_asked(place.request) for place in places]}
+        elif self._wants_request and request is not None:
+            given = {"request": (request.id, request.parameters)}
+        else:
+            given = {}
         try:
             outputs = await self._run(self._names(names), datatypes, list(arrays),
                                       Started(self._series, places), given, request)
@@ -152,6 +180,8 @@ class ModelRequests(abc.ABC):
         except BaseException as error:  # GeneratorExit too: asyncio cancels, never closes
             raise ModelError(f"model {self.name!r} raised {type(error).__name__}: "
                              f"{_text(error)}") from error
+        if self._per_request:
+            return _outcomes(*outputs)
         output_names, output_datatypes, *arrays = outputs
         return list(map(Tensor, output_names, output_datatypes, arrays))
 
@@ -180,6 +210,10 @@ class ModelRequests(abc.ABC):
             if len(shape) != len(wanted) or any(w not in (-1, s) for w, s in zip(wanted, shape)):
                 raise ProtocolError(f"model {self.name!r}: input {tensor.name!r} has shape "
                                     f"{shape}, not {wanted} (-1: any size)")
+        rows = self._max_rows
+        if rows and any(t.array.ndim and t.array.shape[0] > rows for t in inputs):
+            raise ProtocolError(f"inference request batch-size must be <= {rows} for "
+                                f"{self.name!r}")
         given = {tensor.name for tensor in inputs}
         missing = [name for name, spec in declared.items()
                    if name not in given and not spec.get("optional")]
@@ -202,6 +236,31 @@ class ModelRequests(abc.ABC):
         """Runs what waits in the batcher now and waits for it (at shutdown)."""
         if self._batcher is not None:
             await self._batcher.drain()
+
+
+def _asked(request: InferRequest) -> tuple:
+    """What a model that answers each request on its own gets of one: (id, parameters,
+    rows, the outputs asked for by name or None)."""
+    outputs = None if request.outputs is None else [name for name, _ in request.outputs]
+    return (request.id, request.parameters, batch_rows(request.inputs) or 0, outputs)
+
+
+def _outcomes(answers: tuple, *arrays: object) -> Outcomes:
+    """The Outcomes of a call of a model that answers each request on its own, from
+    what it returns (multipy._inside.served_triton.ServedTriton.infer: each request's
+    Answer, as a plain tuple, then the outputs' arrays): its outputs, or a ProtocolError
+    with its status, gRPC code and message."""
+    found = Outcomes()
+    start = 0
+    for answer in map(Answer._make, answers):
+        if answer.status:
+            found.append(ProtocolError(answer.message, answer.status, answer.code))
+            continue
+        names = answer.names
+        found.append(list(map(Tensor, names, answer.datatypes,
+                              arrays[start:start + len(names)])))
+        start += len(names)
+    return found
 
 
 #: How a crash report names the one request of a call, when it has no id.
@@ -242,7 +301,7 @@ class Started:
             place.leave(self._began)
         self._series.call_began(len(self._places))
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self._series.call_ended()
         took = time.perf_counter_ns() - self._began
         for place in self._places:
@@ -255,28 +314,18 @@ class Started:
             self._series.running(self.digest if running else 0)
 
 
-class Timing:
-    """Where one request's time went, in nanoseconds: decoding it (input), waiting for
-    its call (queue), the call (infer: a batch's, for each of its requests) and encoding
-    its answer (output); filled in as it goes (multipy.serve.request.inference.infer)."""
-
-    __slots__ = ("input_ns", "queue_ns", "infer_ns", "output_ns")
-
-    def __init__(self) -> None:
-        self.input_ns = self.queue_ns = self.infer_ns = self.output_ns = 0
-
-
 class _Place:
     """A request's place in its model's queue, which it leaves once, when its call
     starts (at ``now``, from time.perf_counter_ns, which timing records) or, failing
     that, when it is answered; id: the request's, if it has one."""
 
-    __slots__ = ("_gauge", "id", "timing", "_since")
+    __slots__ = ("_gauge", "request", "id", "timing", "_since")
 
-    def __init__(self, gauge: Any, id: str | None, timing: Timing) -> None:
+    def __init__(self, gauge: Count, request: InferRequest, timing: Timing) -> None:
         gauge.inc()
         self._gauge = gauge
-        self.id = id
+        self.request = request
+        self.id = request.id
         self.timing = timing
         self._since = time.perf_counter_ns()
 

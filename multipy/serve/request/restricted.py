@@ -54,7 +54,11 @@ _KEY = re.compile(r"[A-Za-z0-9_.-]+\Z")
 _VALUE = re.compile(r"[\x21-\x7e]([\x20-\x7e]*[\x21-\x7e])?\Z")
 
 
-def parse(values: Iterable[str], option: str) -> tuple[tuple[str, str, str], ...]:
+#: (category, KEY, VALUE) of each restricted category, as ``parse`` gives them.
+Restricted = tuple[tuple[str, str, str], ...]
+
+
+def parse(values: Iterable[str], option: str) -> Restricted:
     """(category, KEY, VALUE) for each category that option's values (each
     ``API[,API...]:KEY=VALUE``) restrict.  ValueError, saying what is wrong (but never
     a VALUE), for a value without ":" or "=", an unknown category, a category given

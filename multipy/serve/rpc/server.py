@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 from contextvars import ContextVar
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import grpc
 from google.protobuf import json_format
@@ -31,10 +31,13 @@ from google.protobuf import json_format
 from ..request import repository
 from ..request.contract import Server
 from ..request.inference import decode_apart, infer, ready_model, server_metadata, statistics
-from ..request.protocol import (LENGTH_PREFIX, InferRequest, ProtocolError, Tensor,
-                                parse_request, tensor_bytes)
+from ..request.protocol import InferRequest, ProtocolError, Tensor, parse_request
 from ..request.restricted import GRPC_PREFIX, RPCS as CATEGORIES, Restrictions
+from ..request.tensors import LENGTH_PREFIX, tensor_bytes
 from . import inference_pb2 as messages
+
+#: What grpcio gives a servicer's method with each call.
+Context = grpc.aio.ServicerContext
 
 #: The gRPC code of each HTTP status that a ProtocolError can have here.
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
@@ -104,7 +107,8 @@ class _Taking(grpc.aio.ServerInterceptor):
     def __init__(self, taking: Callable[[], Server]) -> None:
         self._taking = taking
 
-    async def intercept_service(self, continuation: Callable, details: Any) -> Any:
+    async def intercept_service(self, continuation: Callable,
+                                details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         _taken.set(self._taking())
         return await continuation(details)
 
@@ -146,10 +150,12 @@ class _Servicer:
                 response_serializer=response.SerializeToString)
             for name, (request, response) in self.RPCS.items()})
 
-    async def ServerLive(self, request: Any, context: Any) -> Any:
+    async def ServerLive(self, request: messages.ServerLiveRequest,
+                         context: Context) -> messages.ServerLiveResponse:
         return messages.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: Any, context: Any) -> Any:
+    async def ServerReady(self, request: messages.ServerReadyRequest,
+                          context: Context) -> messages.ServerReadyResponse:
         service = self._service
         return messages.ServerReadyResponse(
             ready=bool(service.ready) and not service.metrics.all_stuck()
@@ -159,19 +165,24 @@ class _Servicer:
         """The service that answers the call under way (see create_server's taking)."""
         return _taken.get() or self._service
 
-    async def ModelReady(self, request: Any, context: Any) -> Any:
+    async def ModelReady(self, request: messages.ModelReadyRequest,
+                         context: Context) -> messages.ModelReadyResponse:
         model = self._as_taken().model(request.name, request.version or None)
-        ready = model is not None and model.ready and not self._service.metrics.all_stuck()
+        ready = model is not None and model.ready and not self._service.metrics.all_stuck() \
+            and await model.healthy()
         return messages.ModelReadyResponse(ready=ready)
 
-    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+    async def ServerMetadata(self, request: messages.ServerMetadataRequest,
+                             context: Context) -> messages.ServerMetadataResponse:
         return json_format.ParseDict(server_metadata(), messages.ServerMetadataResponse())
 
-    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+    async def ModelMetadata(self, request: messages.ModelMetadataRequest,
+                            context: Context) -> messages.ModelMetadataResponse:
         model = ready_model(self._as_taken(), request.name, request.version or None)
         return json_format.ParseDict(model.metadata(), messages.ModelMetadataResponse())
 
-    async def ModelInfer(self, request: Any, context: Any) -> Any:
+    async def ModelInfer(self, request: messages.ModelInferRequest,
+                         context: Context) -> messages.ModelInferResponse:
         async def decode() -> InferRequest:
             decoded = await _decoded(self._service, request)
             remaining = context.time_remaining()
@@ -185,21 +196,25 @@ class _Servicer:
         return await infer(self._as_taken(), request.model_name, request.model_version or None,
                            decode, encode)
 
-    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+    async def ModelStatistics(self, request: messages.ModelStatisticsRequest,
+                              context: Context) -> messages.ModelStatisticsResponse:
         found = statistics(self._service, request.name or None, request.version or None)
         return json_format.ParseDict(found, messages.ModelStatisticsResponse())
 
-    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+    async def RepositoryIndex(self, request: messages.RepositoryIndexRequest,
+                              context: Context) -> messages.RepositoryIndexResponse:
         return json_format.ParseDict({"models": repository.index(self._service.states,
                                                                  request.ready)},
                                      messages.RepositoryIndexResponse())
 
-    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+    async def RepositoryModelLoad(self, request: messages.RepositoryModelLoadRequest,
+                                  context: Context) -> messages.RepositoryModelLoadResponse:
         await repository.load(self._service, request.model_name,
                               _parameters(request.parameters))
         return messages.RepositoryModelLoadResponse()
 
-    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+    async def RepositoryModelUnload(self, request: messages.RepositoryModelUnloadRequest,
+                                    context: Context) -> messages.RepositoryModelUnloadResponse:
         await repository.unload(self._service, request.model_name)
         return messages.RepositoryModelUnloadResponse()
 
@@ -232,13 +247,14 @@ def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
         try:
             return await method(request, context)
         except ProtocolError as error:
-            context.set_code(_CODES.get(error.status, grpc.StatusCode.INTERNAL))
+            context.set_code(grpc.StatusCode[error.code] if error.code else
+                             _CODES.get(error.status, grpc.StatusCode.INTERNAL))
             context.set_details(str(error))
             return None  # (grpcio sends no message with a status that is not OK)
     return answer
 
 
-async def _decoded(service: Server, request: Any) -> InferRequest:
+async def _decoded(service: Server, request: messages.ModelInferRequest) -> InferRequest:
     """The request record of a ModelInferRequest to service, checked as an HTTP body's
     is: translated to the protocol's JSON form (typed contents as its data), raw
     contents as its binary data, and decoded by multipy.serve.request.inference.decode_apart
@@ -281,7 +297,7 @@ async def _decoded(service: Server, request: Any) -> InferRequest:
                               translated, binary)
 
 
-def _contents(tensor: Any) -> list:
+def _contents(tensor: messages.ModelInferRequest.InferInputTensor) -> list:
     """The values of an input given as typed contents, from the field its datatype
     uses; ProtocolError if they are in another."""
     field = _CONTENTS.get(tensor.datatype)
@@ -293,7 +309,7 @@ def _contents(tensor: Any) -> list:
     return list(getattr(tensor.contents, field))
 
 
-def _parameters(parameters: Any) -> dict[str, Any]:
+def _parameters(parameters: Mapping[str, messages.InferParameter]) -> dict[str, Any]:
     """A parameters map's values as Python values."""
     return {key: getattr(value, value.WhichOneof("parameter_choice"))
             for key, value in parameters.items() if value.WhichOneof("parameter_choice")}

@@ -149,6 +149,19 @@ class Flaky(kserve.Model):
         return payload
 
 
+class SlowFlaky(Flaky):
+    """Flaky, its predict taking 6 s once it has written the file "predicting" beside
+    this module."""
+
+    def predict(self, payload, headers=None, response_headers=None):
+        import time
+
+        open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "predicting"),
+             "w").close()
+        time.sleep(6)
+        return payload
+
+
 class NotReady(kserve.Model):
     def __init__(self, name: str):
         super().__init__(name)
@@ -340,6 +353,40 @@ def test_a_kserve_model_is_ready_while_its_healthy_says_so(served, models):
     finally:
         sick.unlink()
     assert _request(served, "GET", "/v2/models/flaky/ready")[0] == 200 and grpc_ready()
+
+
+def test_while_the_host_answers_readiness_is_the_last_healthy(models, tmp_path):
+    """With its one interpreter in a long predict, the host answers a probe on a new
+    connection: what the model's healthy() last said there, not ready if it said so."""
+    import threading
+    import time
+
+    server = _start(tmp_path, [f"{models}/kmodels.py:SlowFlaky"], "--interpreters", "1")
+    sick, predicting = models / "sick", models / "predicting"
+    request = {"inputs": [{"name": "v", "shape": [1], "datatype": "INT64", "data": [1]}]}
+
+    def ready_during_a_long_predict() -> int:
+        predicting.unlink(missing_ok=True)
+        call = threading.Thread(target=_infer_json, args=(server, "slowflaky", request))
+        call.start()
+        try:
+            while not predicting.exists():
+                assert call.is_alive()
+                time.sleep(0.05)
+            return _request(server, "GET", "/v2/models/slowflaky/ready")[0]
+        finally:
+            call.join(60)
+
+    try:
+        sick.write_text("")
+        assert _request(server, "GET", "/v2/models/slowflaky/ready")[0] == 400  # (its own)
+        assert ready_during_a_long_predict() == 400
+        sick.unlink()
+        assert _request(server, "GET", "/v2/models/slowflaky/ready")[0] == 200
+        assert ready_during_a_long_predict() == 200
+    finally:
+        sick.unlink(missing_ok=True)
+        _stop(server)
 
 
 def test_requests_to_a_kserve_model_are_batched(models, tmp_path):

@@ -2,8 +2,8 @@
 LitServe's README writes one, serves unchanged on LitServe's routes (POST to its path,
 /health, /info), answering as LitServe's server does (HTTPException's status and
 detail, 500 for the rest), batching under --max-batch-size with its batch and unbatch,
-and on the Open Inference Protocol's routes too.  And a plain `torch.nn.Module` class
-served directly, or refused, with the wrapper that serves it, when it needs arguments.
+and on the Open Inference Protocol's routes too.  (A plain `torch.nn.Module` class:
+tests/test_model_class.py.)
 """
 from __future__ import annotations
 
@@ -80,9 +80,6 @@ class Strict(ls.LitAPI):
     """Refuses what it cannot take, with FastAPI's and Starlette's HTTPException, and
     fails on a value it cannot handle."""
 
-    def __init__(self):
-        super().__init__(api_path="/strict")
-
     def decode_request(self, request):
         if "crash" in request:
             raise RuntimeError("decoding crashed")
@@ -114,6 +111,22 @@ class Moody(ls.LitAPI):
         return not os.path.exists(os.path.join(os.path.dirname(__file__), "sick"))
 
 
+class SlowMoody(Moody):
+    """Moody, on /slow, its predict of {"sleep": s} taking s seconds once it has written
+    the file "predicting" beside this module."""
+
+    def __init__(self):
+        ls.LitAPI.__init__(self, api_path="/slow")
+
+    def predict(self, x):
+        import time
+
+        here = os.path.dirname(__file__)
+        open(os.path.join(here, "predicting"), "w").close()
+        time.sleep(x["sleep"])
+        return x
+
+
 class Batched(ls.LitAPI):
     """LitServe's batching example: batch stacks the inputs, unbatch splits the outputs;
     each answer says how many requests its batch held."""
@@ -131,11 +144,29 @@ class Batched(ls.LitAPI):
         return [(row, len(x)) for row in self.model(x)]
 
     def unbatch(self, output):
-        return list(output)
+        outputs = list(output)  # (one short where an input begins with 999, doubled)
+        return outputs[:-1] if any(float(row[0]) == 1998 for row, _ in outputs) else outputs
 
     def encode_response(self, output):
         row, size = output
         return {"output": row.tolist(), "batch": size}
+
+
+class OwnBatches(ls.LitAPI):
+    """Batches as its own __init__ says (LitServe 0.2's LitAPI holds the batching), its
+    predict written for a list of inputs (LitServe's default batch and unbatch)."""
+
+    def __init__(self):
+        super().__init__(max_batch_size=4, batch_timeout=0.3, api_path="/own")
+
+    def decode_request(self, request):
+        return request["input"]
+
+    def predict(self, xs):
+        return [(x * 2, len(xs)) for x in xs]
+
+    def encode_response(self, output):
+        return {"output": output[0], "batch": output[1]}
 
 
 class Point(BaseModel):
@@ -167,28 +198,6 @@ class Slow(ls.LitAPI):
 
     def predict(self, x):
         return x
-
-
-class Net(torch.nn.Module):
-    """A plain module: served as it is, in eval mode (its dropout then does nothing)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.linear = torch.nn.Linear(4, 2)
-        self.dropout = torch.nn.Dropout(0.9)
-
-    def forward(self, x, shift):
-        return self.dropout(self.linear(x)) + shift
-
-
-class NeedsSize(torch.nn.Module):
-    def __init__(self, size):
-        super().__init__()
-        self.linear = torch.nn.Linear(size, 1)
-
-    def forward(self, x):
-        return self.linear(x)
 '''
 
 
@@ -201,10 +210,24 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
-    classes = ["SimpleLitAPI", "InferencePipeline", "Strict", "Moody", "Typed", "Net"]
+    classes = ["SimpleLitAPI", "InferencePipeline", "Moody", "Typed"]
     server = _start(tmp_path_factory.mktemp("litserve_served"),
                     [f"{models}/lit_models.py:{name}" for name in classes],
                     "--interpreters", "2")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="module")
+def strict_served(models, tmp_path_factory):
+    """Strict on /predict (as LitServe's own tests of HTTPException), SlowMoody and
+    OwnBatches, on one interpreter."""
+    server = _start(tmp_path_factory.mktemp("litserve_strict"),
+                    [f"{models}/lit_models.py:{name}"
+                     for name in ("Strict", "SlowMoody", "OwnBatches")],
+                    "--interpreters", "1")
     try:
         yield server
     finally:
@@ -233,20 +256,37 @@ def test_the_api_path_of_its_own_and_the_context(served):
     assert _request(served, "POST", "/nowhere", b"{}")[0] == 404
 
 
-def test_http_exceptions_are_answered_as_litserve_answers_them(served):
-    assert _post(served, "/strict", {"x": "four"}) == (400, {"detail": "x must be a number"})
-    assert _post(served, "/strict", {"x": -4}) == (422, {"detail": "-4 is negative"})
-    assert _post(served, "/strict", {"x": 16}) == (200, {"root": 4.0})
+def _failures(server) -> dict[str, float]:
+    """multipy_inference_failures_total of model strict, by status, from /metrics."""
+    status, _, text = _request(server, "GET", "/metrics")
+    assert status == 200
+    prefix = 'multipy_inference_failures_total{model="strict",status="'
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.decode().splitlines() if line.startswith(prefix)}
 
 
-def test_an_exception_in_predict_or_decode_is_a_500_and_the_log_names_it(served):
-    assert _post(served, "/strict", {"x": 13}) == (500, {"detail": "Internal server error"})
-    output = served.output()
-    assert "ValueError: thirteen is unlucky" in output
+def test_http_exceptions_are_answered_as_litserve_answers_them(strict_served):
+    before = _failures(strict_served)
+    assert _post(strict_served, "/predict", {"x": "four"}) == (
+        400, {"detail": "x must be a number"})
+    assert _post(strict_served, "/predict", {"x": -4}) == (422, {"detail": "-4 is negative"})
+    assert _post(strict_served, "/predict", {"x": 16}) == (200, {"root": 4.0})
+    # each counted as a failure: 422, which the metric has no label for, as a 4xx (400)
+    after = _failures(strict_served)
+    assert {status: count - before.get(status, 0) for status, count in after.items()
+            if count != before.get(status, 0)} == {"400": 2}
+
+
+def test_an_exception_in_predict_or_decode_is_a_500_and_the_log_names_it(strict_served):
+    assert _post(strict_served, "/predict", {"x": 13}) == (
+        500, {"detail": "Internal server error"})
+    output = strict_served.output()
+    assert "model 'strict' raised ValueError: thirteen is unlucky" in output, output
     assert "in predict" in output  # (its traceback)
-    assert _post(served, "/strict", {"x": 9}) == (200, {"root": 3.0})  # it serves on
-    assert _post(served, "/strict", {"crash": 1}) == (500, {"detail": "Internal server error"})
-    assert "RuntimeError: decoding crashed" in served.output()
+    assert _post(strict_served, "/predict", {"x": 9}) == (200, {"root": 3.0})  # it serves on
+    assert _post(strict_served, "/predict", {"crash": 1}) == (
+        500, {"detail": "Internal server error"})
+    assert "model 'strict' raised RuntimeError: decoding crashed" in strict_served.output()
 
 
 def test_a_pydantic_request_is_checked_as_fastapi_checks_it(served):
@@ -275,8 +315,38 @@ def test_health_follows_the_apis_health_and_info_names_the_paths(served, models)
     status, _, answer = _request(served, "GET", "/info")
     assert status == 200
     assert json.loads(answer)["server"]["models"] == {
-        "/predict": "simplelitapi", "/pipeline": "inferencepipeline", "/strict": "strict",
+        "/predict": "simplelitapi", "/pipeline": "inferencepipeline",
         "/moody": "moody", "/typed": "typed"}
+
+
+def test_while_the_host_answers_health_follows_the_apis_last_health(strict_served, models):
+    """With its one interpreter in a long predict, the host answers a probe on a new
+    connection: it says what the API's health() last said there."""
+    server = strict_served
+    sick, predicting = models / "sick", models / "predicting"
+
+    def probes_during_a_long_predict() -> list:
+        predicting.unlink(missing_ok=True)
+        call = threading.Thread(target=_post, args=(server, "/slow", {"sleep": 6}))
+        call.start()
+        try:
+            while not predicting.exists():
+                assert call.is_alive()
+                time.sleep(0.05)
+            return [_request(server, "GET", "/health")[::2],
+                    _request(server, "GET", "/v2/models/slowmoody/ready")[0]]
+        finally:
+            call.join(60)
+
+    try:
+        sick.write_text("")
+        assert _request(server, "GET", "/health")[::2] == (503, b"not ready")  # (its own)
+        assert probes_during_a_long_predict() == [(503, b"not ready"), 400]
+        sick.unlink()
+        assert _request(server, "GET", "/health")[::2] == (200, b"ok")
+        assert probes_during_a_long_predict() == [(200, b"ok"), 200]
+    finally:
+        sick.unlink(missing_ok=True)
 
 
 def test_a_lit_api_on_the_v2_routes(served):
@@ -285,35 +355,12 @@ def test_a_lit_api_on_the_v2_routes(served):
     assert status == 200
     assert answer["outputs"][0]["name"] == "output"
     assert answer["outputs"][0]["data"] == [1.0, 4.0, 9.0]
-    status, answer = _infer_json(served, "strict", {"inputs": [
+
+
+def test_a_lit_api_that_refuses_on_the_v2_routes(strict_served):
+    status, answer = _infer_json(strict_served, "strict", {"inputs": [
         {"name": "x", "datatype": "FP32", "shape": [1], "data": [-1]}]})
     assert (status, answer) == (422, {"error": "-1.0 is negative"})
-
-
-def test_an_nn_module_class_is_served_as_it_is(served, models):
-    x = np.arange(8, dtype=np.float32).reshape(2, 4)
-    shift = np.ones((2, 1), dtype=np.float32)
-    status, answer = _infer_json(served, "net", {"inputs": [
-        {"name": "shift", "datatype": "FP32", "shape": [2, 1], "data": shift.ravel().tolist()},
-        {"name": "x", "datatype": "FP32", "shape": [2, 4], "data": x.ravel().tolist()}]})
-    assert status == 200
-    namespace: dict = {}
-    exec(compile(MODELS, str(models / "lit_models.py"), "exec"), namespace)
-    expected = namespace["Net"]().eval()(torch.from_numpy(x), torch.from_numpy(shift))
-    assert answer["outputs"][0]["data"] == pytest.approx(expected.detach().numpy().ravel())
-    status, _, body = _request(served, "GET", "/v2/models/net")
-    assert [i["name"] for i in json.loads(body)["inputs"]] == ["x", "shift"]
-
-
-def test_an_nn_module_that_needs_arguments_is_refused_with_its_wrapper(models):
-    port = _free_port()
-    run = subprocess.run([sys.executable, "-m", "multipy", "serve",
-                          f"{models}/lit_models.py:NeedsSize", "--interpreters", "1",
-                          "--port", str(port)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2, run.stderr
-    assert "cannot be made without arguments (size)" in run.stderr
-    assert run.stderr.count("class ServedNeedsSize:") == 1, run.stderr  # (said once)
-    assert "def predict(self, inputs): return self.model(" in run.stderr
 
 
 def test_two_apis_on_one_path_are_refused(models):
@@ -324,6 +371,24 @@ def test_two_apis_on_one_path_are_refused(models):
                          timeout=120)
     assert run.returncode == 2, run.stderr
     assert "both answer on /predict" in run.stderr
+
+
+def test_an_api_batches_as_its_own_init_says_without_max_batch_size(strict_served):
+    answers: list = [None] * 6
+
+    def send(k: int) -> None:
+        answers[k] = _post(strict_served, "/own", {"input": k})
+
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    # (its predict takes a list: given one input, as --max-batch-size 1 would, it fails)
+    assert [answer and answer[0] for answer in answers] == [200] * 6, answers
+    assert [answer[1]["output"] for answer in answers] == [2 * k for k in range(6)]
+    assert all(1 <= answer[1]["batch"] <= 4 for answer in answers), answers
+    assert max(answer[1]["batch"] for answer in answers) > 1  # (batched: its batch_timeout)
 
 
 def test_batch_and_unbatch_under_max_batch_size(models, tmp_path):
@@ -349,6 +414,11 @@ def test_batch_and_unbatch_under_max_batch_size(models, tmp_path):
         assert [answer[1]["output"] for answer in answers] == [[2 * k, -2 * k]
                                                               for k in range(6)]
         assert max(answer[1]["batch"] for answer in answers) > 1
+        # unbatch's outputs are not the batch's inputs: answered as LitServe answers
+        assert _post(server, "/predict", {"input": [999, 0]}) == (
+            500, {"detail": "Batch size mismatch"})
+        assert "Batched: predict and unbatch gave 0 outputs for a batch of 1" in \
+            server.output()
     finally:
         _stop(server)
 

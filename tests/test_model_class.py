@@ -82,6 +82,45 @@ class BadInit:
         return inputs
 
 
+class Net(torch.nn.Module):
+    """A plain module: served as it is, in eval mode (its dropout then does nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 2)
+        self.dropout = torch.nn.Dropout(0.9)
+
+    def forward(self, x, shift):
+        return self.dropout(self.linear(x)) + shift
+
+
+class DeclaredNet(Net):
+    """Net with inputs declared under names that are not forward's parameters."""
+
+    inputs = [{"name": "features", "datatype": "FP32", "shape": [-1, 4]},
+              {"name": "offset", "datatype": "FP32", "shape": [-1, 1]}]
+
+
+class OptionalNet(torch.nn.Module):
+    """Two optional inputs, declared as a and b: forward's x and shift, by position."""
+
+    inputs = [{"name": "a", "datatype": "FP32", "shape": [-1], "optional": True},
+              {"name": "b", "datatype": "FP32", "shape": [-1], "optional": True}]
+
+    def forward(self, x=None, shift=None):
+        return (x if x is not None else 0) + (shift if shift is not None else 100)
+
+
+class NeedsSize(torch.nn.Module):
+    def __init__(self, size):
+        super().__init__()
+        self.linear = torch.nn.Linear(size, 1)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
 class Base:
     pass
 
@@ -111,9 +150,11 @@ def classes(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def class_served(classes, packages, tmp_path_factory):
-    """Scaler and Echo beside an archive, with --timeout and gRPC."""
+    """Scaler, Echo and three nn.Modules beside an archive, with --timeout and gRPC."""
     server = _start(tmp_path_factory.mktemp("class_served"),
                     [f"{classes}/models.py:Scaler", f"{classes}/models.py:Echo",
+                     f"{classes}/models.py:Net", f"{classes}/models.py:DeclaredNet",
+                     f"{classes}/models.py:OptionalNet",
                      packages["pair"]],
                     "--interpreters", "2", "--timeout", "10", "--grpc-port", "0")
     try:
@@ -169,6 +210,66 @@ def test_a_class_over_grpc(class_served):
         np.testing.assert_array_equal(answer.as_numpy("y"),
                                       3 * np.arange(8, dtype=np.float32).reshape(2, 4))
         assert client.get_model_metadata("echo").platform == "python"
+
+
+def _net_inputs(x_name: str, shift_name: str) -> tuple[dict, object]:
+    """A request of Net's two inputs under these names, shift first; and Net's answer."""
+    import torch
+
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    shift = np.ones((2, 1), dtype=np.float32)
+    namespace: dict = {}
+    exec(CLASSES, namespace)
+    expected = namespace["Net"]().eval()(torch.from_numpy(x), torch.from_numpy(shift))
+    return {"inputs": [
+        {"name": shift_name, "datatype": "FP32", "shape": [2, 1], "data": shift.ravel().tolist()},
+        {"name": x_name, "datatype": "FP32", "shape": [2, 4], "data": x.ravel().tolist()}]}, \
+        expected.detach().numpy().ravel()
+
+
+def test_an_nn_module_class_is_served_as_it_is(class_served):
+    request, expected = _net_inputs("x", "shift")
+    status, answer = _infer_json(class_served, "net", request)
+    assert status == 200, answer
+    assert answer["outputs"][0]["data"] == pytest.approx(expected)
+    status, _, body = _request(class_served, "GET", "/v2/models/net")
+    assert [i["name"] for i in json.loads(body)["inputs"]] == ["x", "shift"]
+
+
+def test_an_nn_modules_declared_inputs_go_by_position_in_declared_order(class_served):
+    """Its inputs are not named as forward's parameters: forward gets them in the order
+    the class declares them, whatever the request's order."""
+    for _ in range(2):  # new connections: both interpreters
+        request, expected = _net_inputs("features", "offset")
+        status, answer = _infer_json(class_served, "declarednet", request)
+        assert status == 200, answer
+        assert answer["outputs"][0]["data"] == pytest.approx(expected)
+
+
+def test_a_declared_input_left_out_before_one_given_is_a_400(class_served):
+    """By position, a left-out optional input would move the next one into its place."""
+    def infer(**given):
+        return _infer_json(class_served, "optionalnet", {"inputs": [
+            {"name": name, "datatype": "FP32", "shape": [2], "data": data}
+            for name, data in given.items()]})
+
+    status, answer = infer(b=[2, 2], a=[1, 1])
+    assert status == 200 and answer["outputs"][0]["data"] == [3, 3], answer
+    status, answer = infer(a=[1, 1])
+    assert status == 200 and answer["outputs"][0]["data"] == [101, 101], answer
+    status, answer = infer(b=[1, 1])
+    assert status == 400 and "input 'a' is missing" in answer["error"], answer
+
+
+def test_an_nn_module_that_needs_arguments_is_refused_with_its_wrapper(classes):
+    port = _free_port()
+    run = subprocess.run([sys.executable, "-m", "multipy", "serve",
+                          f"{classes}/models.py:NeedsSize", "--interpreters", "1",
+                          "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr
+    assert "cannot be made without arguments (size)" in run.stderr
+    assert run.stderr.count("class ServedNeedsSize:") == 1, run.stderr  # (said once)
+    assert "def predict(self, inputs): return self.model(" in run.stderr
 
 
 def test_requests_to_a_class_are_batched(classes, tmp_path):
@@ -240,7 +341,8 @@ def _refused(target: str, *options: str) -> tuple[subprocess.CompletedProcess, b
 @pytest.mark.parametrize("target, says", [
     ("nowhere.py:Scaler", "nowhere.py: no such file"),
     ("{folder}/models.py:Missing", "has no class Missing at its top level (its classes: "
-                                   "Scaler, Echo, Broken, NoPredict, BadInit, Base, "
+                                   "Scaler, Echo, Broken, NoPredict, BadInit, Net, "
+                                   "DeclaredNet, OptionalNet, NeedsSize, Base, "
                                    "NoPredictOfItsBases)"),
     ("{folder}/models.py:NoPredict", "class NoPredict of"),
     ("no_such_module_here:Scaler", "no module 'no_such_module_here' on the server's Python path"),

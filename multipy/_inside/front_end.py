@@ -476,12 +476,18 @@ class _Model(ModelRequests):
         self._anonymous = (b"inference", (self._noted + NO_ID).encode())
 
     async def healthy(self) -> bool:  # (one that raises is not healthy, as in LitServe)
+        """The model's own health check's answer (True if it has none), published on the
+        board, where the host reads it when it answers for the model (ServedModel)."""
         healthy = getattr(self._served, "healthy", None)
+        if healthy is None:
+            return True
         try:
-            return True if healthy is None else await healthy()
+            said = bool(await healthy())
         except Exception:
             logger.exception("the health check of model %r raised", self.name)
-            return False
+            said = False
+        self._series.health_said(said)
+        return said
 
     @property
     def cancellable(self) -> bool:  # (an async predict gives the loop its turns)

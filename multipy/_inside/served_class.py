@@ -34,6 +34,13 @@ def load(kind: type, described_as: str) -> ServedClass:
     return ServedClass(instance, config)
 
 
+async def own_health(check: Any) -> bool:
+    """What a model's own health check says: check() (awaited if it is a coroutine
+    function's) as a bool; what it raises, raised."""
+    state = check()
+    return bool(await state if inspect.isawaitable(state) else state)
+
+
 class ServedClass:
     """One class-written model in this interpreter, called as ``multipy._inside.serving.
     Served`` is: ``infer`` (on a thread with no event loop running), ``infer_async`` (on

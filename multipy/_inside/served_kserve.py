@@ -28,7 +28,7 @@ import sys
 from typing import Any
 
 from ..serve.request.messages import InvalidInput
-from .served_class import ServedClass
+from .served_class import ServedClass, own_health
 from .serving import declaration
 
 
@@ -115,11 +115,11 @@ class ServedKServeModel(ServedClass):
 
     async def healthy(self) -> bool:
         """The model's ``healthy()`` (sync or async), as KServe's model readiness asks it."""
-        state = self.instance.healthy()
-        return bool(await state if inspect.isawaitable(state) else state)
+        return await own_health(self.instance.healthy)
 
     def metadata(self) -> dict[str, Any]:
         """The inputs and outputs the model's get_input_types() and get_output_types()
         give (not checked against requests, as in KServe); each call gets its request's
-        id and parameters."""
-        return {**self.declared, "platform": "python", "wants_request": True}
+        id and parameters; it has a health check of its own ("own_health")."""
+        return {**self.declared, "platform": "python", "wants_request": True,
+                "own_health": True}

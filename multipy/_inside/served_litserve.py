@@ -5,8 +5,9 @@ The class is made with no arguments; ``pre_setup()`` and ``setup(device)`` run o
 then ``device`` is set, as LitServe's worker does.  Each request's JSON goes through the
 API's own ``decode_request``, ``predict`` and ``encode_response`` (LitServe's defaults
 where it does not override them), each given ``context`` (a dict per request) if it
-takes one.  With ``--max-batch-size`` over 1, the requests of a call go through
-``batch``, one ``predict`` and ``unbatch``, as LitServe's batching loop does.
+takes one.  With ``--max-batch-size`` over 1 (else the API's own ``max_batch_size``),
+the requests of a call go through ``batch``, one ``predict`` and ``unbatch``, as
+LitServe's batching loop does.
 
 Two ways in (multipy.serve.request.litserve): LitServe's own, a body per row of the
 BYTES input REQUEST, answered per row with the HTTP status and the JSON body
@@ -14,22 +15,27 @@ BYTES input REQUEST, answered per row with the HTTP status and the JSON body
 Open Inference Protocol's, where a request of n rows is n LitServe requests, row i of
 input NAME being field NAME of request i (a number, or a list for a row of several
 values), and each encoded response (a dict) gives row i of the output of each of its
-keys (one that is not a dict: of output ``output``).  A request ``decode_request``
-refuses fails alone; an exception in ``batch``, ``predict`` or ``unbatch`` fails the
-call's requests, as in LitServe: ``HTTPException`` with its status, anything else a 500
-(logged, with the traceback, by the request path).
+keys (one that is not a dict: of output ``output``).  A request that ``decode_request``
+refuses with ``HTTPException`` fails alone; an ``HTTPException`` in ``batch``,
+``predict`` or ``unbatch`` fails the call's requests with its status, and any other
+exception in a hook fails them all (a batch's too) with a 500, as in LitServe (logged,
+with the traceback, by the request path).
 """
 from __future__ import annotations
 
 import inspect
 import json
+import logging
 import sys
 import typing
 from typing import Any
 
 from ..serve.request.litserve import API_PATH, BODY, REQUEST, STATUS
 from ..serve.request.messages import ProtocolError
+from .served_class import own_health
 from .serving import _outputs, _raise_plainly
+
+logger = logging.getLogger("multipy.serve")
 
 #: What an answer's JSON is written as: FastAPI's JSONResponse's
 _JSON = {"ensure_ascii": False, "allow_nan": False, "separators": (",", ":")}
@@ -44,8 +50,10 @@ def is_lit_api(kind: type) -> bool:
 
 def load(kind: type, device: str, max_batch_size: int) -> ServedLitAPI:
     """An instance of kind, a ``LitAPI`` subclass, set up on device as LitServe's worker
-    sets it up, batching as max_batch_size (--max-batch-size) says.  TypeError for what
-    this server does not serve: a spec (OpenAISpec, say), streaming, enable_async."""
+    sets it up, batching as max_batch_size (--max-batch-size) says where it is over 1,
+    else as the API's own ``max_batch_size`` and ``batch_timeout`` (its ``__init__``'s)
+    say.  TypeError for what this server does not serve: a spec (OpenAISpec, say),
+    streaming, enable_async."""
     instance = kind()
     described = f"{kind.__module__}.{kind.__qualname__}"
     for refused, what in ((instance.spec is not None, "a spec"),
@@ -54,17 +62,19 @@ def load(kind: type, device: str, max_batch_size: int) -> ServedLitAPI:
         if refused:
             raise TypeError(f"{described} uses {what}, which multipy serve does not serve: "
                             f"it serves LitAPIs that answer each request with one JSON value")
-    instance.max_batch_size = max_batch_size
+    own = max_batch_size <= 1 and instance.max_batch_size > 1
+    if not own:
+        instance.max_batch_size = max_batch_size
     instance.pre_setup()
     instance.setup(device)
     instance.device = device
-    return ServedLitAPI(instance)
+    return ServedLitAPI(instance, own)
 
 
 class ServedLitAPI:
     """One LitAPI in this interpreter, called as ``multipy._inside.serving.Served`` is."""
 
-    def __init__(self, instance: Any) -> None:
+    def __init__(self, instance: Any, own_batching: bool = False) -> None:
         from starlette.exceptions import HTTPException  # (fastapi's: a subclass)
 
         try:
@@ -76,6 +86,8 @@ class ServedLitAPI:
         self._http_error = HTTPException
         self._encodable = jsonable_encoder
         self._batched = instance.max_batch_size > 1
+        #: whether the API's own max_batch_size batches it (no --max-batch-size)
+        self._own_batching = own_batching
         self._takes_context: dict[str, bool] = {}
         #: the pydantic model that decode_request's request is annotated with, if any
         self._request_model = _pydantic_model(instance.decode_request)
@@ -179,16 +191,18 @@ class ServedLitAPI:
                 for each in error.errors(include_url=False)])) from None
 
     def _predict(self, inputs: list[Any], contexts: list[dict]) -> list[Any]:
-        """predict's output for each input: through batch and unbatch when batching
-        (RuntimeError if unbatch gives another number of outputs), else one by one."""
+        """predict's output for each input: through batch and unbatch when batching,
+        else one by one.  HTTPException(500, "Batch size mismatch"), as LitServe's, if
+        unbatch gives another number of outputs (logged, with the numbers)."""
         if not self._batched:
             return [self._hook("predict", context, x) for x, context in zip(inputs, contexts)]
         outputs = list(self._hook("unbatch", contexts, self._hook(
             "predict", contexts, self._hook("batch", contexts, inputs))))
         if len(outputs) != len(inputs):
-            raise RuntimeError(f"predict and unbatch gave {len(outputs)} outputs for a batch "
-                               f"of {len(inputs)} requests: predict must return one output "
-                               f"per input of the batch")
+            logger.error("%s: predict and unbatch gave %d outputs for a batch of %d "
+                         "requests: predict must return one output per input of the batch",
+                         type(self.instance).__qualname__, len(outputs), len(inputs))
+            raise self._http_error(500, "Batch size mismatch")
         return outputs
 
     def _encoded(self, value: Any) -> Any:
@@ -197,13 +211,16 @@ class ServedLitAPI:
 
     async def healthy(self) -> bool:
         """The API's ``health()`` (awaited if async), as LitServe's /health asks it."""
-        state = self.instance.health()
-        return bool(await state if inspect.isawaitable(state) else state)
+        return await own_health(self.instance.health)
 
     def metadata(self) -> dict[str, Any]:
-        """No declared inputs or outputs; the path its LitServe requests come on."""
-        return {"inputs": [], "outputs": [], "platform": "python",
-                API_PATH: self.instance.api_path}
+        """No declared inputs or outputs; a health check of its own ("own_health"); the
+        path its LitServe requests come on; and its own batching ([rows, seconds]) where
+        the API sets it and --max-batch-size does not."""
+        own = {"batching": [self.instance.max_batch_size, self.instance.batch_timeout]} \
+            if self._own_batching else {}
+        return {"inputs": [], "outputs": [], "platform": "python", "own_health": True,
+                API_PATH: self.instance.api_path, **own}
 
     def warm_up(self) -> None:
         """Nothing: setup() has run."""

@@ -5,8 +5,11 @@ The class is made once per interpreter, with no arguments, moved to the device a
 in eval mode; then it is served as an archive's model is (``serving.Served``):
 ``forward`` gets the inputs by name where they name its parameters (else in request
 order), under ``torch.no_grad()``, and its outputs go back as tensors.  Class attributes
-``inputs`` (and ``outputs``) declare them, as for any class (``served_class``).  A class
-whose constructor needs arguments is refused, saying how to wrap it.
+``inputs`` (and ``outputs``) declare them, as for any class (``served_class``); where a
+declared name is none of forward's parameters (and forward takes no ``**kwargs``),
+forward gets them by position, in the declared order, as a traced model's inputs are
+named apart from its parameters.  A class whose constructor needs arguments is refused,
+saying how to wrap it.
 
 torch is never imported here: a class that subclasses ``torch.nn.Module`` has imported it.
 """
@@ -14,7 +17,9 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import Any
 
+from ..serve.request.messages import ProtocolError
 from .serving import Served, declaration
 
 
@@ -39,7 +44,38 @@ def load(kind: type, described_as: str, device: str) -> Served:
     model = kind()
     if device != "cpu":
         model = model.to(device)
-    return Served(model.eval(), None, (), config, device)
+    positional = config is not None and not _takes_by_name(
+        model.forward, [spec["name"] for spec in config["inputs"]])
+    return (InDeclaredOrder if positional else Served)(model.eval(), None, (), config, device)
+
+
+def _takes_by_name(forward: Any, names: list[str]) -> bool:
+    """Whether forward can be given each of names as a keyword argument."""
+    parameters = inspect.signature(forward).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in parameters) or set(names) <= {
+        p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+class InDeclaredOrder(Served):
+    """An nn.Module whose declared inputs are not forward's parameters: given by
+    position, in the order the class declares them."""
+
+    def infer(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any
+              ) -> tuple:
+        """Served.infer's, the inputs put in declared order; ProtocolError (400) where an
+        optional input is left out before one that is given (its place would be lost)."""
+        if names is None:
+            return super().infer(names, datatypes, *arrays)
+        given = dict(zip(names, zip(datatypes, arrays)))
+        declared = [spec["name"] for spec in self.config["inputs"]]
+        present = [name for name in declared if name in given]
+        if present != declared[:len(present)]:
+            missing = next(name for name in declared if name not in given)
+            raise ProtocolError(f"input {missing!r} is missing: forward takes the inputs "
+                                f"by position, in the declared order, so each one before "
+                                f"the last given must be given", 400)
+        return super().infer(None, tuple(given[name][0] for name in present),
+                             *(given[name][1] for name in present))
 
 
 def wrapper_advice(described_as: str, needed: list[str]) -> str:

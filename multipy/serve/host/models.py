@@ -181,6 +181,14 @@ class ServedModel(ModelRequests):
 
     # -- serving: on the event loop --
 
+    async def healthy(self) -> bool:
+        """For a model with a health check of its own (a LitAPI's, a kserve.Model's): what
+        the last one that a front end ran said (the host cannot run it: the model lives
+        in the interpreters), or False if none has run yet; True for other models."""
+        if not (self._described or {}).get("own_health"):
+            return True
+        return bool(self._metrics.last_health(self.name))
+
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started, given: dict[str, Any],
                    request: InferRequest | None) -> tuple:

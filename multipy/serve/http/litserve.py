@@ -98,7 +98,8 @@ def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Calla
 
         try:
             status, body = await infer(service, apis[scope["path"]], None, decode,
-                                       lambda _, outputs: answer(outputs))
+                                       lambda _, outputs: answer(outputs),
+                                       status_of=lambda answered: answered[0])
         except ProtocolError as error:
             if error.status == 499:
                 return Response(b"", 499)

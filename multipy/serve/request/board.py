@@ -17,7 +17,8 @@ LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 #: Requests per call.
 BATCHED = (1, 2, 4, 8, 16, 32, 64, 128)
 #: The HTTP statuses an inference request can fail with (499: the client went away);
-#: any other is counted as 500.  (408 and 431 are a connection's, before any model is
+#: any other is counted as its class's: another 4xx as 400 (a LitAPI's HTTPException
+#: may answer 422, say), the rest as 500.  (408 and 431 are a connection's, before any model is
 #: named: multipy.serve.http.connection.)
 STATUSES = (400, 404, 413, 499, 500, 503)
 
@@ -31,7 +32,8 @@ STATUSES = (400, 404, 413, 499, 500, 503)
 # status, latency (a count per bucket and one past the last, then the sum), queued,
 # busy, calls, batched (the same), successes, then nanoseconds: of successes, of
 # failures, and of successes queued, decoding, in calls and encoding; then when the
-# last call began (milliseconds since the epoch)].
+# last call began, and when this writer last heard the model's own health check say it
+# is healthy, and say it is not (milliseconds since the epoch; 0: never)].
 CLOSED = 0
 SINCE = 1
 ABANDONED = 2
@@ -57,7 +59,9 @@ INPUT_NS = QUEUE_NS + 1
 INFER_NS = INPUT_NS + 1
 OUTPUT_NS = INFER_NS + 1
 LAST_CALL = OUTPUT_NS + 1
-PER_MODEL = LAST_CALL + 1
+HEALTHY_AT = LAST_CALL + 1
+UNHEALTHY_AT = HEALTHY_AT + 1
+PER_MODEL = UNHEALTHY_AT + 1
 
 
 def board_width(slots: int) -> int:

@@ -74,13 +74,15 @@ def ready_model(service: Server, name: str, version: str | None) -> ModelRequest
 async def infer(service: Server, name: str, version: str | None,
                 decode: Callable[[], Awaitable[InferRequest]],
                 encode: Callable[[InferRequest, list[Tensor]], Answer],
-                gone: Callable[[], Awaitable[None]] | None = None) -> Answer:
+                gone: Callable[[], Awaitable[None]] | None = None,
+                status_of: Callable[[Answer], int] | None = None) -> Answer:
     """The answer to one inference request for model name of service (see
     multipy.serve.http.app.create_app for what a service has): ``decode()`` reads and decodes
     the request, the model answers it, and ``encode(request, outputs)`` makes the
     answer.  ``gone()``, if given, returns once the client has gone away (it is awaited
     once the request is decoded): the request is then cancelled, its call too.  The
-    request is counted in the model's metrics and statistics, and a model's or
+    request is counted in the model's metrics and statistics, as an answer of status
+    ``status_of(answer)`` if given (a LitAPI's own error answer), else 200; a model's or
     multipy's failure is logged.  ProtocolError for every failure (see the module's
     docstring)."""
     model = ready_model(service, name, version)
@@ -98,7 +100,7 @@ async def infer(service: Server, name: str, version: str | None,
         encoding = time.perf_counter_ns()
         answer = encode(request, outputs)
         timing.output_ns = time.perf_counter_ns() - encoding
-        status = 200
+        status = 200 if status_of is None else status_of(answer)
         return answer
     except ProtocolError as error:
         status = error.status

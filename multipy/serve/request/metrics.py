@@ -29,9 +29,11 @@ import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .board import (ABANDONED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board, CALLS, CLOSED,
-                    CRASHED, DECODING, FAILURES, FAILURE_NS, INFER_NS, INPUT, INPUT_NS, LAST_CALL,
+                    CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT, INFER_NS, INPUT,
+                    INPUT_NS, LAST_CALL,
                     LATENCY, LATENCY_AT, LATENCY_SUM, OUTPUT_NS, PER_MODEL, QUEUED, QUEUE_NS,
-                    REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, board_width)
+                    REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT,
+                    board_width)
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -104,10 +106,16 @@ class ModelSeries:
         ended."""
         self._values[ABANDONED] = self._index + 1.0 if running else 0.0
 
+    def health_said(self, healthy: bool) -> None:
+        """The model's own health check (a LitAPI's ``health()``, a kserve.Model's
+        ``healthy()``) has just said healthy, or not, in this row's interpreter."""
+        self._own[HEALTHY_AT if healthy else UNHEALTHY_AT] = time.time() * 1000.0
+
     def answered(self, status: int, elapsed_ns: int, timing: Timing | None = None) -> None:
         """One request answered with that HTTP status elapsed_ns after it arrived: its
-        latency, and its success with timing's parts (``Timing``), or
-        its failure."""
+        latency, and its success with timing's parts (``Timing``), or its failure, under
+        its status (one of ``STATUSES``), else its class's: 400 for another 4xx, 500 for
+        the rest."""
         own = self._own
         seconds = elapsed_ns / 1e9
         own[LATENCY_AT + bisect.bisect_left(LATENCY, seconds)] += 1.0
@@ -120,7 +128,8 @@ class ModelSeries:
             own[INFER_NS] += timing.infer_ns
             own[OUTPUT_NS] += timing.output_ns
             return
-        where = STATUSES.index(status) if status in STATUSES else STATUSES.index(500)
+        where = STATUSES.index(status if status in STATUSES else
+                               400 if 400 <= status < 500 else 500)
         own[FAILURES + where] += 1.0
         own[FAILURE_NS] += elapsed_ns
 
@@ -167,6 +176,14 @@ class Metrics:
         k = len(self.names)
         self.models = {**self.models, name: ModelSeries(self._values, ROW + PER_MODEL * k, k)}
         self.names = [*self.names, name]
+
+    def last_health(self, name: str) -> bool | None:
+        """What the last of model name's own health checks said, in any row (whichever
+        front end ran it), or None if none has run."""
+        at = ROW + PER_MODEL * self.names.index(name)
+        healthy, unhealthy = (self.board.most(at + HEALTHY_AT),
+                              self.board.most(at + UNHEALTHY_AT))
+        return None if healthy == unhealthy == 0.0 else healthy > unhealthy
 
     def closed_connection(self) -> None:
         self._closed.inc()

@@ -105,3 +105,55 @@ def export(folder, module: str, source: str, make, path: str, example: tuple | N
         sys.path.remove(str(folder))
         sys.modules.pop(module, None)
     return str(folder / path)
+
+
+# -- the servers that several test modules of `multipy serve` share (tests/serving.py) --
+
+@pytest.fixture(scope="session")
+def packages(tmp_path_factory):
+    """name -> path of each test model's torch.package archive (serving.MODELS), and
+    python_heavy's, in one folder (the model repository of test_serve_repository.py)."""
+    from serving import make_packages
+
+    return make_packages(tmp_path_factory.mktemp("serve_models"))
+
+
+@pytest.fixture(scope="session")
+def served(packages, tmp_path_factory):
+    """A server of 2 interpreters, --timeout 5, no batching (one event loop), with gRPC;
+    stopped by test_serve_stop.py."""
+    from serving import _start, _stop
+
+    names = ["python_heavy", "cast", "pair", "fails", "slow", "exits", "blocks", "text"]
+    server = _start(tmp_path_factory.mktemp("served"), [packages[n] for n in names],
+                    "--interpreters", "2", "--timeout", "5", "--grpc-port", "0")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+@pytest.fixture(scope="session")
+def per_loop(packages, tmp_path_factory):
+    """A server of 2 interpreters, neither --timeout nor batching: an event loop per
+    interpreter; stopped by test_serve_stop.py."""
+    from serving import _start, _stop
+
+    server = _start(tmp_path_factory.mktemp("per_loop"),
+                    [packages[n] for n in ("thread", "slow", "exits", "blocks")],
+                    "--interpreters", "2")
+    try:
+        yield server
+    finally:
+        _stop(server)
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked stops_shared_servers (SIGTERM to ``served`` and ``per_loop``) run,
+    in their order, just after the last of the other tests that use either server."""
+    stopping = [item for item in items if item.get_closest_marker("stops_shared_servers")]
+    others = [item for item in items if not item.get_closest_marker("stops_shared_servers")]
+    users = [k for k, item in enumerate(others)
+             if {"served", "per_loop"} & set(getattr(item, "fixturenames", ()))]
+    at = users[-1] + 1 if users else len(others)
+    items[:] = others[:at] + stopping + others[at:]

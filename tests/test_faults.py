@@ -96,7 +96,8 @@ def test_timeout_on_acquire_when_every_interpreter_is_held(raisers):
             raisers.acquire_one()
     for s in sessions:
         s.close()
-    time.sleep(1.1)
+    # the calls that timed out run on to their end (a second), then the interpreters are free
+    until(lambda: not any(i.running_abandoned_call for i in raisers.all_instances()), 30)
     with raisers.acquire_one() as s:
         assert s.global_("builtins", "abs")(-2).deref() == 2
 

@@ -24,8 +24,7 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 from kserve import InferenceGRPCClient, InferenceRESTClient, RESTConfig  # noqa: E402
 from kserve.protocol.infer_type import InferInput, InferRequest  # noqa: E402
-from test_serve import (_grpc_port, _infer_json, _infer_together, _request,  # noqa: E402
-                        _start, _stop)
+from serving import _grpc_port, _infer_json, _infer_together, _request, _start, _stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

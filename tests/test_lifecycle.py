@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 from conftest import until, write_one
@@ -146,11 +145,15 @@ def test_nothing_stays_lent_after_interrupts_and_timeouts_on_the_fast_path(pytho
         busy, g = s.global_("tt", "busy"), s.global_("tt", "g")
         xs = [torch.ones(3) for _ in range(10)]
         f.call_value(None, (*xs, 0.0))
-        def settle():
-            time.sleep(0.05)
-            for _ in range(3):
-                gc.collect(); s.global_("gc", "collect")(); s.global_("builtins", "abs")(-1)
-            return len(host_exports), stats.call_value(None)["lent"]
+        def settle():  # (what is lent is given back as each side collects and calls)
+            deadline = time.monotonic() + 30
+            while True:
+                for _ in range(3):
+                    gc.collect(); s.global_("gc", "collect")(); s.global_("builtins", "abs")(-1)
+                lent = len(host_exports), stats.call_value(None)["lent"]
+                if lent == (0, 0) or time.monotonic() > deadline:
+                    return lent
+                time.sleep(0.01)
         print("baseline", settle())
         random.seed(1)
         outcomes = set()
@@ -252,10 +255,11 @@ def test_exit_while_an_interpreter_never_returns(python):
 
 
 def _interrupt(process) -> str:
-    """Sends SIGINT once the script printed "waiting"; its stderr once it has ended."""
+    """Sends SIGINT once the call inside an interpreter has begun (it creates the file
+    whose path the script printed first); the script's stderr once it has ended."""
     try:
-        assert process.stdout.readline().strip() == "waiting"
-        time.sleep(0.3)
+        started = process.stdout.readline().strip()
+        until(lambda: os.path.exists(started))
         process.send_signal(signal.SIGINT)
         return process.communicate(timeout=HANG)[1]
     finally:
@@ -264,12 +268,15 @@ def _interrupt(process) -> str:
 
 def test_ctrl_c_interrupts_a_call(python):
     process = python("""
-        import multipy
+        import os, tempfile, multipy
         m = multipy.InterpreterManager(1)
-        m.register_module_source("wait", "import time\\ndef forever():\\n    while True:\\n        time.sleep(0.05)\\n")
+        m.register_module_source("wait", "import time\\ndef forever(path):\\n"
+                                         "    open(path, 'w').close()\\n"
+                                         "    while True:\\n        time.sleep(0.05)\\n")
         forever = m.acquire_one().global_("wait", "forever")
-        print("waiting", flush=True)
-        forever()
+        started = os.path.join(tempfile.mkdtemp(), "started")
+        print(started, flush=True)
+        forever(started)
     """, popen=True)
     stderr = _interrupt(process)
     assert "KeyboardInterrupt" in stderr
@@ -280,12 +287,16 @@ def test_ctrl_c_interrupts_a_call(python):
 
 def test_ctrl_c_while_a_timed_call_blocks_in_c(python):
     process = python("""
-        import multipy
+        import os, tempfile, multipy
         m = multipy.InterpreterManager(1)
-        sleep = m.acquire_one().global_("time", "sleep")
-        print("waiting", flush=True)
+        m.register_module_source("block", "import time\\ndef sleep(path, seconds):\\n"
+                                          "    open(path, 'w').close()\\n"
+                                          "    time.sleep(seconds)\\n")
+        sleep = m.acquire_one().global_("block", "sleep")
+        started = os.path.join(tempfile.mkdtemp(), "started")
+        print(started, flush=True)
         with multipy.timeout(600):
-            sleep(300)
+            sleep(started, 300)
     """, popen=True)
     stderr = _interrupt(process)
     assert "KeyboardInterrupt" in stderr

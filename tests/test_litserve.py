@@ -19,8 +19,8 @@ litserve = pytest.importorskip("litserve")
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from test_serve import (Server, _free_port, _infer_json, _request, _start,  # noqa: E402
-                        _stop)
+from serving import (Server, _free_port, _infer_json, _request, _start,  # noqa: E402
+                     _stop)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,8 +20,8 @@ np = pytest.importorskip("numpy")
 pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import (_free_port, _grpc_port, _infer_json,  # noqa: E402
-                        _infer_together, _request, _start, _stop, packages)  # noqa: F401
+from serving import (_free_port, _grpc_port, _infer_json, _infer_together, _request,  # noqa: E402
+                     _start, _stop)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("starlette")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import _grpc_port, _request, _start, _stop  # noqa: E402
+from serving import _grpc_port, _request, _start, _stop  # noqa: E402
 
 from multipy.serve import command  # noqa: E402
 from multipy.serve.request.repository import (LOADING, READY, UNAVAILABLE,  # noqa: E402

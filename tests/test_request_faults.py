@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import threading
-import time
 
 import pytest
 
@@ -19,8 +17,8 @@ np = pytest.importorskip("numpy")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from conftest import until, write_one  # noqa: E402
-from test_serve import (_grpc_port, _infer_json, _metrics, _request, _start,  # noqa: E402
-                        _stop)
+from serving import (_all_read, _grpc_port, _infer_json, _metrics, _request, _start,  # noqa: E402
+                     _stop)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -102,6 +100,18 @@ def server(tmp_path_factory):
         _stop(started)
 
 
+def _running(server, model: str) -> bool:
+    """Whether a call of model runs now, as /metrics says.  (Asked on a new connection,
+    which the host hands to the interpreter's front end unless it is in a call: handed
+    to it just as a call begins, it is answered after the call, so it is given up after
+    a second, as not yet.)"""
+    try:
+        metrics = _metrics(server, timeout=1)
+    except TimeoutError:
+        return False
+    return metrics[("multipy_busy_interpreters", (("model", model),))] == 1
+
+
 def _gone(server) -> float:
     return _metrics(server).get(("multipy_inference_failures_total",
                                  (("model", "spins"), ("status", "499"))), 0.0)
@@ -117,7 +127,7 @@ def test_a_call_whose_http_client_closed_its_connection_is_cancelled(server):
         connection.sendall(b"POST /v2/models/spins/infer HTTP/1.1\r\nHost: x\r\n"
                            b"Content-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-        time.sleep(0.5)  # (its call has begun)
+        until(lambda: _running(server, "spins"))  # its call has begun
     status, answer = _infer_json(server, "spins", _spin(0.01))  # (waits for the day else)
     assert status == 200 and answer["outputs"][0]["data"][0] > 0
     assert _gone(server) == before + 1
@@ -144,32 +154,28 @@ def test_an_unload_answers_the_grpc_calls_received_before_it(server):
     port = _grpc_port(server)
     channels = [grpcclient.InferenceServerClient(f"127.0.0.1:{port}") for _ in range(2)]
 
-    def sleep(channel, seconds: float):
+    def seconds(value: float) -> list:
         tensor = grpcclient.InferInput("seconds", [1], "FP64")
-        tensor.set_data_from_numpy(np.array([seconds]))
-        return channel.infer("sleeps", [tensor], client_timeout=60)
+        tensor.set_data_from_numpy(np.array([value]))
+        return [tensor]
 
     answers: list[str] = []
 
-    def call(channel) -> None:
-        try:
-            answers.append(str(sleep(channel, 1.5).as_numpy("slept")[0]))
-        except Exception as error:
-            answers.append(str(error))
+    def answered(result, error) -> None:
+        answers.append(str(error) if error is not None else str(result.as_numpy("slept")[0]))
 
-    calls = [threading.Thread(target=call, args=(channels[k % 2],)) for k in range(4)]
-    for each in calls:
-        each.start()
     try:
-        time.sleep(1.0)  # (every call sent: the first runs)
+        for k in range(4):  # each call begun here, its request sent at once
+            channels[k % 2].async_infer("sleeps", seconds(1.5), answered, client_timeout=60)
+        # every call's request read by the server, and the first call running
+        until(lambda: _all_read(port) and _running(server, "sleeps"))
         status, _, said = _request(server, "POST", "/v2/repository/models/sleeps/unload",
                                    b"{}")
-        for each in calls:
-            each.join(60)
+        until(lambda: len(answers) == 4, 60)
         assert status == 200, said
         assert answers == ["1.5"] * 4
         with pytest.raises(Exception, match="not loaded"):
-            sleep(channels[0], 0.0)
+            channels[0].infer("sleeps", seconds(0.0), client_timeout=60)
     finally:
         for channel in channels:
             channel.close()
@@ -195,9 +201,10 @@ def test_a_model_s_long_message_is_cut_in_the_answer_and_in_the_log(server):
     message, said = answer["error"], "model 'raises' raised ValueError: "
     assert message == f"{said}{'x' * (4096 - len(said))}... " \
                       f"[{len(said) + (10 << 20) - 4096} more characters cut]"
-    time.sleep(0.5)  # (the log's lines are written after the answer)
+    # its log record, written after the answer: the message, cut, then the model's
+    # traceback, cut too, at the record's end
+    until(lambda: server.output()[logged:].count("more characters cut]\n") == 2)
     assert os.path.getsize(server.log) - logged < 200_000
-    assert "more characters cut" in server.output()[logged:]
 
 
 def test_http_1_0_keep_alive_is_answered_or_closed(server):

@@ -13,8 +13,7 @@ import pytest
 pytest.importorskip("starlette")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import (_client_error, _grpc_port, _infer_json, _request,  # noqa: E402
-                        _start, _stop)
+from serving import _client_error, _grpc_port, _infer_json, _request, _start, _stop  # noqa: E402
 
 from multipy.serve import command  # noqa: E402
 from multipy.serve.request import restricted  # noqa: E402

@@ -24,7 +24,7 @@ np = pytest.importorskip("numpy")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from test_serve import _client_error, _grpc_port, _start, _stop  # noqa: E402
+from serving import _client_error, _grpc_port, _start, _stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -119,7 +119,7 @@ def tunables() -> str:
 
 
 def deployment(options: Options, replicas: int = 1, replica_cpus: float | None = None,
-               **settings: Any) -> Any:
+               **settings: object) -> Any:
     """The Ray Serve application (a bound deployment, for ``serve.run(app,
     route_prefix="/")``) of ``replicas`` Replicas serving options.  settings go to
     ``serve.deployment`` over the ones made here (``autoscaling_config=...`` instead of

@@ -81,7 +81,7 @@ def decode_request(body: bytes, header_length: str | None = None,
     return parse_request(json_object(json_part), binary)
 
 
-def parse_request(request: Any, binary: memoryview) -> InferRequest:
+def parse_request(request: dict, binary: memoryview) -> InferRequest:
     """The request record of a request in the protocol's JSON form (as parsed), whose
     inputs with binary_data_size take their data from binary, in order: what every
     transport's request becomes (an HTTP body, or a gRPC message translated, whose

@@ -99,7 +99,7 @@ def bytes_array(elements: list[bytes], shape: list[int]) -> np.ndarray:
 _INT = frozenset({int})
 
 
-def element_count(name: str, shape: Any) -> int:
+def element_count(name: str, shape: object) -> int:
     """How many elements shape claims, checked in time bounded by MAX_RANK: a list of at
     most MAX_RANK sizes from 0 to MAX_ELEMENTS whose product, zeros left out, is at most
     MAX_ELEMENTS (numpy refuses an empty array whose other sizes multiply past its
@@ -117,7 +117,7 @@ def element_count(name: str, shape: Any) -> int:
     return count
 
 
-def quoted(value: Any, limit: int = 200) -> str:
+def quoted(value: object, limit: int = 200) -> str:
     """repr(value), cut to about limit characters: error messages quote what clients sent."""
     text = repr(value) if not isinstance(value, list) or len(value) <= 64 else \
         repr(value[:64])[:-1] + f", ... ({len(value)} in all)]"
@@ -159,7 +159,7 @@ _ALLOWED = {datatype: ("b", "true or false") if datatype == "BOOL" else
             ("iuf", "numbers") for datatype, dtype in DTYPES.items()}
 
 
-def from_json(name: str, datatype: str, shape: list[int], data: Any,
+def from_json(name: str, datatype: str, shape: list[int], data: object,
               count: int | None = None) -> np.ndarray:
     """The array of JSON tensor data (flat or nested, row-major) of a datatype and shape
     (of count elements, if given); ProtocolError if the values do not fit the datatype

@@ -14,7 +14,7 @@ EXTRAS = test,torch-$(TORCH)
 KSERVE_VENV ?= .venv/$(PYTHON_VERSION)-kserve
 KSERVE = kserve==0.21.0
 
-.PHONY: serve serve-classifier demo test test-fast test-kserve bench clean
+.PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -60,6 +60,20 @@ bench: $(VENV)/.installed-bench
 # The test suite, run with room for 15 interpreters.
 test: $(VENV)/.installed
 	$(VENV)/bin/multipy run -m pytest -q
+
+# The tests that a torch build can change, for a second build (CI: TORCH=cuda): torch
+# imported in every interpreter (its libraries, CUDA's forwarded), tensors lent across
+# calls on both call paths, torch.package archives, the C++ API against the wheel's
+# libtorch, models written with torch (classes, Triton's execute, examples).  The serving
+# machinery's own tests (HTTP, gRPC, processes, Ray, limits) do not depend on the build.
+TORCH_TESTS = tests/test_torch.py tests/test_cuda.py tests/test_gpu.py \
+	tests/test_forwarded_libraries.py tests/test_torch_settings.py tests/test_call_path.py \
+	tests/test_errors.py tests/test_room.py tests/test_process_state.py \
+	tests/test_thread_stacks.py tests/test_cpp.py tests/test_examples.py \
+	tests/test_warm_up.py tests/test_text_classifier.py tests/test_hf_classifier.py \
+	tests/test_model_class.py tests/test_triton_backend.py tests/test_bench.py
+test-torch: $(VENV)/.installed
+	$(VENV)/bin/multipy run -m pytest -q $(TORCH_TESTS)
 
 # Seconds, before the suite: the request path, the protocol and the layers in this
 # process (the interpreters of one test only, no server, no torch).

@@ -148,14 +148,20 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
         # 20 connections open at once: the supervisor hands them to the two processes in
         # turn, and each process each of its ten to an interpreter with the fewest open
         # (a front end counts a connection closed once its loop has closed it: the
-        # readiness checks' are, first)
-        until(lambda: _all_closed(server.port))
-        where = _twenty(server)
+        # readiness checks' are, first; on a loaded machine a front end may still count
+        # one of the round before as its own: the round is tried again)
+        sent = 0
+        for _ in range(8):
+            until(lambda: _all_closed(server.port))
+            where = _twenty(server)
+            sent += 20
+            if len(where) == 20:
+                break
         assert len(where) == 20, sorted(where)
         assert len({pid for pid, _ in where}) == 2
         metrics = _metrics(server)
         assert metrics[("multipy_interpreters", ())] == 20
-        assert metrics[("multipy_inference_requests_total", (("model", "where"),))] == 20
+        assert metrics[("multipy_inference_requests_total", (("model", "where"),))] == sent
         x = grpcclient.InferInput("x", [1], "FP32")
         x.set_data_from_numpy(np.ones(1, np.float32))
         over_grpc = set()
@@ -167,7 +173,7 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
             status, _, stats = _request(server, "GET", "/v2/models/where/stats")
             assert status == 200
             success = json.loads(stats)["model_stats"][0]["inference_stats"]["success"]
-            assert success["count"] == 20 + 16, stats
+            assert success["count"] == sent + 16, stats
         answers: list = []
         slow = [_slow(server, 2.0, answers) for _ in range(4)]
         until(lambda: _metrics(server)[("multipy_busy_interpreters",

@@ -10,8 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
-from tritonclient.utils import InferenceServerException  # noqa: E402
 from serving import _as_bytes, _eager, _input, _metrics, _start, _stop  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 np = pytest.importorskip("numpy")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from serving import _input, _metrics  # noqa: E402
+pytest.importorskip("prometheus_client")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 
 def test_metrics(served):

@@ -19,9 +19,9 @@ import pytest
 from conftest import until, write_one
 
 np = pytest.importorskip("numpy")
-from tritonclient.utils import InferenceServerException  # noqa: E402
 from serving import (Server, _client_error, _grpc_input, _grpc_port, _infer_json,  # noqa: E402
                      _input, _metrics, _request, _send_slow, _start, _stop)
+from tritonclient.utils import InferenceServerException  # noqa: E402
 
 
 def _busy(server: Server, model: str) -> float:

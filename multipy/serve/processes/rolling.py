@@ -43,9 +43,11 @@ class Rolling:
     def recycle(self, record: ServerProcess) -> None:
         """Replaces process record if it has answered its --max-requests and no round
         runs."""
-        served = self._handover.served(record)
         if record.recycle_at is None or not record.ready or record.retiring \
-                or self._round is not None or served < record.recycle_at:
+                or self._round is not None:
+            return
+        served = self._handover.served(record)  # (a sum over its rows: only when it may count)
+        if served < record.recycle_at:
             return
         logger.info("%s has answered %d requests (--max-requests): replacing it",
                     record.name(), served)

@@ -117,15 +117,15 @@ def describe(obj: Any, lent: Lent) -> tuple | None:
     kind = type(obj)
     if kind in _PLAIN:
         return None
-    torch = sys.modules.get("torch")
-    if torch is not None and kind is torch.Tensor:  # subclasses (Parameter) are copied
+    # getattr: another thread may be importing torch or numpy (its module not complete yet;
+    # a value made before the module names its class is pickled as usual)
+    if kind is getattr(sys.modules.get("torch"), "Tensor", None):  # subclasses are copied
         if _dlpack is None:
             _use_torch()
         if obj.is_cuda:
             return _cuda_record(obj, lent)
         return _c.lend_tensor(obj, lent)  # None: lazy views, sparse (_lend.h)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None and kind is numpy.ndarray:
+    if kind is getattr(sys.modules.get("numpy"), "ndarray", None):
         return _array_record(obj, lent)
     return None
 

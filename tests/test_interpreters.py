@@ -7,6 +7,7 @@ import enum
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 
@@ -73,6 +74,16 @@ def test_values_cross_with_their_types_whatever_the_path(sessions):
     plain = multipy._sharing.plain
     assert plain(_nested(15)) is not None and plain(_nested(40)) is None  # deep: pickle
     assert plain(bytearray(b"x")) is None  # marshal would make it bytes
+
+
+def test_values_cross_while_the_host_imports_torch_or_numpy(sessions, monkeypatch):
+    """Another host thread may be half-way through importing torch or numpy (its module in
+    sys.modules, not yet naming its classes): a call still pickles its values."""
+    echo = sessions[0].global_("builtins", "tuple")
+    for name in ("torch", "numpy"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    assert echo.call_value(None, (([1.5, b"x", _Flag.ON],),)) == ([1.5, b"x", _Flag.ON],)
+    assert echo(([2j, _Flag.ON],)).deref() == ([2j, _Flag.ON],)
 
 
 def test_objects_met_twice_stay_shared(sessions):

@@ -5,7 +5,10 @@ metrics, statistics and the repository are one server's; 20 interpreters serve.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import pathlib
 import re
 import signal
 import socket
@@ -58,6 +61,10 @@ def _twenty(server) -> set[tuple[int, int]]:
     asking model where once."""
     connections = [socket.create_connection(("127.0.0.1", server.port), timeout=60)
                    for _ in range(20)]
+    # each is handed to an interpreter as its process receives it, to a free one first: a
+    # request sent before every one is received could make a front end busy, and the
+    # connections received after it go to the others
+    until(lambda: _held_by_server_processes(server) == 20)
     body = json.dumps(ONE).encode()
     head = (f"POST /v2/models/where/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
             f"application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
@@ -73,6 +80,25 @@ def _twenty(server) -> set[tuple[int, int]]:
                     length = int(line.split(b":")[1])
             where.add(tuple(json.loads(answer.read(length))["outputs"][0]["data"]))
     return where
+
+
+def _held_by_server_processes(server) -> int:
+    """How many of the connections established to server the supervisor's children hold
+    (a server process holds one once it has received it, and hands it on at once)."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    established = {f"socket:[{row[9]}]" for row in rows
+                   if row[3] == "01" and int(row[1].split(":")[1], 16) == server.port}
+    pid = server.process.pid
+    children = [child for task in pathlib.Path(f"/proc/{pid}/task").iterdir()
+                for child in (task / "children").read_text().split()]
+    held = set()
+    for child in children:
+        with contextlib.suppress(OSError):  # it ended meanwhile
+            for fd in os.listdir(f"/proc/{child}/fd"):
+                with contextlib.suppress(OSError):
+                    held.add(os.readlink(f"/proc/{child}/fd/{fd}"))
+    return len(established & held)
 
 
 def _readies(server, k: int) -> int:

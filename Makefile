@@ -13,17 +13,21 @@ EXTRAS = test,torch-$(TORCH)
 # of its own.
 KSERVE_VENV ?= .venv/$(PYTHON_VERSION)-kserve
 KSERVE = kserve==0.21.0
+# The exact versions the tests run with (pyproject.toml asks for ranges): every install
+# below passes them to pip.
+CONSTRAINTS = -c constraints/tests.txt -c constraints/torch-$(TORCH).txt
+PIP_INSTALL = python -m pip install --quiet $(CONSTRAINTS)
 
 .PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt) $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(VENV)/bin/$(PIP_INSTALL) -e ".[$(EXTRAS)]"
 	touch $@
 
 $(VENV)/.installed-serve: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS),serve]"
+	$(VENV)/bin/$(PIP_INSTALL) -e ".[$(EXTRAS),serve]"
 	touch $@
 
 examples/generated/python_heavy.pt: $(VENV)/.installed examples/generate_examples.py examples/example_models.py
@@ -50,7 +54,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/multipy run benchmarks/core.py
 
 $(VENV)/.installed-bench: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS),bench]"
+	$(VENV)/bin/$(PIP_INSTALL) -e ".[$(EXTRAS),bench]"
 	touch $@
 
 # The original's benchmark on the example packages: table, bench-results/bench.csv and .png.
@@ -86,11 +90,11 @@ test-fast: $(VENV)/.installed
 # KServe first, with its own pins; then multipy with the serve extra, whose protobuf 7
 # (multipy's gRPC code needs it) replaces KServe's 6 (pip says that kserve wants < 7:
 # KServe's own generated code runs with protobuf 7, and the test passes).
-$(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
+$(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt) $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(KSERVE_VENV)
 	$(KSERVE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(KSERVE_VENV)/bin/python -m pip install --quiet $(KSERVE)
-	$(KSERVE_VENV)/bin/python -m pip install --quiet -e ".[serve,test-kserve]"
+	$(KSERVE_VENV)/bin/$(PIP_INSTALL) -e ".[serve,test-kserve]"
 	touch $@
 
 # A kserve.Model subclass served unchanged (tests/test_kserve_model.py), in KServe's

@@ -57,7 +57,7 @@ def _require(command: str) -> None:
     problems = []
     if missing:
         problems.append(f"the {extra!r} extra, which installs {', '.join(missing)}: "
-                        f"pip install 'multipy[{extra}]' (from a checkout: "
+                        f"pip install 'multipy-interpreters[{extra}]' (from a checkout: "
                         f"pip install -e '.[{extra}]')")
     if importlib.util.find_spec("torch") is None:
         problems.append("torch, which multipy does not install: pip install torch")

@@ -78,5 +78,5 @@ def test_cli_says_which_extra_to_install(command, extra, module):
             f"else real(name, *a)")
     result = _cli(command, "--help", patch=hide)
     assert result.returncode == 1
-    assert f"pip install 'multipy[{extra}]'" in result.stderr and module in result.stderr
+    assert f"pip install 'multipy-interpreters[{extra}]'" in result.stderr and module in result.stderr
     assert "Traceback" not in result.stderr

@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ray:
         if importlib.util.find_spec("ray") is None:
             parse.exit(1, "multipy serve --ray needs the 'ray' extra, which installs Ray "
-                          "Serve: pip install 'multipy[ray]' (from a checkout: "
+                          "Serve: pip install 'multipy-interpreters[ray]' (from a checkout: "
                           "pip install -e '.[ray]')\n")
         from .on_ray import serve_on_ray
 

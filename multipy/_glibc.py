@@ -77,7 +77,7 @@ def libpython_path() -> str:
         f"multipy needs a CPython with a shared libpython, and {platform.python_implementation()} "
         f"{platform.python_version()} at {os.path.realpath(sys.executable)} has none "
         f"(built without --enable-shared): use one that has (Debian's and Ubuntu's python3, "
-        f"conda's, python.org's, the official container images), or rebuild it with "
+        f"the official python container images), or rebuild it with "
         f"PYTHON_CONFIGURE_OPTS=--enable-shared (pyenv) or ./configure --enable-shared")
 
 

@@ -202,4 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "cmake-prefix":
         _cmake_prefix()
         return
-    _info()
+    try:
+        _info()
+        sys.stdout.flush()
+    except BrokenPipeError:  # `multipy info | head`: its reader stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (for exit's flush)
+        sys.exit(1)

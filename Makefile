@@ -61,9 +61,10 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 bench: $(VENV)/.installed-bench
 	$(VENV)/bin/multipy bench
 
-# The test suite, run with room for 15 interpreters.
+# The test suite, run with room for 15 interpreters: a line per test file, with the
+# share of the suite done at its end.
 test: $(VENV)/.installed
-	$(VENV)/bin/multipy run -m pytest -q
+	$(VENV)/bin/multipy run -m pytest
 
 # The tests that a torch build can change, for a second build (CI: TORCH=cuda): torch
 # imported in every interpreter (its libraries, CUDA's forwarded), tensors lent across
@@ -80,7 +81,7 @@ TORCH_TESTS = tests/test_bench.py tests/test_call_path.py tests/test_cpp.py \
 	tests/test_text_classifier.py tests/test_thread_stacks.py tests/test_torch.py \
 	tests/test_torch_settings.py tests/test_triton_backend.py tests/test_warm_up.py
 test-torch: $(VENV)/.installed
-	$(VENV)/bin/multipy run -m pytest -q $(TORCH_TESTS)
+	$(VENV)/bin/multipy run -m pytest $(TORCH_TESTS)
 
 # Seconds, before the suite: the request path, the protocol and the layers in this
 # process (the interpreters of one test only, no server, no torch).

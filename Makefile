@@ -96,8 +96,9 @@ $(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt)
 	$(KSERVE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(KSERVE_VENV)/bin/python -m pip install --quiet $(KSERVE)
 	$(KSERVE_VENV)/bin/$(PIP_INSTALL) -e ".[serve,test-kserve]"
-	@echo "make test-kserve: pip's ERROR above, that kserve requires protobuf<7, is expected and" \
-	      "harmless: multipy's gRPC code needs protobuf 7, and KServe's own runs with it (the test shows it)"
+	@echo "make test-kserve: pip's ERROR above, that kserve and grpcio-tools require protobuf<7," \
+	      "is expected and harmless: multipy's gRPC code needs protobuf 7, and KServe's own" \
+	      "runs with it (tests/test_kserve_model.py shows it)"
 	touch $@
 
 # A kserve.Model subclass served unchanged (tests/test_kserve_model.py), in KServe's

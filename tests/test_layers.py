@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "multipy"
 
 #: Bottom-up: each module may import only modules before it.
-LAYERS = ["errors", "_launch", "_parallel", "_host", "_keys", "_bootstrap", "_glibc", "_cuda", "_protocol", "_sharing",
+LAYERS = ["errors", "_launch", "_parallel", "_free_cores", "_host", "_keys", "_bootstrap", "_root", "_glibc", "_cuda", "_protocol", "_sharing",
           "_runtime", "_pool", "session", "_aio", "environment", "replicated", "package", "manager", "_cpp", "shell", "serve",
           "cli",
           "__main__", "__init__"]

@@ -325,4 +325,4 @@ def test_ray_says_which_extra_to_install(python, python_heavy):
         main([{python_heavy!r}, "--ray"])
     """, launcher=True, timeout=120)
     assert result.returncode == 1, result.stderr
-    assert "pip install 'multipy[ray]'" in result.stderr and "Traceback" not in result.stderr
+    assert "pip install 'multipy-interpreters[ray]'" in result.stderr and "Traceback" not in result.stderr

@@ -48,24 +48,18 @@ class Pieces:
                         self._loop.run_until_complete(step)
                 raise
         try:
-            piece = next(self._source)  # type: ignore[call-overload]
+            with _plainly():
+                piece = next(self._source)  # type: ignore[call-overload]
         except StopIteration:
             return None
-        except ProtocolError:
-            raise
-        except Exception as error:
-            raise_plainly(error)
         return self._answer(piece)
 
     async def anext(self) -> tuple | None:
         try:
-            piece = await self._source.__anext__()  # type: ignore[union-attr]
+            with _plainly():
+                piece = await self._source.__anext__()  # type: ignore[union-attr]
         except StopAsyncIteration:
             return None
-        except ProtocolError:
-            raise
-        except Exception as error:
-            raise_plainly(error)
         return self._answer(piece)
 
     def close(self) -> None:
@@ -81,6 +75,18 @@ class Pieces:
 
     async def aclose(self) -> None:
         await self._source.aclose()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def _plainly() -> Iterator[None]:
+    """What the model raises in it, as ``raise_plainly`` raises it (a ProtocolError, and
+    a builtin exception such as the end of its iteration, as it is)."""
+    try:
+        yield
+    except ProtocolError:
+        raise
+    except Exception as error:
+        raise_plainly(error)
 
 
 def streams(function: Callable) -> bool:

@@ -19,8 +19,8 @@ litserve = pytest.importorskip("litserve")
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from serving import (Server, _free_port, _infer_json, _request, _start,  # noqa: E402
-                     _stop)
+from serving import (Server, _free_port, _infer_json, _metrics, _request,  # noqa: E402
+                     _start, _stop)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -379,7 +379,10 @@ def test_a_lit_api_that_streams_answers_line_by_line_as_litserve_does(served):
     status, headers, body = _request(served, "POST", "/stream", json.dumps({"n": 3}).encode())
     assert status == 200 and headers.get("transfer-encoding") == "chunked"
     assert body.decode().splitlines() == [json.dumps({"output": i}) for i in range(3)]
+    key = ("multipy_inference_failures_total", (("model", "streamer"), ("status", "400")))
+    before = _metrics(served).get(key, 0)
     assert _post(served, "/stream", {}) == (400, {"detail": "n is required"})
+    assert _metrics(served)[key] == before + 1
     status, _, body = _request(served, "POST", "/stream", json.dumps({"n": 15}).encode())
     assert status == 200 and len(body.decode().splitlines()) == 13
     status, _, body = _request(served, "GET", "/info")

@@ -196,9 +196,11 @@ def test_cli_serves_through_ray_and_stops_on_sigterm(ray_dir, tmp_path, python_h
     makes them in one of its interpreters); SIGTERM ends it all."""
     log = tmp_path / "serve.log"
     (tmp_path / "counting.py").write_text(
+        "import asyncio\n"
         "class Counting:\n"
-        "    def predict(self, inputs):\n"
+        "    async def predict(self, inputs):  # (each step on a loop of its own, there)\n"
         "        for i in range(int(inputs['n'][0])):\n"
+        "            await asyncio.sleep(0)\n"
         "            yield {'token': f't{i}'}\n")
     process, port = _serve(ray_dir, log, [python_heavy, f"{tmp_path}/counting.py:Counting"],
                            "--replicas", "1", "--interpreters", "1")

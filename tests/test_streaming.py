@@ -85,6 +85,16 @@ class Breaks:
         raise ValueError("broke after the first piece")
 
 
+class Threads:
+    """Two pieces, each the name of the thread that made it."""
+
+    def predict(self, inputs):
+        import threading
+
+        for _ in range(2):
+            yield {"thread": threading.current_thread().name}
+
+
 class Doubles:
     """Returns (does not stream): x doubled."""
 
@@ -101,7 +111,8 @@ def models(tmp_path_factory):
 
 
 def _paths(models) -> list[str]:
-    return [f"{models}/streams.py:{name}" for name in ("Counter", "Ticker", "Breaks", "Doubles")]
+    return [f"{models}/streams.py:{name}"
+            for name in ("Counter", "Ticker", "Breaks", "Threads", "Doubles")]
 
 
 @pytest.fixture(scope="module")
@@ -254,9 +265,16 @@ def test_a_client_that_goes_ends_its_model_s_stream(server, tmp_path, model):
     else:
         until(lambda: note.exists() and note.read_text() == "1")
     until(lambda: _metrics(server).get(key, 0) == before + 1)
+    _assert_idle(server, model)
     status, _, body = _request(server, "POST", f"/v2/models/{model}/generate",
                                json.dumps({"n": 1}).encode())
     assert status == 200 and json.loads(body)["token"] == "t0"
+
+
+def _assert_idle(server, model: str) -> None:
+    """No interpreter is busy with model, and none of its requests waits."""
+    until(lambda: _metrics(server)[("multipy_busy_interpreters", (("model", model),))] == 0)
+    assert _metrics(server)[("multipy_inference_queue_length", (("model", model),))] == 0
 
 
 def test_an_error_mid_stream_is_an_error_event_and_before_it_an_error_answer(server):
@@ -296,15 +314,18 @@ def test_generate_and_infer_answer_one_piece_and_a_model_that_returns(server):
         {"token": ["t0"], "index": [0]}
 
 
-def test_metrics_count_the_pieces_sent(server):
-    key = ("multipy_streamed_pieces_total", (("model", "counter"),))
-    before = _metrics(server)[key]
+def test_metrics_count_the_pieces_sent_and_a_stream_as_one_request_and_call(server):
+    keys = [(name, (("model", "counter"),)) for name in (
+        "multipy_streamed_pieces_total", "multipy_inference_requests_total",
+        "multipy_model_calls_total")]
+    before = _metrics(server)
     events = _Events(server, "counter", {"n": 7})
     try:
         assert len(events.rest()) == 7
     finally:
         events.close()
-    until(lambda: _metrics(server)[key] == before + 7)
+    until(lambda: [_metrics(server)[key] - before[key] for key in keys] == [7, 1, 1])
+    _assert_idle(server, "counter")
 
 
 def test_grpc_streams_pieces_with_the_final_flag_and_errors_per_request(server):
@@ -364,14 +385,31 @@ def test_a_cancelled_grpc_stream_ends_its_model_s_stream(server, tmp_path):
         client.stop_stream(cancel_requests=True)
         client.close()
     until(lambda: note.exists() and note.read_text() == "1")
+    until(lambda: _metrics(server).get(("multipy_inference_failures_total", (
+        ("model", "ticker"), ("status", "499"))), 0) >= 1)
+    _assert_idle(server, "ticker")
+    status, _, body = _request(server, "POST", "/v2/models/ticker/generate",
+                               json.dumps({"n": 1}).encode())
+    assert status == 200 and json.loads(body)["token"] == "t0"
 
 
-def test_timeout_bounds_a_stream_and_steps_run_on_the_call_thread(timed, tmp_path):
+def test_timeout_bounds_a_stream_and_steps_run_on_the_call_thread(server, timed, tmp_path):
     events = _Events(timed, "counter", {"n": 4})
     try:
         assert _tokens(events.rest()) == ["t0", "t1", "t2", "t3"]
     finally:
         events.close()
+    threads = {}
+    for name, served in (("timed", timed), ("plain", server)):
+        events = _Events(served, "threads", {"x": 1})
+        try:
+            threads[name] = [event["thread"] for event in events.rest()]
+        finally:
+            events.close()
+    # (with --timeout, the interpreter's call thread; else the thread of its loop, a host
+    # thread that entered it)
+    assert threads["timed"] == ["multipy-serve-call"] * 2
+    assert len(set(threads["plain"])) == 1 and threads["plain"][0] != "multipy-serve-call"
     note = tmp_path / "note"
     events = _Events(timed, "ticker", {"n": 3, "go": str(tmp_path / "never"),
                                        "note": str(note)})

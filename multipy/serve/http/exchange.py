@@ -86,8 +86,8 @@ async def send_pieces(send: Callable, first: bytes | None, pieces: AsyncIterator
     except asyncio.CancelledError:
         if not went:
             raise
-        if hasattr(task, "uncancel"):  # (3.11: this cancel is handled)
-            task.uncancel()
+        if hasattr(task, "uncancel") and task.uncancel() > 0:  # (3.11: this cancel is
+            raise  # handled; another, as the server stops, is not)
     finally:
         watching.remove_done_callback(going)
         watching.cancel()

@@ -23,7 +23,8 @@ from ..request.messages import InferRequest, ProtocolError, Tensor, error_body
 from .exchange import JSON, answer, read_body, send_pieces
 
 #: the headers of an event stream's answer, as ASGI takes them
-_EVENTS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_EVENTS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+           (b"cache-control", b"no-cache")]
 
 
 class Generate:

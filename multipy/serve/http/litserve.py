@@ -103,7 +103,8 @@ def litserve_first(service: Server, app: Callable) -> Callable:
         try:
             if getattr(service.model(name), "streams", False):
                 return await _streamed(stream(service, name, None, decode,
-                                              lambda _, outputs: answer(outputs)),
+                                              lambda _, outputs: answer(outputs),
+                                              status_of=lambda answered: answered[0]),
                                        receive, send)
             status, body = await infer(service, name, None, decode,
                                        lambda _, outputs: answer(outputs),
@@ -130,6 +131,7 @@ async def _streamed(pieces: AsyncIterator[tuple[int, bytes]], receive: Callable,
         first = await anext(pieces, None)
         if first is None or first[0] != 200:
             status, body = first or (200, b"")
+            await anext(pieces, None)  # (its end: the answer is counted with its status)
             return Response(body, status, media_type="application/json")
         bodies = (body async for _, body in pieces)
         async with contextlib.aclosing(bodies):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import threading
 
 import pytest
@@ -20,7 +19,7 @@ pytest.importorskip("starlette")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from conftest import until, write_one  # noqa: E402
-from serving import _grpc_port, _metrics, _request, _start, _stop  # noqa: E402
+from serving import _Events, _grpc_port, _metrics, _request, _start, _stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -131,48 +130,6 @@ def timed(models, tmp_path_factory):
                     "--interpreters", "2", "--timeout", "3")
     yield served
     _stop(served)
-
-
-class _Events:
-    """A generate_stream request on a connection of its own, its events read one by one
-    as they arrive."""
-
-    def __init__(self, server, model: str, request: dict) -> None:
-        self.socket = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        body = json.dumps(request).encode()
-        self.socket.sendall(f"POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: x\r\n"
-                            f"Content-Type: application/json\r\nContent-Length: {len(body)}"
-                            f"\r\n\r\n".encode() + body)
-        self._reader = self.socket.makefile("rb")
-        self.status = int(self._reader.readline().split()[1])
-        self.headers = {}
-        while (line := self._reader.readline()) != b"\r\n":
-            key, _, value = line.decode().partition(":")
-            self.headers[key.lower()] = value.strip()
-        assert self.headers.get("transfer-encoding") == "chunked"
-
-    def next(self) -> dict | None:
-        """The next event's data, or None at the answer's end."""
-        data = b""
-        while not data.endswith(b"\n\n"):
-            size = int(self._reader.readline(), 16)
-            if size == 0:
-                self._reader.readline()
-                return None
-            data += self._reader.read(size)
-            self._reader.readline()  # (the chunk's CRLF)
-        assert data.startswith(b"data: "), data
-        return json.loads(data[len(b"data: "):])
-
-    def rest(self) -> list[dict]:
-        found = []
-        while (event := self.next()) is not None:
-            found.append(event)
-        return found
-
-    def close(self) -> None:
-        self._reader.close()
-        self.socket.close()
 
 
 def _tokens(events: list[dict]) -> list[str]:

@@ -42,16 +42,17 @@ def _noted(path, made):
 
 
 class Counter:
-    """n pieces {"token": "t<i>", "index": i}; before each piece after the first, a byte
-    from the FIFO gate, if given; in its finally, how many pieces it made, into note."""
+    """n pieces {"token": "t<i>", "index": i}; before piece i after the first, a byte
+    from the FIFO gate<i>, if gate is given; in its finally, how many pieces it made,
+    into note."""
 
     def predict(self, inputs):
         n, gate, note = int(inputs["n"].reshape(-1)[0]), _text(inputs, "gate"), _text(inputs, "note")
         made = 0
         try:
             for i in range(n):
-                if gate is not None and i:
-                    with open(gate, "rb") as f:
+                if gate is not None and i:  # (a FIFO of its own for each step)
+                    with open(f"{gate}{i}", "rb") as f:
                         f.read(1)
                 made += 1
                 yield {"token": f"t{i}", "index": np.array([i], dtype=np.int64)}
@@ -140,7 +141,8 @@ def test_pieces_arrive_as_the_model_makes_them(server, tmp_path):
     """Each event is written before the model makes the next piece: the model waits on
     a FIFO for each, and the test reads each event before it lets the model go on."""
     gate = tmp_path / "gate"
-    os.mkfifo(gate)
+    for i in (1, 2):
+        os.mkfifo(f"{gate}{i}")
     events = _Events(server, "counter", {"n": 3, "gate": str(gate), "id": "s1"})
     try:
         assert events.status == 200
@@ -150,7 +152,7 @@ def test_pieces_arrive_as_the_model_makes_them(server, tmp_path):
             assert event == {"model_name": "counter", "model_version": "1", "id": "s1",
                              "token": f"t{i}", "index": i}
             if i < 2:
-                until(lambda: write_one(gate))
+                until(lambda: write_one(f"{gate}{i + 1}"))
         assert events.next() is None
     finally:
         events.close()
@@ -205,7 +207,8 @@ def test_a_client_that_goes_ends_its_model_s_stream(server, tmp_path, model):
     note, gate = tmp_path / "note", tmp_path / "gate"
     request = {"n": 10, "note": str(note)}
     if model == "counter":
-        os.mkfifo(gate)
+        for i in range(1, 10):
+            os.mkfifo(f"{gate}{i}")
         request["gate"] = str(gate)
     else:
         request["go"] = str(tmp_path / "never")
@@ -216,7 +219,8 @@ def test_a_client_that_goes_ends_its_model_s_stream(server, tmp_path, model):
     events.close()
     if model == "counter":  # (blocked in C, its step stops at its next bytecode: it is
         # let go on until it has, at most a few pieces later)
-        until(lambda: note.exists() or (write_one(gate) and False))
+        until(lambda: note.exists() or any(write_one(f"{gate}{i}") for i in range(1, 10))
+              and False)
         until(lambda: note.read_text() != "")
         assert 1 <= int(note.read_text()) < 10
     else:

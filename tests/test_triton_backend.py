@@ -362,8 +362,8 @@ class TritonPythonModel:
             gate = pb_utils.get_input_tensor_by_name(request, "GATE")
             sender = request.get_response_sender()
             for index, value in enumerate(values):
-                if gate is not None and index:
-                    with open(gate.as_numpy()[0].decode(), "rb") as f:
+                if gate is not None and index:  # (a FIFO of its own for each step)
+                    with open(f"{gate.as_numpy()[0].decode()}{index}", "rb") as f:
                         f.read(1)
                 if value == 0:
                     raise pb_utils.TritonModelException("zero is not repeated")
@@ -862,16 +862,18 @@ def test_a_decoupled_model_streams_over_grpc(triton):
 def test_each_response_is_written_as_the_model_sends_it(triton, tmp_path):
     """The model waits on a FIFO before each response after the first, in execute: the
     test reads each event before it lets the model go on."""
-    gate = tmp_path / "gate"
-    os.mkfifo(gate)
-    events = _Events(triton, "repeat", {"IN": [4, 5, 6], "GATE": str(gate), "id": "e1"})
+    gates = [tmp_path / f"gate{index}" for index in (1, 2)]
+    for gate in gates:
+        os.mkfifo(gate)
+    events = _Events(triton, "repeat", {"IN": [4, 5, 6], "GATE": str(tmp_path / "gate"),
+                                        "id": "e1"})
     try:
         assert events.status == 200
         for index, value in enumerate([4, 5, 6]):
             assert events.next() == {"model_name": "repeat", "model_version": "1",
                                      "id": "e1", "OUT": value, "IDX": index}
             if index < 2:
-                until(lambda: write_one(gate))
+                until(lambda: write_one(gates[index]))
         assert events.next() is None
     finally:
         events.close()

@@ -95,6 +95,21 @@ class Threads:
             yield {"thread": threading.current_thread().name}
 
 
+class Turns:
+    """n pieces, each made in a step of 20 ms (blocking its interpreter), each noted as
+    "<who><i>" in the file log as it is made."""
+
+    def predict(self, inputs):
+        import time
+
+        who, log = _text(inputs, "who"), _text(inputs, "log")
+        for i in range(int(inputs["n"].reshape(-1)[0])):
+            time.sleep(0.02)
+            with open(log, "a") as f:
+                f.write(f"{who}{i} ")
+            yield {"i": np.array([i])}
+
+
 class Doubles:
     """Returns (does not stream): x doubled."""
 
@@ -112,7 +127,7 @@ def models(tmp_path_factory):
 
 def _paths(models) -> list[str]:
     return [f"{models}/streams.py:{name}"
-            for name in ("Counter", "Ticker", "Breaks", "Threads", "Doubles")]
+            for name in ("Counter", "Ticker", "Breaks", "Threads", "Turns", "Doubles")]
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +191,35 @@ def test_four_streams_at_once_share_two_interpreters(server, tmp_path):
     finally:
         for stream in streams:
             stream.close()
+
+
+@pytest.fixture(scope="module")
+def one(models, tmp_path_factory):
+    """The models on one interpreter."""
+    served = _start(tmp_path_factory.mktemp("stream_one"), _paths(models),
+                    "--interpreters", "1")
+    yield served
+    _stop(served)
+
+
+def test_streams_on_one_interpreter_take_turns(one, tmp_path):
+    """Two streams of a model whose steps block: on one interpreter, the second (begun
+    once the first has sent a piece) makes its pieces between the first's, not after
+    them all."""
+    log = tmp_path / "log"
+    first = _Events(one, "turns", {"n": 100, "who": "a", "log": str(log)})
+    try:
+        assert first.next()["i"] == 0
+        second = _Events(one, "turns", {"n": 3, "who": "b", "log": str(log)})
+        try:
+            assert [event["i"] for event in second.rest()] == [0, 1, 2]
+        finally:
+            second.close()
+        assert len(first.rest()) == 99
+    finally:
+        first.close()
+    made = log.read_text().split()
+    assert made.index("b2") < made.index("a99"), made
 
 
 def test_sync_streams_from_many_threads_each_get_their_own(server):

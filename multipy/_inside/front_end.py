@@ -519,6 +519,9 @@ class _Model(ModelRequests):
                     return
                 yield piece
                 started = started.later()
+                # (a turn of the loop between steps: the other requests and streams of
+                # this interpreter, and the connections handed to it, go on meanwhile)
+                await asyncio.sleep(0)
         finally:
             await self._close(pieces)
 

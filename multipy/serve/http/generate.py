@@ -17,7 +17,6 @@ import json
 from typing import Callable
 
 from ..request.contract import Server
-from ..request.generate import generate_answer, generate_request
 from ..request.inference import decode_apart, infer, ready_model, stream
 from ..request.messages import InferRequest, ProtocolError, Tensor, error_body
 from .exchange import JSON, answer, read_body, send_pieces
@@ -41,6 +40,10 @@ class Generate:
         length = dict(scope["headers"]).get(b"content-length")
 
         async def decode() -> InferRequest:
+            # (numpy with it: imported once a model answers here, as the protocol's
+            # decoding is, not by the host of front ends that answer)
+            from ..request.generate import generate_request
+
             limit = service.max_request_size
             body = await read_body(receive, length and length.decode("latin-1"), limit)
             described = ready_model(service, name, version).described or {}
@@ -50,6 +53,8 @@ class Generate:
             return decoded
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> bytes:
+            from ..request.generate import generate_answer  # (imported: decoded first)
+
             answered = generate_answer(name, decoded.id, outputs)
             return _event(answered) if self._streaming else answered
 

@@ -13,8 +13,8 @@ VOCABULARY = 1000
 
 
 def make_model() -> GPT2LMHeadModel:
-    """The decoder, the same weights in every process and interpreter (seed 0), and one
-    intra-op thread, as a multipy interpreter has."""
+    """The decoder, the same weights in every process and interpreter (seed 0); one
+    intra-op thread (the peers' workers, like multipy's interpreters at N=2 here)."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=VOCABULARY, n_positions=128, n_embd=256, n_layer=2,
@@ -37,7 +37,12 @@ def generate(model: GPT2LMHeadModel, prompt: list[int], new_tokens: int):
     """Yields new_tokens token ids (ints), greedily, one model step each: the prompt
     once, then each new token alone with the cache of the steps before.  Each step has
     its own inference_mode, so that generators interleaved on one thread (KServe's event
-    loop) do not leave one another's mode behind."""
+    loop) do not leave one another's mode behind.  One intra-op thread, set here on the
+    thread that generates: multipy serve gives each thread that calls a model its own
+    count (the cores over the interpreters: 2 for one interpreter on 2 cores), which
+    would undo make_model's on another thread."""
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
     ids, past = torch.tensor([prompt]), None
     for _ in range(new_tokens):
         with torch.inference_mode():

@@ -22,8 +22,9 @@ SERVE_LAYERS = ["request", "request.messages", "request.tensors", "request.proto
                 "request.board", "request.metrics", "request.poison", "request.requests", "request.litserve",
                 "request.contract",
                 "request.restricted", "request.repository", "request.inference",
+                "request.generate",
                 "http", "http.connection", "http.uvicorn_server", "http.uvicorn_protocol",
-                "http.inbox", "http.litserve", "http.app",
+                "http.inbox", "http.exchange", "http.litserve", "http.generate", "http.app",
                 "rpc", "rpc.inference_pb2", "rpc.server",
                 "host", "host.archive", "host.model_class", "host.model_config_pb2",
                 "host.triton_model", "host.models", "host.control",
@@ -154,10 +155,11 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
         modules = s.global_("builtins", "list")(s.global_("sys", "modules")).deref()
     names = sorted(n for n in modules if n == "multipy" or n.startswith("multipy."))
     assert {"multipy", "multipy._inside", "multipy._protocol", "multipy._sharing"} <= set(names)
-    front_end = {"multipy._inside.front_end", "multipy.serve",
+    front_end = {"multipy._inside.front_end", "multipy._inside.hangups", "multipy.serve",
                  *(f"multipy.serve.{name}" for name in SHARED_SERVE)}  # in a server only
     assert set(names) <= {"multipy", "multipy._inside", "multipy._inside.package",
                           "multipy._inside.serving", "multipy._inside.served_class",
+                          "multipy._inside.pieces",
                           "multipy._inside.classes",
                           "multipy._inside.served_kserve",
                           "multipy._inside.served_litserve", "multipy._inside.served_module",

@@ -164,7 +164,8 @@ def test_every_route_but_metrics_is_in_a_category_and_refused_without_its_header
         if category is None:
             continue
         path = pattern.replace("{model}", "m").replace("{version}", "1")
-        method = "POST" if path.endswith(("/infer", "/load", "/unload", "/index")) else "GET"
+        method = "POST" if path.endswith(("/infer", "/load", "/unload", "/index", "/generate",
+                                          "/generate_stream")) else "GET"
         status, body = _call(app, method, path, {"Other": "value"})
         assert status == 403, path
         assert json.loads(body) == {"error": f"the {category!r} API is restricted: the "
@@ -175,6 +176,9 @@ def test_every_route_but_metrics_is_in_a_category_and_refused_without_its_header
     status, body = _call(app, "POST", "/v2/models/m/infer", {"KEY": "value"})
     assert (status, json.loads(body)) == (404, {"error": "unknown model 'm'"})
     assert _call(app, "POST", "/v2/models/m/versions/1/infer", {"key": "value"})[0] == 404
+    for path in ("/v2/models/m/generate", "/v2/models/m/versions/1/generate_stream"):
+        status, body = _call(app, "POST", path, {"key": "value"})
+        assert (status, json.loads(body)) == (404, {"error": "unknown model 'm'"})
     assert _call(app, "GET", "/v2/models/m", {"key": "value"})[0] == 404
     assert _call(app, "GET", "/v2/health/live", {"key": "value"})[0] == 200
     # and with none restricted, nothing asks for it

@@ -295,7 +295,7 @@ def test_str_and_bytes_outputs_of_every_form_are_bytes(manager):
     bytes, lists of them (one output each, even nested), numpy arrays of dtype object,
     S and U; an array of objects that are neither is the model's error."""
     interpreter = manager.all_instances()[0]
-    outputs = interpreter.global_("multipy._inside.serving", "_outputs")
+    outputs = interpreter.global_("multipy._inside.serving", "named_outputs")
     inside_torch = interpreter.global_("importlib", "import_module")("torch")
 
     def made(value) -> list:

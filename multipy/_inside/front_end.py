@@ -45,7 +45,7 @@ import socket
 import termios
 import threading
 import uuid
-from typing import Any, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import _multipy_bootstrap
 
@@ -60,6 +60,7 @@ from ..serve.request.poison import Table, check
 from ..serve.request.repository import READY
 from ..serve.request.requests import NO_ID, ModelRequests, Started, named
 from .hangups import Hangups, serials
+from .pieces import Pieces
 from .serving import Served
 
 
@@ -496,10 +497,61 @@ class _Model(ModelRequests):
     async def _run(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                    arrays: list[Any], started: Started, given: dict[str, Any],
                    request: InferRequest | None) -> tuple:
+        self._check_refused(names, datatypes, arrays, given, started)
+        served = self._served
+        return await self._calling(
+            lambda: served.infer(names, datatypes, *arrays, **given),
+            (lambda: served.infer_async(names, datatypes, *arrays, **given))
+            if self._asynchronous else None, started, request)
+
+    async def _steps(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
+                     arrays: list[Any], started: Started, given: dict[str, Any],
+                     request: InferRequest) -> AsyncIterator[tuple]:
+        self._check_refused(names, datatypes, arrays, given, started)
+        pieces = self._served.stream(names, datatypes, *arrays, **given)
+        try:
+            while True:
+                piece = await self._calling(
+                    pieces.next, pieces.anext if pieces.asynchronous else None,
+                    started, request)
+                if piece is None:
+                    return
+                yield piece
+                started = started.later()
+        finally:
+            await self._close(pieces)
+
+    async def _close(self, pieces: Pieces) -> None:
+        """Ends a model's stream (its ``finally`` runs) where its steps ran: here, or on
+        the worker's thread, after the step it may still run (not waited for).  What
+        that raises is logged: the answer is what it is by then."""
+        if self._worker is not None:
+            self._worker.then(pieces.close, f"model {self.name!r}: ending its stream")
+            return
+        try:
+            if pieces.asynchronous:
+                await pieces.aclose()
+            else:
+                pieces.close()
+        except Exception:
+            logger.exception("model %r: ending its stream raised", self.name)
+
+    def _check_refused(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
+                       arrays: list[Any], given: dict[str, Any], started: Started) -> None:
+        """With --processes: ProtocolError if these inputs crashed a process before
+        (multipy.serve.request.poison); else the call's digest is noted in started, so
+        that a crash in it is pinned on its request."""
         if self._refused is not None:
             digest = check(self._refused, self.name, names, datatypes, arrays, given)
             if started.one and not self._asynchronous:  # (its crash is pinned on it;
                 started.digest = digest  # async calls may run together: not pinned)
+
+    async def _calling(self, call: Callable[[], Any],
+                       acall: Callable[[], Awaitable[Any]] | None, started: Started,
+                       request: InferRequest | None) -> Any:
+        """A call of the model, within started: acall() awaited on the loop if given
+        (an async predict), else call() blocking the loop (cancelled if request's client
+        goes: hangups), or, with a worker (--timeout), on its thread."""
         if self._worker is None:  # here, blocking the loop
             # what a crash report names while it runs (kept alive until then)
             requests = started.requests()
@@ -509,17 +561,15 @@ class _Model(ModelRequests):
             started.pin(True)
             try:
                 with started:
-                    if self._asynchronous:
-                        return await self._served.infer_async(names, datatypes, *arrays,
-                                                              **given)
+                    if acall is not None:
+                        return await acall()
                     hangups = self._hangups
                     if hangups is None or request is None:
-                        return self._served.infer(names, datatypes, *arrays, **given)
+                        return call()
                     serial = next(serials)  # (cancelled if its client goes: hangups)
                     hangups.running = (serial, request)
                     try:
-                        return _multipy_bootstrap.call(serial, self._served.infer, names,
-                                                       datatypes, *arrays, **given)
+                        return _multipy_bootstrap.call(serial, call)
                     except _multipy_bootstrap.CallCancelled:
                         gone = hangups.gone(serial, request)
                         if gone is None:
@@ -536,9 +586,7 @@ class _Model(ModelRequests):
                                 f"its request gave up on (it passed --timeout, or its client "
                                 f"went away), and takes no other call until that one ends; "
                                 f"try again later", 503)
-        return await self._worker.run(
-            lambda: self._served.infer(names, datatypes, *arrays, **given), started,
-            self._series, self.name)
+        return await self._worker.run(call, started, self._series, self.name)
 
 
 class _Worker:
@@ -588,6 +636,17 @@ class _Worker:
         series.abandoned(name is not None)
         self._stuck_changed()
 
+    def then(self, call: Callable[[], None], what: str) -> None:
+        """Runs call() on the worker's thread after the calls before it, not waited for;
+        what it raises is logged as what failed."""
+        def run() -> None:
+            try:
+                call()
+            except Exception:
+                logger.exception("%s raised", what)
+
+        self._jobs.put(_Then(run))
+
     def _work(self) -> None:
         for job in iter(self._jobs.get, None):
             job.run()
@@ -595,6 +654,13 @@ class _Worker:
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join()
+
+
+class _Then:
+    """A job of a _Worker's whose outcome no one awaits (``_Worker.then``)."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
 
 
 class _Job:

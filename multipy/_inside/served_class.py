@@ -5,7 +5,9 @@ The contract (docs/serving.md, "Models written as classes"): the class is made w
 arguments; its ``load()``, if it has one, runs once, before the server is ready;
 ``predict(inputs)`` gets a dict of input name -> numpy array (BYTES: an array of dtype
 object holding bytes) and returns the outputs: a dict of name -> array (or tensor), a
-tuple or list (output0, output1, ...), or one array; it may be ``async``.  Class
+tuple or list (output0, output1, ...), or one array; it may be ``async``.  A
+``predict`` that is a generator function (or an async one) streams: each dict it yields
+is one piece of the answer (multipy._inside.pieces).  Class
 attributes ``inputs`` (and ``outputs``) declare them, as a config.json does for an
 archive: requests are then checked against them.  ``multipy.serve.InvalidInput``
 raised in ``predict`` is a 400 with its message; anything else a 500.
@@ -18,7 +20,8 @@ import sys
 from typing import Any
 
 from ..serve.request.protocol import ProtocolError
-from .serving import _outputs, _raise_plainly, declaration
+from .pieces import Pieces, streams
+from .serving import declaration, named_outputs, raise_plainly
 
 
 def load(kind: type, described_as: str) -> ServedClass:
@@ -44,13 +47,16 @@ async def own_health(check: Any) -> bool:
 class ServedClass:
     """One class-written model in this interpreter, called as ``multipy._inside.serving.
     Served`` is: ``infer`` (on a thread with no event loop running), ``infer_async`` (on
-    the front end's loop), ``metadata``, ``warm_up`` and ``forget``."""
+    the front end's loop), ``stream`` (a predict that streams), ``metadata``, ``warm_up``
+    and ``forget``."""
 
     def __init__(self, instance: Any, config: dict[str, list[dict]] | None) -> None:
         self.instance = instance
         self.config = config
         #: whether predict is a coroutine function: awaited, on the front end's loop
         self.asynchronous = inspect.iscoroutinefunction(instance.predict)
+        #: whether predict answers in pieces (a generator function, or an async one)
+        self.streams = streams(instance.predict)
 
     def infer(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any
               ) -> tuple:
@@ -66,13 +72,20 @@ class ServedClass:
         result = await self._guarded(self.instance.predict(self._inputs(names, arrays)))
         return self._answer(lambda: result)
 
+    def stream(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any
+               ) -> Pieces:
+        """The pieces of the answer of a predict that streams, for the arrays (named
+        names): none of predict's code has run yet."""
+        return Pieces(self.instance.predict(self._inputs(names, arrays)),
+                      lambda piece: self._answer(lambda: piece))
+
     async def _guarded(self, work: Any) -> Any:
         try:
             return await work
         except ProtocolError:
             raise
         except Exception as error:
-            _raise_plainly(error)
+            raise_plainly(error)
 
     def _inputs(self, names: tuple[str, ...], arrays: tuple) -> dict[str, Any]:
         """(A class's requests always name their inputs: ModelRequests._names.)"""
@@ -80,20 +93,21 @@ class ServedClass:
 
     def _answer(self, predict: Any) -> tuple:
         try:
-            outputs = _outputs(sys.modules.get("torch"), predict(), set())
+            outputs = named_outputs(sys.modules.get("torch"), predict(), set())
         except ProtocolError:  # InvalidInput: the client's fault, a 400
             raise
         except Exception as error:
-            _raise_plainly(error)
+            raise_plainly(error)
         return (tuple(name for name, _, _ in outputs),
                 tuple(datatype for _, datatype, _ in outputs),
                 *(array for _, _, array in outputs))
 
     def metadata(self) -> dict[str, Any]:
         """What the class declares (its ``inputs`` and ``outputs``), else none."""
+        streaming = {"streams": True} if self.streams else {}
         if self.config is None:
-            return {"inputs": [], "outputs": [], "platform": "python"}
-        return {**self.config, "declared": True, "platform": "python"}
+            return {"inputs": [], "outputs": [], "platform": "python", **streaming}
+        return {**self.config, "declared": True, "platform": "python", **streaming}
 
     def warm_up(self) -> None:
         """Nothing: load() has run."""

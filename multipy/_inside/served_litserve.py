@@ -33,7 +33,7 @@ from typing import Any
 from ..serve.request.litserve import API_PATH, BODY, REQUEST, STATUS
 from ..serve.request.messages import ProtocolError
 from .served_class import own_health
-from .serving import _outputs, _raise_plainly
+from .serving import named_outputs, raise_plainly
 
 logger = logging.getLogger("multipy.serve")
 
@@ -105,13 +105,13 @@ class ServedLitAPI:
               ) -> tuple:
         """The answers to the requests the arrays hold (see the module's docstring), as
         ``Served.infer`` gives them; ProtocolError for a v2 request the API refuses (its
-        HTTPException's status); what the API raised, as ``_raise_plainly`` raises it."""
+        HTTPException's status); what the API raised, as ``raise_plainly`` raises it."""
         try:
             return self._answers(names, arrays)
         except ProtocolError:
             raise
         except Exception as error:
-            _raise_plainly(error)
+            raise_plainly(error)
 
     def _answers(self, names: tuple[str, ...], arrays: tuple) -> tuple:
         import numpy
@@ -133,7 +133,7 @@ class ServedLitAPI:
                 raise ProtocolError(str(value["detail"]), status)
             for key, each in (value if isinstance(value, dict) else {"output": value}).items():
                 columns.setdefault(str(key), []).append(each)
-        outputs = _outputs(sys.modules.get("torch"), {
+        outputs = named_outputs(sys.modules.get("torch"), {
             key: values if all(isinstance(v, (str, bytes)) for v in values)
             else numpy.asarray(values) for key, values in columns.items()}, set())
         return (tuple(name for name, _, _ in outputs),

@@ -185,7 +185,7 @@ class Served:
         """Runs the model on the arrays, each of its datatype, given by position, or by
         name when names are given (tensors, but BYTES arrays as they are), with autograd
         off (as ``torch.no_grad()``); returns its outputs as (names, datatypes, *arrays),
-        named as ``_outputs`` says.  Flat, so that the call takes multipy's fast path."""
+        named as ``named_outputs`` says.  Flat, so that the call takes multipy's fast path."""
         torch = self._torch
         try:
             tensors = [_tensor(torch, array, datatype, self.device)
@@ -197,9 +197,9 @@ class Served:
                     self.model(**dict(zip(names, tensors)))
             finally:
                 torch._C._set_grad_enabled(enabled)
-            outputs = _outputs(torch, result, self.state)
+            outputs = named_outputs(torch, result, self.state)
         except Exception as error:
-            _raise_plainly(error)
+            raise_plainly(error)
         output_names, output_datatypes, output_arrays = zip(*outputs) if outputs else ((), (), ())
         return (output_names, output_datatypes, *output_arrays)
 
@@ -254,9 +254,9 @@ class Served:
     def _run_example(self, torch: Any) -> list[tuple[str, str, Any]]:
         try:
             with torch.no_grad():
-                return _outputs(torch, self.model(*self.example), self.state)
+                return named_outputs(torch, self.model(*self.example), self.state)
         except Exception as error:
-            _raise_plainly(error)
+            raise_plainly(error)
 
 
 def _described(torch: Any, value: Any) -> dict:
@@ -282,7 +282,7 @@ def _tensor(torch: Any, array: Any, datatype: str, device: str = "cpu") -> Any:
     return tensor.view(torch.bfloat16) if datatype == "BF16" else tensor
 
 
-def _outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, str, Any]]:
+def named_outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, str, Any]]:
     """(name, datatype, array) of each output: ``output0``, ``output1``, ... for a tensor,
     tuple or list, the keys for a dict; nested tuples, lists and dicts are flattened,
     their names joined with dots (``output1.0``, ``scores.top``).  A list of str and
@@ -393,7 +393,7 @@ def _bytes_array(numpy: Any, name: str, array: Any) -> Any:
     return result.reshape(array.shape)
 
 
-def _raise_plainly(error: Exception) -> None:
+def raise_plainly(error: Exception) -> None:
     """Raises error as it is if the host can re-create its type without importing
     anything (a builtin exception), else as a RuntimeError that names it."""
     if type(error).__module__ == "builtins":

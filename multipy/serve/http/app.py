@@ -29,8 +29,10 @@ from ..request.inference import (decode_apart, infer as infer_through, ready_mod
 from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
                                 compress, error_body, json_object)
 from ..request.restricted import HTTP_ROUTES, Restrictions
+from .exchange import JSON, answer, read_body
+from .generate import Generate
 from .litserve import litserve_first
-from .uvicorn_server import LOGGING_CONFIG, write_answer
+from .uvicorn_server import LOGGING_CONFIG
 
 
 def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> Callable:
@@ -59,6 +61,9 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
         # (under a root path: else _inference_first answers these before Starlette)
         route(f"{model_path}/infer", inference, "POST"),
         route(f"{version_path}/infer", inference, "POST"),
+        *(route(f"{path}/{kind}", Generate(service, streaming=kind == "generate_stream"),
+                "POST") for path in (model_path, version_path)
+          for kind in ("generate", "generate_stream")),
         route("/v2/health/live", endpoints.live, "GET"),
         route("/v2/health/ready", endpoints.ready, "GET"),
         route("/v2", endpoints.metadata, "GET"),
@@ -74,10 +79,12 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
         route("/v2/repository/models/{model}/unload", endpoints.repository_unload, "POST"),
         route("/metrics", endpoints.metrics, "GET"),
     ]
-    infer = routes[0].endpoint  # (the inference endpoint, behind its restriction if any)
+    # (the inference endpoints, each behind its restriction if any, by their last segment)
+    direct = {route.path.rpartition("/")[2]: route.endpoint for route in routes
+              if route.path.rpartition("/")[2] in _DIRECT}
     app = Starlette(routes=routes, exception_handlers={HTTPException: endpoints.http_error},
                     lifespan=endpoints.lifespan)
-    return _inference_first(infer, litserve_first(service, app, _body))
+    return _inference_first(direct, litserve_first(service, app, read_body))
 
 
 def _guarded(restrictions: Restrictions, path: str, endpoint: Callable) -> Callable:
@@ -193,18 +200,24 @@ class _Endpoints:
         await self._service.drain()
 
 
-def _inference_first(infer: Callable, app: Starlette) -> Callable:
-    """app, but an inference request (POST to one of the protocol's two inference paths,
-    with no root path) goes straight to infer, without Starlette's middleware, routing
-    and request objects: what every other request, and every other method on those
-    paths (405), meets is app's."""
+#: The last segment of the inference endpoints' paths: theirs are answered first.
+_DIRECT = ("infer", "generate", "generate_stream")
+
+
+def _inference_first(direct: dict[str, Callable], app: Starlette) -> Callable:
+    """app, but an inference request (POST to one of the paths of the protocol's
+    inference endpoint, or of the generate extension's, with no root path) goes straight
+    to its endpoint of direct (by its path's last segment), without Starlette's
+    middleware, routing and request objects (and with uvicorn's own ``send``, whose
+    connection a model's call watches: multipy._inside.hangups): what every other
+    request, and every other method on those paths (405), meets is app's."""
 
     async def dispatch(scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
-            params = _inference_params(scope["path"])
-            if params is not None:
-                scope["path_params"] = params
-                await infer(scope, receive, send)
+            found = _inference_params(scope["path"])
+            if found is not None:
+                scope["path_params"] = found[1]
+                await direct[found[0]](scope, receive, send)
                 return
         await app(scope, receive, send)
 
@@ -212,18 +225,20 @@ def _inference_first(infer: Callable, app: Starlette) -> Callable:
 
 
 @functools.lru_cache(maxsize=256)
-def _inference_params(path: str) -> dict[str, str] | None:
-    """The path parameters of an inference path, as Starlette's routes give them
-    (/v2/models/{model}/infer and /v2/models/{model}/versions/{version}/infer, each
-    parameter one segment or more, of no "/"), or None for another path.  (Remembered
-    for the paths seen last: the dict is shared by their requests, which only read it.)"""
-    if not (path.startswith("/v2/models/") and path.endswith("/infer")):
+def _inference_params(path: str) -> tuple[str, dict[str, str]] | None:
+    """The endpoint (_DIRECT's) and path parameters of an inference path, as Starlette's
+    routes give them (/v2/models/{model}/E and /v2/models/{model}/versions/{version}/E,
+    each parameter one segment or more, of no "/"), or None for another path.
+    (Remembered for the paths seen last: the dict is shared by their requests, which
+    only read it.)"""
+    head, _, endpoint = path.rpartition("/")
+    if endpoint not in _DIRECT or not head.startswith("/v2/models/"):
         return None
-    parts = path[len("/v2/models/"):-len("/infer")].split("/")
+    parts = head[len("/v2/models/"):].split("/")
     if len(parts) == 1 and parts[0]:
-        return {"model": parts[0]}
+        return endpoint, {"model": parts[0]}
     if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
-        return {"model": parts[0], "version": parts[2]}
+        return endpoint, {"model": parts[0], "version": parts[2]}
     return None
 
 
@@ -264,7 +279,7 @@ class _Inference:
 
         async def decode() -> InferRequest:
             limit = service.max_request_size
-            body = await _body(receive, length, limit)
+            body = await read_body(receive, length, limit)
             # (a compressed body may expand to the limit)
             decoded = await decode_apart(service, limit if encoding else len(body),
                                          (self._codec or self._imported())[0], body,
@@ -293,11 +308,11 @@ class _Inference:
                                                        decode, encode, gone)
         except ProtocolError as error:
             if error.status == 499:
-                await _answer(send, 499, b"", {})
+                await answer(send, 499, b"", {})
             else:
-                await _answer(send, error.status, error_body(str(error)), _JSON)
+                await answer(send, error.status, error_body(str(error)), JSON)
             return
-        await _answer(send, 200, body, answer_headers)
+        await answer(send, 200, body, answer_headers)
 
 
 class _Restricted:
@@ -312,7 +327,7 @@ class _Restricted:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         refused = self._restrictions.refused(self._category, _header(scope, self._header))
         if refused:
-            await _answer(send, 403, error_body(refused), _JSON)
+            await answer(send, 403, error_body(refused), JSON)
             return
         await self._app(scope, receive, send)
 
@@ -325,57 +340,16 @@ def _header(scope: dict, name: bytes) -> bytes | None:
     return None
 
 
-#: the headers of a JSON answer, the one of them as ASGI gives it, and as its line
-_JSON = {"Content-Type": "application/json"}
-_JSON_RAW = (b"content-type", b"application/json")
-_JSON_HEAD = b"content-type: application/json\r\n"
 #: the request header that says where a body's JSON ends, as uvicorn names it (in lower
 #: case, as every name it gives)
 _HEADER_LENGTH = HEADER_LENGTH.lower().encode()
 
 
-async def _answer(send: Callable, status: int, body: bytes, headers: Mapping[str, str]) -> None:
-    """Sends an answer of status with body and headers (and its Content-Length), as a
-    Starlette Response sends it: written at once where uvicorn serves the connection
-    (multipy.serve.http.uvicorn_server.write_answer), else as the two ASGI messages."""
-    raw = [_JSON_RAW] if headers == _JSON else [
-        (key.lower().encode("latin-1"), value.encode("latin-1")) for key, value in headers.items()]
-    if write_answer(send, status, _JSON_HEAD if headers == _JSON else
-                    b"".join([b"%s: %s\r\n" % pair for pair in raw]), body):
-        return
-    raw.append((b"content-length", str(len(body)).encode("latin-1")))
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})
-
-
 async def _json_body(request: Request) -> dict:
     """The request's body as a JSON object ({} if it is empty); ProtocolError if it is
     not one, or has more than the 64 KiB that such a request may have."""
-    body = await _body(request.receive, request.headers.get("content-length"), 1 << 16)
+    body = await read_body(request.receive, request.headers.get("content-length"), 1 << 16)
     return json_object(body) if body.strip() else {}
-
-
-async def _body(receive: Callable, declared: str | None, limit: int) -> bytes:
-    """The body of the request that receive (ASGI's) reads, whose Content-Length header
-    says declared; ProtocolError: 413 if it has more than limit bytes, said by its
-    Content-Length before any is read, or as soon as what arrives passes it; 499 if the
-    client goes away first."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError(f"the request has {declared} bytes, more than the {limit} this "
-                            f"server takes (--max-request-size)", 413)
-    chunks, size = [], 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":  # nobody to answer
-            raise ProtocolError("the client went away", 499)
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise ProtocolError(f"the request has more than the {limit} bytes this server "
-                                f"takes (--max-request-size)", 413)
-        if not message.get("more_body", False):
-            return b"".join((*chunks, chunk)) if chunks else chunk  # (most: in one piece)
-        chunks.append(chunk)
 
 
 def logging_config(server_lines: bool = True) -> dict:

@@ -33,7 +33,8 @@ STATUSES = (400, 404, 413, 499, 500, 503)
 # busy, calls, batched (the same), successes, then nanoseconds: of successes, of
 # failures, and of successes queued, decoding, in calls and encoding; then when the
 # last call began, and when this writer last heard the model's own health check say it
-# is healthy, and say it is not (milliseconds since the epoch; 0: never)].
+# is healthy, and say it is not (milliseconds since the epoch; 0: never), and the pieces
+# of answers streamed].
 CLOSED = 0
 SINCE = 1
 ABANDONED = 2
@@ -61,7 +62,8 @@ OUTPUT_NS = INFER_NS + 1
 LAST_CALL = OUTPUT_NS + 1
 HEALTHY_AT = LAST_CALL + 1
 UNHEALTHY_AT = HEALTHY_AT + 1
-PER_MODEL = UNHEALTHY_AT + 1
+PIECES = UNHEALTHY_AT + 1
+PER_MODEL = PIECES + 1
 
 
 def board_width(slots: int) -> int:

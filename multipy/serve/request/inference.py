@@ -14,11 +14,12 @@ raised, its outputs could not be split back into a batch's requests, or it ran p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import logging
 import time
 import traceback
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from .batching import BatchError
 from .contract import Server
@@ -32,7 +33,7 @@ logger = logging.getLogger("multipy.serve")
 Answer = TypeVar("Answer")
 
 #: The protocol's extensions this server speaks.
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "generate"]
 #: A request with more bytes than this to decode is decoded on a thread (``decode_apart``).
 LARGE_REQUEST = 1 << 20
 
@@ -108,18 +109,65 @@ async def infer(service: Server, name: str, version: str | None,
     except asyncio.CancelledError:  # the client went away (a gRPC deadline, say)
         status = 499
         raise
-    except ServiceTimeout as error:
-        logger.error("%s", error)
-        raise ProtocolError(str(error), 500) from None
-    except (ModelError, BatchError) as error:  # logged with the model's traceback
-        failure = ProtocolError(str(error), 500)  # (its message bounded)
-        logger.error("%s%s", failure, bounded(_model_traceback(error), TRACEBACK_LIMIT))
-        raise failure from None
-    except Exception as error:  # multipy's own failure: logged whole
-        logger.exception("inference on model %r failed", name)
-        raise ProtocolError(f"internal error: {type(error).__name__}: {error}", 500) from None
+    except Exception as error:
+        raise _failure(name, error) from None
     finally:
         series.answered(status, time.perf_counter_ns() - began, timing)
+
+
+async def stream(service: Server, name: str, version: str | None,
+                 decode: Callable[[], Awaitable[InferRequest]],
+                 encode: Callable[[InferRequest, list[Tensor]], Answer]
+                 ) -> AsyncIterator[Answer]:
+    """The answer to one inference request for model name of service in pieces, as the
+    model makes them (multipy.serve.request.requests.ModelRequests.stream; one piece for
+    a model that does not stream): ``decode()`` reads and decodes the request, and
+    ``encode(request, outputs)`` makes each piece's answer.  The request is counted in
+    the model's metrics and statistics once, as its stream ends: 200 at its end, an
+    error's status, or 499 if it is closed before (its client went away: the model's
+    stream is ended then); each piece counts once the face has taken it (sent it).
+    ProtocolError for every failure, before a piece or between two."""
+    model = ready_model(service, name, version)
+    series = service.metrics.models[model.name]
+    series.requests.inc()
+    began = time.perf_counter_ns()
+    timing = Timing()
+    status = 499  # (closed early, unless it ends otherwise)
+    try:
+        request = await decode()
+        timing.input_ns = time.perf_counter_ns() - began
+        async with contextlib.aclosing(model.stream(request, timing)) as pieces:
+            async for outputs in pieces:
+                encoding = time.perf_counter_ns()
+                answer = encode(request, outputs)
+                timing.output_ns += time.perf_counter_ns() - encoding
+                yield answer
+                model.sent()
+        status = 200
+    except ProtocolError as error:
+        status = error.status
+        raise
+    except Exception as error:
+        failure = _failure(name, error)
+        status = failure.status
+        raise failure from None
+    finally:
+        series.answered(status, time.perf_counter_ns() - began, timing)
+
+
+def _failure(name: str, error: Exception) -> ProtocolError:
+    """The ProtocolError (500) that error, raised while model name answered a request,
+    is answered with, logged: a timeout's, a model's failure (with the model's
+    traceback), or multipy's own (whole: called where it is handled)."""
+    if isinstance(error, ServiceTimeout):
+        logger.error("%s", error)
+        return ProtocolError(str(error), 500)
+    if isinstance(error, (ModelError, BatchError)):
+        failure = ProtocolError(str(error), 500)  # (its message bounded)
+        logger.error("%s%s", failure, bounded(_model_traceback(error), TRACEBACK_LIMIT))
+        return failure
+    logger.exception("inference on model %r failed", name)
+    return ProtocolError(f"internal error: {type(error).__name__}: {error}", 500)
 
 
 async def _unless_gone(work: Awaitable[Answer],

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from .board import (ABANDONED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board, CALLS, CLOSED,
                     CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT, INFER_NS, INPUT,
                     INPUT_NS, LAST_CALL,
-                    LATENCY, LATENCY_AT, LATENCY_SUM, OUTPUT_NS, PER_MODEL, QUEUED, QUEUE_NS,
+                    LATENCY, LATENCY_AT, LATENCY_SUM, OUTPUT_NS, PER_MODEL, PIECES, QUEUED,
+                    QUEUE_NS,
                     REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT,
                     board_width)
 
@@ -82,12 +83,14 @@ class ModelSeries:
 
     def call_began(self, requests: int) -> None:
         """A call of the model for that many requests begins in this row's interpreter:
-        one more call, and interpreter busy with it, since now."""
+        one more call, and interpreter busy with it, since now (0 requests: a later step
+        of a streamed answer, whose request's call is counted already: busy only)."""
         own = self._own
         own[BUSY] += 1.0
-        own[CALLS] += 1.0
-        own[BATCHED_AT + bisect.bisect_left(BATCHED, requests)] += 1.0
-        own[BATCHED_SUM] += requests
+        if requests:
+            own[CALLS] += 1.0
+            own[BATCHED_AT + bisect.bisect_left(BATCHED, requests)] += 1.0
+            own[BATCHED_SUM] += requests
         own[LAST_CALL] = time.time() * 1000.0
         self._values[SINCE] = time.monotonic()
 
@@ -95,6 +98,10 @@ class ModelSeries:
         """The call that began last in this row's interpreter has ended."""
         self._values[SINCE] = 0.0
         self._own[BUSY] -= 1.0
+
+    def streamed(self) -> None:
+        """One more piece of a streamed answer has been sent."""
+        self._own[PIECES] += 1.0
 
     def running(self, digest: int) -> None:
         """The call that begins now runs the one request of that digest
@@ -365,6 +372,9 @@ class _Collector:
         batched = HistogramMetricFamily("multipy_batch_requests",
                                         "Requests answered by one call of the model",
                                         labels=["model"])
+        pieces = CounterMetricFamily("multipy_streamed_pieces",
+                                     "Pieces of streamed answers sent (one per response of "
+                                     "a model that streams)", labels=["model"])
         for k, name in enumerate(names):
             requests.add_metric([name], total(k, REQUESTS))
             for i, status in enumerate(STATUSES):
@@ -376,6 +386,7 @@ class _Collector:
             busy.add_metric([name], total(k, BUSY))
             calls.add_metric([name], total(k, CALLS))
             histogram(batched, k, BATCHED_AT, BATCHED)
+            pieces.add_metric([name], total(k, PIECES))
         metrics = self._metrics
         interpreters = GaugeMetricFamily("multipy_interpreters", "Interpreters serving the models")
         interpreters.add_metric([], metrics.interpreters * metrics.processes)
@@ -388,7 +399,8 @@ class _Collector:
         rows = [p * per + k for p in range(board.rows // per)
                 for k in range(1, per)] if board.rows > 1 else []
         stuck.add_metric([], sum(metrics._stuck(at) is not None for at in rows))
-        yield from (requests, failures, latency, queued, busy, calls, batched, interpreters, stuck)
+        yield from (requests, failures, latency, queued, busy, calls, batched, pieces,
+                    interpreters, stuck)
 
 
 def _bound(value: float) -> str:

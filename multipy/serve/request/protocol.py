@@ -215,7 +215,7 @@ def encode_response(model_name: str, model_version: str | None, request_id: str 
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         elif tensor.datatype == BYTES:
-            entry["data"] = _texts(tensor.name, array)
+            entry["data"] = texts(tensor.name, array)
         else:
             if tensor.datatype == "BF16":
                 array = bf16_bits_to_float32(array)
@@ -227,14 +227,14 @@ def encode_response(model_name: str, model_version: str | None, request_id: str 
     if request_id is not None:
         answer["id"] = request_id
     answer["outputs"] = described
-    header = _written(answer)
+    header = written(answer)
     if not chunks:
         return header, {"Content-Type": "application/json"}
     return header + b"".join(chunks), {"Content-Type": "application/octet-stream",
                                        HEADER_LENGTH: str(len(header))}
 
 
-def _written(answer: dict[str, Any]) -> bytes:
+def written(answer: dict[str, Any]) -> bytes:
     """answer as JSON without spaces, in UTF-8: orjson's, where it is installed (each
     float in the fewest digits that read back as the same double, as json writes it, at
     a tenth of json's cost); json's where orjson cannot write the answer as json does: a
@@ -251,15 +251,15 @@ def _written(answer: dict[str, Any]) -> bytes:
     return _compact(answer).encode()
 
 
-def _texts(name: str, array: np.ndarray) -> list[str]:
+def texts(name: str, array: np.ndarray) -> list[str]:
     """The strings of a BYTES output's elements, row-major, decoded as UTF-8."""
-    texts = []
+    found = []
     for position, element in enumerate(array.reshape(-1)):
         try:
-            texts.append(element.decode())
+            found.append(element.decode())
         except UnicodeDecodeError as error:
             raise ProtocolError(
                 f"output {name!r}: element {position} is not UTF-8 text ({error.reason} at "
                 f"byte {error.start}), which JSON cannot carry: ask for the output as "
                 f'binary data ("parameters": {{"binary_data": true}})') from None
-    return texts
+    return found

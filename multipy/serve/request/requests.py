@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import time
-from typing import Any, Collection, Mapping
+from typing import Any, AsyncIterator, Awaitable, Collection, Mapping, TypeVar
 
 from .batching import Batcher, Outcomes, batch_rows
 from .messages import Answer, InferRequest, ProtocolError, Tensor
 from .metrics import Count, ModelSeries, Timing
 
+Result = TypeVar("Result")
 
 
 class ModelError(Exception):
@@ -70,6 +72,8 @@ class ModelRequests(abc.ABC):
         self.versions: tuple[str, ...] = ("1",)
         self._batcher = Batcher(self._call, max_batch_size, batch_delay) \
             if max_batch_size > 1 else None
+        #: whether the model answers in pieces (``stream``; multipy._inside.pieces)
+        self.streams = False
 
     def describe(self, described: dict[str, Any]) -> None:
         """Sets the model's inputs and outputs, as ``multipy._inside.serving.Served.metadata``
@@ -90,6 +94,9 @@ class ModelRequests(abc.ABC):
         if "batching" in described:
             batching = described["batching"]
             self._batcher = None if batching is None else Batcher(self._call, *batching)
+        self.streams = bool(described.get("streams"))
+        if self.streams:  # (each request's pieces are its own: no batches)
+            self._batcher = None
 
     @property
     def ready(self) -> bool:
@@ -135,27 +142,99 @@ class ModelRequests(abc.ABC):
         and its call took in timing; ProtocolError for an output it names that the model
         does not give, or inputs that are not those the model declares, ModelError if the
         model fails, BatchError if a batch's outputs cannot be split, ServiceTimeout past
-        the timeout (the call is cancelled)."""
+        the timeout (the call is cancelled).  A model that streams answers with its one
+        piece (ProtocolError, 400, if it makes more: see ``only_piece``)."""
+        if self.streams:
+            return await self.only_piece(request, timing)
         if self._declared is not None:
             self._check(request.inputs)
         place = _Place(self._series.queued, request, timing)
         try:
             work = self._call(request.inputs, [place], request) if self._batcher is None \
                 else self._batcher.submit(request.inputs, place)
-            if self._timeout is None:
-                outputs = await work
-            else:
-                try:
-                    outputs = await asyncio.wait_for(work, self._timeout)
-                except asyncio.TimeoutError:
-                    raise ServiceTimeout(
-                        f"model {self.name!r} did not answer within {self._timeout} s "
-                        f"(--timeout); the call was cancelled") from None
+            outputs = await self._within(work, self._deadline())
         finally:
             place.leave()
         if isinstance(outputs, Outcomes):
             outputs = outputs.only()
         return outputs if request.outputs is None else self._select(outputs, request)
+
+    async def stream(self, request: InferRequest, timing: Timing
+                     ) -> AsyncIterator[list[Tensor]]:
+        """The answer to request in pieces, each as ``infer`` gives outputs, as the model
+        makes them: one step of the model per piece (multipy._inside.pieces), in which
+        its interpreter is busy; other requests run between steps.  A model that does not
+        stream gives its one answer.  --timeout bounds the whole stream; errors as
+        ``infer``'s.  Closed early (its client went away), the model's stream ends at
+        once: its ``finally`` runs.  Each piece sent is counted (``sent``)."""
+        if not self.streams:
+            yield await self.infer(request, timing)
+            return
+        if self._declared is not None:
+            self._check(request.inputs)
+        deadline = self._deadline()
+        place = _Place(self._series.queued, request, timing)
+        steps = None
+        try:
+            names, datatypes, arrays = zip(*request.inputs)
+            steps = self._steps(self._names(names), datatypes, list(arrays),
+                                Started(self._series, [place]), self._given([place], request),
+                                request)
+            while True:
+                try:
+                    piece = await self._within(self._model_call(anext(steps)), deadline)
+                except StopAsyncIteration:
+                    return
+                outputs = list(map(Tensor, piece[0], piece[1], piece[2:]))
+                yield outputs if request.outputs is None else self._select(outputs, request)
+        finally:
+            place.leave()
+            if steps is not None:
+                await steps.aclose()
+
+    def sent(self) -> None:
+        """One piece of a streamed answer of the model's has gone to its client."""
+        self._series.streamed()
+
+    async def only_piece(self, request: InferRequest, timing: Timing) -> list[Tensor]:
+        """The one piece of ``stream``'s answer to request; ProtocolError: 500 if the model
+        made none, 400 if it makes a second (its stream is then ended): such a model's
+        answers are asked for where they can come in pieces."""
+        async with contextlib.aclosing(self.stream(request, timing)) as pieces:
+            first = await anext(pieces, None)
+            if first is None:
+                raise ProtocolError(f"model {self.name!r} ended its stream without an answer",
+                                    500)
+            if await anext(pieces, None) is not None:
+                raise ProtocolError(
+                    f"model {self.name!r} answers in pieces: ask with POST /v2/models/"
+                    f"{self.name}/generate_stream, or gRPC's ModelStreamInfer")
+            self.sent()
+            return first
+
+    def _deadline(self) -> float | None:
+        """When a request that arrives now passes --timeout (time.monotonic), if set."""
+        return None if self._timeout is None else time.monotonic() + self._timeout
+
+    async def _within(self, work: Awaitable[Result], deadline: float | None) -> Result:
+        """work's result; ServiceTimeout if deadline passes first (work is cancelled)."""
+        if deadline is None:
+            return await work
+        try:
+            return await asyncio.wait_for(work, max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise ServiceTimeout(f"model {self.name!r} did not answer within {self._timeout} "
+                                 f"s (--timeout); the call was cancelled") from None
+
+    def _steps(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
+               arrays: list[Any], started: Started, given: dict[str, Any],
+               request: InferRequest) -> AsyncIterator[tuple]:
+        """Runs a model that streams, for request, one step per piece, the first step
+        within started (a later one within ``started.later()``); yields what
+        ``Served.infer`` returns, for each piece.  Closing it ends the model's stream.  Here: ProtocolError (503),
+        for a server whose model lives in other interpreters (the host's)."""
+        raise ProtocolError(f"model {self.name!r} answers in pieces, which only the "
+                            f"interpreters' front ends stream; try again", 503)
 
     async def _call(self, inputs: list[Tensor], places: list[_Place],
                     request: InferRequest | None = None) -> list[Tensor] | Outcomes:
@@ -164,26 +243,37 @@ class ModelRequests(abc.ABC):
         SystemExit or KeyboardInterrupt included, is a ModelError.  Outcomes, request
         by request, for a model that answers each on its own."""
         names, datatypes, arrays = zip(*inputs)
+        outputs = await self._model_call(self._run(
+            self._names(names), datatypes, list(arrays), Started(self._series, places),
+            self._given(places, request), request))
         if self._per_request:
-            given: dict[str, Any] = {"requests": [_asked(place.request) for place in places]}
-        elif self._wants_request and request is not None:
-            given = {"request": (request.id, request.parameters)}
-        else:
-            given = {}
+            return _outcomes(*outputs)
+        output_names, output_datatypes, *arrays = outputs
+        return list(map(Tensor, output_names, output_datatypes, arrays))
+
+    def _given(self, places: list[_Place], request: InferRequest | None) -> dict[str, Any]:
+        """The keyword arguments that a call of the requests at places gets (request:
+        the one request, when the call is not a batch's): each request's own, for a
+        model that answers each on its own; its id and parameters, for one that wants
+        them; else none."""
+        if self._per_request:
+            return {"requests": [_asked(place.request) for place in places]}
+        if self._wants_request and request is not None:
+            return {"request": (request.id, request.parameters)}
+        return {}
+
+    async def _model_call(self, work: Awaitable[Result]) -> Result:
+        """work's result, where work is a call of the model: what the model raises,
+        SystemExit or KeyboardInterrupt included, is a ModelError."""
         try:
-            outputs = await self._run(self._names(names), datatypes, list(arrays),
-                                      Started(self._series, places), given, request)
-        except (ModelError, ProtocolError):  # said already
+            return await work
+        except (ModelError, ProtocolError, StopAsyncIteration):  # said already, or ended
             raise
         except asyncio.CancelledError:  # the caller's end, not the model's
             raise
         except BaseException as error:  # GeneratorExit too: asyncio cancels, never closes
             raise ModelError(f"model {self.name!r} raised {type(error).__name__}: "
                              f"{_text(error)}") from error
-        if self._per_request:
-            return _outcomes(*outputs)
-        output_names, output_datatypes, *arrays = outputs
-        return list(map(Tensor, output_names, output_datatypes, arrays))
 
     def _names(self, names: tuple[str, ...]) -> tuple[str, ...] | None:
         """The inputs' names when every one names one of forward's parameters (they are
@@ -273,12 +363,21 @@ class Started:
     while it runs, and the call's request count is observed.  ``digest``: its one
     request's (multipy.serve.request.poison), which ``pin`` notes from the thread that runs it."""
 
-    __slots__ = ("_series", "_places", "_began", "digest")
+    __slots__ = ("_series", "_places", "_began", "digest", "_requests")
 
-    def __init__(self, series: ModelSeries, places: list[_Place]) -> None:
+    def __init__(self, series: ModelSeries, places: list[_Place],
+                 requests: int | None = None) -> None:
         self._series, self._places = series, places
         self._began = 0
         self.digest = 0
+        self._requests = len(places) if requests is None else requests
+
+    def later(self) -> Started:
+        """The next step of the same streamed answer: its interpreter busy again, but
+        not one more call (its request's is counted)."""
+        step = Started(self._series, self._places, 0)
+        step.digest = self.digest
+        return step
 
     @property
     def one(self) -> bool:
@@ -299,13 +398,13 @@ class Started:
         self._began = time.perf_counter_ns()
         for place in self._places:
             place.leave(self._began)
-        self._series.call_began(len(self._places))
+        self._series.call_began(self._requests)
 
     def __exit__(self, *exc_info: object) -> None:
         self._series.call_ended()
         took = time.perf_counter_ns() - self._began
         for place in self._places:
-            place.timing.infer_ns = took
+            place.timing.infer_ns += took
 
     def pin(self, running: bool) -> None:
         """Notes the call's digest in its row as it runs (running), or that it has

@@ -33,6 +33,8 @@ HTTP_ROUTES: dict[str, str | None] = {
     f"{_MODEL}/ready": HEALTH, f"{_VERSION}/ready": HEALTH,
     "/v2": METADATA, _MODEL: METADATA, _VERSION: METADATA,
     f"{_MODEL}/infer": INFERENCE, f"{_VERSION}/infer": INFERENCE,
+    **{f"{path}/{route}": INFERENCE for path in (_MODEL, _VERSION)
+       for route in ("generate", "generate_stream")},
     "/v2/models/stats": STATISTICS, f"{_MODEL}/stats": STATISTICS,
     f"{_VERSION}/stats": STATISTICS,
     "/v2/repository/index": MODEL_REPOSITORY,
@@ -44,6 +46,7 @@ HTTP_ROUTES: dict[str, str | None] = {
 RPCS: dict[str, str] = {
     "ServerLive": HEALTH, "ServerReady": HEALTH, "ModelReady": HEALTH,
     "ServerMetadata": METADATA, "ModelMetadata": METADATA, "ModelInfer": INFERENCE,
+    "ModelStreamInfer": INFERENCE,
     "ModelStatistics": STATISTICS, "RepositoryIndex": MODEL_REPOSITORY,
     "RepositoryModelLoad": MODEL_REPOSITORY, "RepositoryModelUnload": MODEL_REPOSITORY,
 }

@@ -21,16 +21,18 @@ interpreter, as an HTTP keep-alive connection does.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from contextvars import ContextVar
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 from google.protobuf import json_format
 
 from ..request import repository
 from ..request.contract import Server
-from ..request.inference import decode_apart, infer, ready_model, server_metadata, statistics
+from ..request.inference import (decode_apart, infer, ready_model, server_metadata, statistics,
+                                 stream)
 from ..request.protocol import InferRequest, ProtocolError, Tensor, parse_request
 from ..request.restricted import GRPC_PREFIX, RPCS as CATEGORIES, Restrictions
 from ..request.tensors import LENGTH_PREFIX, tensor_bytes
@@ -143,12 +145,19 @@ class _Servicer:
         each behind the restriction of its category, if the service's
         grpc_restricted restricts it (multipy.serve.request.restricted)."""
         restrictions = Restrictions(self._service.grpc_restricted, GRPC_PREFIX)
+
+        def answering(name: str) -> Callable:
+            return _answering(_restricted(getattr(self, name), restrictions, CATEGORIES[name]))
+
         return grpc.method_handlers_generic_handler(SERVICE, {
-            name: grpc.unary_unary_rpc_method_handler(
-                _answering(_restricted(getattr(self, name), restrictions, CATEGORIES[name])),
-                request_deserializer=request.FromString,
+            **{name: grpc.unary_unary_rpc_method_handler(
+                answering(name), request_deserializer=request.FromString,
                 response_serializer=response.SerializeToString)
-            for name, (request, response) in self.RPCS.items()})
+               for name, (request, response) in self.RPCS.items()},
+            "ModelStreamInfer": grpc.stream_stream_rpc_method_handler(
+                answering("ModelStreamInfer"),
+                request_deserializer=messages.ModelInferRequest.FromString,
+                response_serializer=messages.ModelStreamInferResponse.SerializeToString)})
 
     async def ServerLive(self, request: messages.ServerLiveRequest,
                          context: Context) -> messages.ServerLiveResponse:
@@ -183,18 +192,74 @@ class _Servicer:
 
     async def ModelInfer(self, request: messages.ModelInferRequest,
                          context: Context) -> messages.ModelInferResponse:
-        async def decode() -> InferRequest:
-            decoded = await _decoded(self._service, request)
-            remaining = context.time_remaining()
-            if remaining is not None:  # (its call stops then: multipy._inside.hangups)
-                decoded.deadline = time.monotonic() + remaining
-            return decoded
-
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> Any:
             return _encoded(request.model_name, decoded.id, outputs)
 
         return await infer(self._as_taken(), request.model_name, request.model_version or None,
-                           decode, encode)
+                           lambda: self._decoded(request, context), encode)
+
+    async def _decoded(self, request: messages.ModelInferRequest,
+                       context: Context) -> InferRequest:
+        """request's record, with its deadline (its call stops then: multipy._inside.
+        hangups)."""
+        decoded = await _decoded(self._service, request)
+        remaining = context.time_remaining()
+        if remaining is not None:
+            decoded.deadline = time.monotonic() + remaining
+        return decoded
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[messages.ModelInferRequest],
+                               context: Context) -> None:
+        """Triton's streaming RPC: each request of the stream answered as it comes, in
+        pieces as the model makes them (several requests' at once), each a response
+        with its request's id; a request's failure is an error response that ends its
+        answer.  A request with the parameter triton_enable_empty_final_response true
+        gets triton_final_response false in each piece, and an empty response with it
+        true after the last.  A stream that the client cancels ends every answer's
+        model stream (each counted as 499)."""
+        writing = asyncio.Lock()  # (one write at a time)
+        answers: set[asyncio.Task] = set()
+        try:
+            async for request in requests:
+                answers.add(asyncio.ensure_future(self._answer_streamed(request, context,
+                                                                         writing)))
+            await asyncio.gather(*answers)
+        finally:
+            for answer in answers:
+                answer.cancel()
+
+    async def _answer_streamed(self, request: messages.ModelInferRequest, context: Context,
+                               writing: asyncio.Lock) -> None:
+        """Answers one request of a ModelStreamInfer stream (see there)."""
+        final = _parameters(request.parameters).get("triton_enable_empty_final_response") \
+            is True
+
+        def encode(decoded: InferRequest, outputs: list[Tensor]) -> Any:
+            response = _encoded(request.model_name, decoded.id, outputs)
+            if final:
+                response.parameters["triton_final_response"].bool_param = False
+            return messages.ModelStreamInferResponse(infer_response=response)
+
+        async def write(response: messages.ModelStreamInferResponse) -> None:
+            async with writing:
+                await context.write(response)
+
+        try:
+            async for response in stream(self._as_taken(), request.model_name,
+                                         request.model_version or None,
+                                         lambda: self._decoded(request, context), encode):
+                await write(response)
+        except ProtocolError as error:
+            if error.status != 499:
+                await write(messages.ModelStreamInferResponse(
+                    error_message=str(error), infer_response=messages.ModelInferResponse(
+                        model_name=request.model_name, model_version="1", id=request.id)))
+            return
+        if final:
+            ended = messages.ModelInferResponse(model_name=request.model_name,
+                                                model_version="1", id=request.id)
+            ended.parameters["triton_final_response"].bool_param = True
+            await write(messages.ModelStreamInferResponse(infer_response=ended))
 
     async def ModelStatistics(self, request: messages.ModelStatisticsRequest,
                               context: Context) -> messages.ModelStatisticsResponse:

@@ -1,0 +1,113 @@
+"""Triton's generate extension over HTTP: ``POST /v2/models/NAME[/versions/V]/generate``
+answers one JSON object, and ``.../generate_stream`` answers Server-Sent Events
+(``text/event-stream``), one ``data: {...}`` event per piece of the model's answer, each
+written as the model makes it (multipy.serve.request.inference.stream).  The request and
+answer objects are multipy.serve.request.generate's.
+
+An error before the first piece is an error answer as every endpoint's (``{"error":
+...}`` with its status); one after it, an event ``data: {"error": "..."}`` that ends
+the stream.  A client that goes away mid-stream ends the model's stream at its next
+step (during a step, the front end's watch of the connection cancels it): its
+``finally`` runs, and the request counts as 499.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import AsyncIterator, Awaitable, Callable
+
+from ..request.contract import Server
+from ..request.generate import generate_answer, generate_request
+from ..request.inference import decode_apart, infer, ready_model, stream
+from ..request.messages import InferRequest, ProtocolError, Tensor, error_body
+from .exchange import JSON, answer, read_body
+
+#: the headers of an event stream's answer, as ASGI takes them
+_EVENTS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+
+
+class Generate:
+    """The generate endpoint (streaming: generate_stream's) of service, an ASGI
+    application whose request's ``path_params`` name the model and version."""
+
+    def __init__(self, service: Server, streaming: bool) -> None:
+        self._service, self._streaming = service, streaming
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        service = self._service
+        params = scope["path_params"]
+        name, version = params["model"], params.get("version")
+        length = dict(scope["headers"]).get(b"content-length")
+
+        async def decode() -> InferRequest:
+            limit = service.max_request_size
+            body = await read_body(receive, length and length.decode("latin-1"), limit)
+            described = ready_model(service, name, version).described or {}
+            decoded = await decode_apart(service, len(body), generate_request, body,
+                                         described.get("inputs"))
+            decoded.connection = send  # (a step's call watches it: multipy._inside.hangups)
+            return decoded
+
+        def encode(decoded: InferRequest, outputs: list[Tensor]) -> bytes:
+            return generate_answer(name, decoded.id, outputs)
+
+        async def gone() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass  # (once the body is read, only the disconnect comes)
+
+        try:
+            if not self._streaming:  # (ModelRequests.infer: a stream's one piece)
+                await answer(send, 200, await infer(service, name, version, decode, encode,
+                                                    gone), JSON)
+                return
+            pieces = stream(service, name, version, decode, encode)
+            async with contextlib.aclosing(pieces):
+                first = await anext(pieces, None)
+                await send({"type": "http.response.start", "status": 200, "headers": _EVENTS})
+                await _events(send, first, pieces, gone)
+        except ProtocolError as error:  # (before the answer began)
+            if error.status != 499:  # (no one to answer)
+                await answer(send, error.status, error_body(str(error)), JSON)
+
+
+async def _events(send: Callable, first: bytes | None, pieces: AsyncIterator[bytes],
+                  gone: Callable[[], Awaitable[None]]) -> None:
+    """Sends first and each of pieces as an event, as it comes, then ends the answer;
+    an error between pieces is an error event that ends it.  Once ``gone()`` returns
+    (the client has gone), the wait for the next piece is cancelled: pieces is closed
+    by the caller."""
+    task = asyncio.current_task()
+    went = False
+
+    def going(_: object) -> None:
+        nonlocal went
+        went = True
+        task.cancel()
+
+    watching = asyncio.ensure_future(gone())
+    watching.add_done_callback(going)
+    try:
+        if first is not None:
+            await send(_event(first))
+        async for piece in pieces:
+            await send(_event(piece))
+        await send({"type": "http.response.body", "body": b""})
+    except ProtocolError as error:
+        if error.status != 499:
+            await send(_event(json.dumps({"error": str(error)}).encode()))
+            await send({"type": "http.response.body", "body": b""})
+    except asyncio.CancelledError:
+        if not went:
+            raise
+        if hasattr(task, "uncancel"):  # (3.11: this cancel is handled)
+            task.uncancel()
+    finally:
+        watching.remove_done_callback(going)
+        watching.cancel()
+
+
+def _event(data: bytes) -> dict:
+    """The ASGI message of one event whose data is data (JSON: one line)."""
+    return {"type": "http.response.body", "body": b"data: " + data + b"\n\n",
+            "more_body": True}

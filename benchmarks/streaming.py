@@ -342,7 +342,7 @@ def main() -> None:
     parser.add_argument("--peer-python", help="a python that has KServe and transformers, "
                                               "instead of --peer-venv")
     parser.add_argument("--json", help="also write the figures to this file")
-    parser.add_argument("--plot", help="also plot the ratios into this PNG")
+    parser.add_argument("--plot", help="also plot the figures, and the ratios, into this PNG")
     parser.add_argument("--replot", help="plot (--plot) and print this --json file's figures; "
                                          "run nothing")
     args = parser.parse_args()

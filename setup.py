@@ -1,6 +1,5 @@
 """Builds multipy's C; all other metadata lives in pyproject.toml."""
 import platform
-import sysconfig
 
 from setuptools import Extension, setup
 
@@ -13,22 +12,15 @@ extensions = [
     # never imported: it resolves Py* symbols from that namespace's libpython.
     Extension("multipy._bootstrap", ["multipy/_bootstrap.c"], depends=HEADERS),
 ]
-if sysconfig.get_config_var("Py_ENABLE_SHARED"):
-    # The root object of each namespace (docs/design.md, "pthread keys"; it also gives the
-    # namespace a dlopen without RTLD_GLOBAL, "RTLD_GLOBAL", and a free that gives the host
-    # what is the host's, "Stacks from another libc"): a plain shared library that
-    # needs libpython, so that loading it brings libpython into the
-    # namespace's global scope behind it.  Without a shared libpython there is nothing
-    # to load, and multipy says so when an interpreter starts.
-    libdirs = [d for d in (sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LIBPL")) if d]
-    extensions.append(Extension(
-        "multipy._keys", ["multipy/_keys.c", "multipy/_dlopen.c", "multipy/_free.c"], libraries=["dl"],
-        library_dirs=libdirs,
-        runtime_library_dirs=libdirs,
-        # RPATH, not RUNPATH: searched before LD_LIBRARY_PATH, so that the namespace
-        # gets this CPython's libpython (the host checks that it did)
-        extra_link_args=["-Wl,--no-as-needed,--disable-new-dtags",
-                         f"-l:{sysconfig.get_config_var('LDLIBRARY')}"]))
+# The root object of each namespace (docs/design.md, "pthread keys"; it also gives the
+# namespace a dlopen without RTLD_GLOBAL, "RTLD_GLOBAL", and a free that gives the host
+# what is the host's, "Stacks from another libc"): a plain shared library, built without
+# libpython.  The host loads a copy of it that needs the running CPython's libpython by its
+# path (multipy/_root.py, "libpython first"), written into a spare entry of its dynamic
+# section, which GNU ld leaves (named here, since the host relies on it).
+extensions.append(Extension(
+    "multipy._keys", ["multipy/_keys.c", "multipy/_dlopen.c", "multipy/_free.c"], libraries=["dl"],
+    extra_link_args=["-Wl,--no-as-needed", "-Wl,--spare-dynamic-tags=5"]))
 if platform.machine() == "x86_64":
     # Libraries each interpreter reaches in the host's namespace instead of loading its own
     # (docs/design.md, "CUDA" and "One copy per process"): plain shared libraries with the

@@ -59,6 +59,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 import multipy
+from multipy import _free_cores
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from generate_examples import example_names, generate  # noqa: E402
@@ -461,6 +462,8 @@ def main(argv: list[str] | None = None) -> None:
     console.print(f"{SETTINGS}; {os.cpu_count()} cores, Python {platform.python_version()}, "
                   f"torch {torch.__version__}"
                   + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""))
+    most = min(args.max_threads, os.cpu_count() or 1)
+    console.print(_free_cores.describe(most, _free_cores.measure(most)))
     use_one_thread()
     with ExitStack() as stack:
         unknown = set(args.models) - set(example_names())

@@ -11,6 +11,7 @@ import threading
 import time
 
 import multipy
+from multipy._free_cores import describe, measure
 
 WORK = '''
 def work(n):
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=10_000_000, help="loop length of the work (1e7)")
     parser.add_argument("--repeat", type=int, default=3, help="best of this many runs (3)")
     args = parser.parse_args()
+    print(describe(args.threads, measure(args.threads)))
     with multipy.InterpreterManager(args.threads) as manager:
         manager.register_module_source("bench_work", WORK)
         cpu_bound(manager, args.threads, args.n, args.repeat)

@@ -16,6 +16,7 @@ import torch
 import torch.package
 
 import multipy
+from multipy._free_cores import describe, measure
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from generate_examples import example_names, generate  # noqa: E402
@@ -69,6 +70,7 @@ def main() -> None:
     if args.threads < 1 or args.seconds <= 0:
         parser.error("--threads and --seconds must be positive")
 
+    print(describe(args.threads, measure(args.threads)))
     with tempfile.TemporaryDirectory() as scratch:
         if args.dir:
             path = os.path.join(args.dir, f"{args.model}.pt")

@@ -17,7 +17,7 @@
  *   host's main program, in the main namespace, whose symbols are the host's libpython:
  *   ctypes.pythonapi and LLVM's JIT (numba) called the host's CPython from inside an
  *   interpreter and crashed.  Here it answers with the namespace's root object, this
- *   library, whose dependencies (searched breadth first by dlsym) start with the
+ *   library, whose dependencies (searched breadth first by dlsym) include the
  *   interpreter's own libpython: the program as the interpreter sees it.
  * - A library the host keeps one copy of for every interpreter (docs/design.md, "One
  *   copy per process"; the host names them with multipy_forward_library).  Opened by

@@ -11,6 +11,7 @@ import functools
 import os
 import platform
 import struct
+import sys
 import sysconfig
 import threading
 
@@ -60,22 +61,24 @@ def _fail(what: str) -> NamespaceError:
 
 
 def libpython_path() -> str:
-    """Path of the running CPython's shared libpython, or UnsupportedPythonError saying why not."""
-    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
-        raise UnsupportedPythonError(
-            f"multipy needs a CPython built with --enable-shared (a shared libpython), "
-            f"and {platform.python_implementation()} {platform.python_version()} at "
-            f"{os.path.realpath(os.sys.executable)} was built without it. Use a build with "
-            f"libpython{sysconfig.get_python_version()}.so: Debian/Ubuntu's python3 packages, "
-            f"conda, or pyenv with PYTHON_CONFIGURE_OPTS=--enable-shared.")
-    name = sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY")
-    for directory in (sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LIBPL")):
-        path = os.path.join(directory or "", name)
-        if os.path.exists(path):
-            return path
+    """Path of the running CPython's shared libpython: the one mapped in this process where
+    the host runs on it, else the one its build installed (Debian's python3 is linked
+    statically and ships a libpython beside it).  UnsupportedPythonError, in one line
+    that says what to do, for a CPython without one."""
+    if sysconfig.get_config_var("Py_ENABLE_SHARED"):
+        mapped = file_of(ctypes.cast(ctypes.pythonapi.Py_Initialize, ctypes.c_void_p).value)
+        if mapped and os.path.basename(mapped).startswith("libpython"):
+            return mapped
+        name = sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY")
+        for directory in (sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LIBPL")):
+            if os.path.exists(os.path.join(directory or "", name)):
+                return os.path.join(directory, name)
     raise UnsupportedPythonError(
-        f"the shared library {name} of this CPython was not found in "
-        f"{sysconfig.get_config_var('LIBDIR')}; reinstall Python with its libpython")
+        f"multipy needs a CPython with a shared libpython, and {platform.python_implementation()} "
+        f"{platform.python_version()} at {os.path.realpath(sys.executable)} has none "
+        f"(built without --enable-shared): use one that has (Debian's and Ubuntu's python3, "
+        f"the official python container images), or rebuild it with "
+        f"PYTHON_CONFIGURE_OPTS=--enable-shared (pyenv) or ./configure --enable-shared")
 
 
 def open_namespace(root: str) -> tuple[int, int]:

@@ -2,7 +2,8 @@
  * The pthread keys of one interpreter's namespace (docs/design.md, "pthread keys").
  *
  * This library is the root object of every namespace: the host dlmopens it, and it
- * brings in libpython (and so libc) as its dependencies.  Being first in the
+ * brings in libc and the running CPython's libpython as its dependencies (the second
+ * added by the host, multipy/_root.py, into the slot below).  Being first in the
  * namespace's search order, its pthread_key_create, pthread_getspecific and the rest
  * are the ones that every library loaded into the namespace binds to, not libc's.
  *
@@ -35,6 +36,12 @@
 #define FIRST_KEY 1024 /* glibc's PTHREAD_KEYS_MAX: no real slot has this number */
 #define BLOCK 32       /* a thread's values come in blocks of this many keys */
 #define ROUNDS 4       /* PTHREAD_DESTRUCTOR_ITERATIONS */
+
+/* Where the host writes the path of the running CPython's libpython, which its copy of
+ * this library then needs (multipy/_root.py finds the slot by these first bytes, and
+ * names it in a spare entry of the dynamic section): built without libpython, so that
+ * one build serves every installation of its CPython version. */
+__attribute__((used)) const char multipy_libpython_slot[4096] = "multipy: libpython's path goes here";
 
 struct key {
     _Atomic uintptr_t seq; /* odd: in use; each create and delete adds one */

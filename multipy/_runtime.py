@@ -19,7 +19,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from . import _cuda, _glibc, _host, _sharing
+from . import _cuda, _glibc, _host, _root, _sharing
 from ._protocol import CANCEL_INTERRUPT, CANCEL_TIMEOUT, OK, RESET
 from .errors import InterpreterStartError
 
@@ -103,7 +103,7 @@ class Runtime:
             raise InterpreterStartError(f"interpreter {ordinal}: {failure}") from None
         # The root object, _keys, brings libpython in and keeps the namespace's pthread
         # keys: its libc must hand out none (docs/design.md, "pthread keys").
-        root, lmid = _glibc.open_namespace(_library_path("_keys"))
+        root, lmid = _glibc.open_namespace(_root.root_path(_library_path("_keys"), libpython))
         _glibc.one_arena(root)  # before a thread of its own allocates there
         # before it starts a thread: what its pthread_create frees is the host's
         _FREE_START(_glibc.symbol(root, "multipy_free_start"))(_glibc.host_free())
@@ -111,8 +111,7 @@ class Runtime:
         if loaded != os.path.realpath(libpython):
             raise InterpreterStartError(
                 f"interpreter {ordinal} loaded {loaded}, not this CPython's {libpython}: "
-                f"LD_LIBRARY_PATH names another Python's libraries, or multipy was built "
-                f"for another CPython installation (reinstall it with this one's pip)")
+                f"multipy's root object did not bring it in (multipy/_root.py)")
         error = ctypes.create_string_buffer(512)
         if _KEYS_START(_glibc.symbol(root, "multipy_keys_start"))(ordinal, key, error, len(error)):
             raise InterpreterStartError(f"interpreter {ordinal}: {error.value.decode()}")

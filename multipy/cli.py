@@ -57,7 +57,7 @@ def _require(command: str) -> None:
     problems = []
     if missing:
         problems.append(f"the {extra!r} extra, which installs {', '.join(missing)}: "
-                        f"pip install 'multipy[{extra}]' (from a checkout: "
+                        f"pip install 'multipy-interpreters[{extra}]' (from a checkout: "
                         f"pip install -e '.[{extra}]')")
     if importlib.util.find_spec("torch") is None:
         problems.append("torch, which multipy does not install: pip install torch")
@@ -202,4 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "cmake-prefix":
         _cmake_prefix()
         return
-    _info()
+    try:
+        _info()
+        sys.stdout.flush()
+    except BrokenPipeError:  # `multipy info | head`: its reader stopped reading
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (for exit's flush)
+        sys.exit(1)

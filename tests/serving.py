@@ -1,7 +1,8 @@
 """What the tests of `multipy serve` share: the test models (MODELS, exported by
 make_packages), servers started in subprocesses on free ports of 127.0.0.1 (_start,
 _stop: the wrapper reports what the host imported), and their clients over HTTP and
-gRPC (tritonclient's, http.client's and raw sockets).  The servers that several test
+gRPC (tritonclient's, http.client's and raw sockets; _Events reads a generate_stream's
+events one by one).  The servers that several test
 modules use are conftest.py's session fixtures.
 """
 from __future__ import annotations
@@ -327,6 +328,48 @@ def _infer_json(server: Server, model: str, request: dict, headers: dict | None 
     status, answer_headers, body = _request(server, "POST", f"/v2/models/{model}/infer",
                                             json.dumps(request).encode(), headers)
     return status, json.loads(body)
+
+
+class _Events:
+    """A generate_stream request on a connection of its own, its events read one by one
+    as they arrive."""
+
+    def __init__(self, server, model: str, request: dict) -> None:
+        self.socket = socket.create_connection(("127.0.0.1", server.port), timeout=60)
+        body = json.dumps(request).encode()
+        self.socket.sendall(f"POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: x\r\n"
+                            f"Content-Type: application/json\r\nContent-Length: {len(body)}"
+                            f"\r\n\r\n".encode() + body)
+        self._reader = self.socket.makefile("rb")
+        self.status = int(self._reader.readline().split()[1])
+        self.headers = {}
+        while (line := self._reader.readline()) != b"\r\n":
+            key, _, value = line.decode().partition(":")
+            self.headers[key.lower()] = value.strip()
+        assert self.headers.get("transfer-encoding") == "chunked"
+
+    def next(self) -> dict | None:
+        """The next event's data, or None at the answer's end."""
+        data = b""
+        while not data.endswith(b"\n\n"):
+            size = int(self._reader.readline(), 16)
+            if size == 0:
+                self._reader.readline()
+                return None
+            data += self._reader.read(size)
+            self._reader.readline()  # (the chunk's CRLF)
+        assert data.startswith(b"data: "), data
+        return json.loads(data[len(b"data: "):])
+
+    def rest(self) -> list[dict]:
+        found = []
+        while (event := self.next()) is not None:
+            found.append(event)
+        return found
+
+    def close(self) -> None:
+        self._reader.close()
+        self.socket.close()
 
 
 def _infer_together(server: Server, model: str, requests: list[dict]) -> list[tuple]:

@@ -9,7 +9,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "multipy"
 
 #: Bottom-up: each module may import only modules before it.
-LAYERS = ["errors", "_launch", "_parallel", "_host", "_keys", "_bootstrap", "_glibc", "_cuda", "_protocol", "_sharing",
+LAYERS = ["errors", "_launch", "_parallel", "_free_cores", "_host", "_keys", "_bootstrap", "_root", "_glibc", "_cuda", "_protocol", "_sharing",
           "_runtime", "_pool", "session", "_aio", "environment", "replicated", "package", "manager", "_cpp", "shell", "serve",
           "cli",
           "__main__", "__init__"]
@@ -211,11 +211,16 @@ def test_the_seams_of_the_server_hold():
     assert served_calls
     found: dict[str, set[str]] = {}  # each kind's methods, with its listed bases'
     for path, kind in SERVED_KINDS:
-        methods, _ = _members(PACKAGE / "_inside" / path, kind)
+        methods, attributes = _members(PACKAGE / "_inside" / path, kind)
         tree = ast.parse((PACKAGE / "_inside" / path).read_text())
         bases = next(ast.unparse(b) for node in tree.body if isinstance(node, ast.ClassDef)
                      and node.name == kind for b in [*node.bases, ast.Name("object")])
         found[kind] = set(methods) | found.get(bases, set())
-        assert not served_calls - found[kind], (kind, served_calls - found[kind])
+        streaming = "streams" in attributes or "stream" in found.get(bases, set())
+        missing = served_calls - found[kind] - (set() if streaming else {"stream"})
+        assert not missing, (kind, missing)  # (stream: only of the kinds that can stream)
+    pieces, _ = _members(PACKAGE / "_inside" / "pieces.py", "Pieces")
+    calls, _ = _members(PACKAGE / "serve" / "host" / "models.py", "PiecesCalls")
+    assert not {name for name in calls if not name.startswith("_")} - set(pieces)
     for methods, attributes in ((front, front_attributes), (service, service_attributes)):
         assert not wanted - set(methods) - attributes, wanted - set(methods) - attributes

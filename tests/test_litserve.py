@@ -19,8 +19,8 @@ litserve = pytest.importorskip("litserve")
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from serving import (Server, _free_port, _infer_json, _request, _start,  # noqa: E402
-                     _stop)
+from serving import (Server, _free_port, _infer_json, _metrics, _request,  # noqa: E402
+                     _start, _stop)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -188,6 +188,28 @@ class Typed(ls.LitAPI):
         return Point(x=point.x * 2, y=point.y * 2)
 
 
+class Streamer(ls.LitAPI):
+    """LitServe's streaming example: predict and encode_response are generators."""
+
+    def __init__(self):
+        super().__init__(api_path="/stream", stream=True)
+
+    def decode_request(self, request):
+        if "n" not in request:
+            raise HTTPException(status_code=400, detail="n is required")
+        return request["n"]
+
+    def predict(self, n):
+        for i in range(n):
+            yield i
+
+    def encode_response(self, outputs):
+        for output in outputs:
+            if output == 13:
+                raise HTTPException(status_code=422, detail="thirteen")
+            yield {"output": output}
+
+
 class Slow(ls.LitAPI):
     """Takes its time to set up."""
 
@@ -210,7 +232,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(models, tmp_path_factory):
-    classes = ["SimpleLitAPI", "InferencePipeline", "Moody", "Typed"]
+    classes = ["SimpleLitAPI", "InferencePipeline", "Moody", "Typed", "Streamer"]
     server = _start(tmp_path_factory.mktemp("litserve_served"),
                     [f"{models}/lit_models.py:{name}" for name in classes],
                     "--interpreters", "2")
@@ -316,7 +338,7 @@ def test_health_follows_the_apis_health_and_info_names_the_paths(served, models)
     assert status == 200
     assert json.loads(answer)["server"]["models"] == {
         "/predict": "simplelitapi", "/pipeline": "inferencepipeline",
-        "/moody": "moody", "/typed": "typed"}
+        "/moody": "moody", "/typed": "typed", "/stream": "streamer"}
 
 
 def test_while_the_host_answers_health_follows_the_apis_last_health(strict_served, models):
@@ -347,6 +369,31 @@ def test_while_the_host_answers_health_follows_the_apis_last_health(strict_serve
         assert probes_during_a_long_predict() == [(200, b"ok"), 200]
     finally:
         sick.unlink(missing_ok=True)
+
+
+def test_a_lit_api_that_streams_answers_line_by_line_as_litserve_does(served):
+    """stream=True: each encoded response is a line of JSON, sent as it is made (as
+    LitServe's server formats it); a request decode_request refuses is its error answer;
+    an error after the first piece ends the answer; /info says which API streams; the
+    protocol's generate_stream gives the pieces as events."""
+    status, headers, body = _request(served, "POST", "/stream", json.dumps({"n": 3}).encode())
+    assert status == 200 and headers.get("transfer-encoding") == "chunked"
+    assert body.decode().splitlines() == [json.dumps({"output": i}) for i in range(3)]
+    key = ("multipy_inference_failures_total", (("model", "streamer"), ("status", "400")))
+    before = _metrics(served).get(key, 0)
+    assert _post(served, "/stream", {}) == (400, {"detail": "n is required"})
+    assert _metrics(served)[key] == before + 1
+    status, _, body = _request(served, "POST", "/stream", json.dumps({"n": 15}).encode())
+    assert status == 200 and len(body.decode().splitlines()) == 13
+    status, _, body = _request(served, "GET", "/info")
+    assert json.loads(body)["server"]["stream"] == {
+        "/predict": False, "/pipeline": False, "/moody": False, "/typed": False,
+        "/stream": True}
+    status, _, body = _request(served, "POST", "/v2/models/streamer/generate_stream",
+                               json.dumps({"n": 2}).encode())
+    events = [json.loads(line[len("data: "):]) for line in body.decode().split("\n\n")
+              if line]
+    assert status == 200 and [event["output"] for event in events] == [0, 1]
 
 
 def test_a_lit_api_on_the_v2_routes(served):

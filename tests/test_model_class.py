@@ -381,3 +381,30 @@ def test_a_class_whose_code_fails_stops_the_server_before_it_listens(
     if traceback is not None:
         assert traceback in done.stderr
     assert not connected and "listening on" not in done.stderr, done.stderr
+
+
+SLOW_LOAD = '''
+import time
+
+import numpy as np
+
+
+class SlowLoad:
+    def load(self):
+        time.sleep(2)  # (before the server listens: the first interpreter loads it then)
+
+    def predict(self, inputs):
+        return {"y": np.asarray(inputs["x"])}
+'''
+
+
+def test_ready_in_counts_the_load_before_listening(tmp_path):
+    """A class loads on the first interpreter before the server listens: "ready in"
+    counts that load too, from the command's start."""
+    (tmp_path / "slow_load.py").write_text(SLOW_LOAD)
+    server = _start(tmp_path, [f"{tmp_path}/slow_load.py:SlowLoad"], "--interpreters", "1")
+    try:
+        (ready,) = [line for line in server.output().splitlines() if "ready in" in line]
+        assert float(ready.split("ready in ")[1].split(" s")[0]) >= 2.0, ready
+    finally:
+        _stop(server)

@@ -10,6 +10,7 @@ not.  Slow (a Ray starts, and replicas load torch): marked ``slow``, run by defa
 from __future__ import annotations
 
 import http.client
+import json
 import importlib.util
 import os
 import re
@@ -153,14 +154,15 @@ def _ready(port: int) -> bool:
         connection.close()
 
 
-def _serve(ray_dir: str, log, path: str, *options: str,
+def _serve(ray_dir: str, log, path: str | list[str], *options: str,
            env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
-    """`multipy serve PATH --ray OPTIONS` on a free port, once ready (its driver said so
-    and the proxy answers ready), its output in log; and the port."""
+    """`multipy serve PATH... --ray OPTIONS` on a free port, once ready (its driver said
+    so and the proxy answers ready), its output in log; and the port."""
     port = _free_port()
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "multipy", "serve", path, "--ray", *options,
+            [sys.executable, "-m", "multipy", "serve",
+             *([path] if isinstance(path, str) else path), "--ray", *options,
              "--port", str(port)],
             stdout=out, stderr=subprocess.STDOUT, env={**_env(ray_dir), **(env or {})},
             start_new_session=True)
@@ -189,8 +191,19 @@ def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_cli_serves_through_ray_and_stops_on_sigterm(ray_dir, tmp_path, python_heavy):
+    """An archive and a class that streams, through Ray Serve's proxy: the archive's
+    answers are the model's; the stream's pieces come as events (the replica's host
+    makes them in one of its interpreters); SIGTERM ends it all."""
     log = tmp_path / "serve.log"
-    process, port = _serve(ray_dir, log, python_heavy, "--replicas", "1", "--interpreters", "1")
+    (tmp_path / "counting.py").write_text(
+        "import asyncio\n"
+        "class Counting:\n"
+        "    async def predict(self, inputs):  # (each step on a loop of its own, there)\n"
+        "        for i in range(int(inputs['n'][0])):\n"
+        "            await asyncio.sleep(0)\n"
+        "            yield {'token': f't{i}'}\n")
+    process, port = _serve(ray_dir, log, [python_heavy, f"{tmp_path}/counting.py:Counting"],
+                           "--replicas", "1", "--interpreters", "1")
     try:
         x = np.random.default_rng(1).standard_normal((3, 48, 16), np.float32)
         tensor = httpclient.InferInput("x", [3, 48, 16], "FP32")
@@ -205,6 +218,14 @@ def test_cli_serves_through_ray_and_stops_on_sigterm(ray_dir, tmp_path, python_h
         status, headers, body = _get(port, "/v2/models/python_heavy")
         assert status == 200 and headers.get("x-request-id"), headers
         assert b'"name":"python_heavy"' in body
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            connection.request("POST", "/v2/models/counting/generate_stream", b'{"n": 3}')
+            events = connection.getresponse().read().decode().split("\n\n")
+        finally:
+            connection.close()
+        assert [json.loads(event[len("data: "):])["token"] for event in events if event] == \
+            ["t0", "t1", "t2"]
         text = log.read_text()
         assert "1 interpreter(s), room for 15, has_room True" in text, text
         replica = int(re.search(r"INFO: +replica pid (\d+) ", text).group(1))
@@ -306,4 +327,4 @@ def test_ray_says_which_extra_to_install(python, python_heavy):
         main([{python_heavy!r}, "--ray"])
     """, launcher=True, timeout=120)
     assert result.returncode == 1, result.stderr
-    assert "pip install 'multipy[ray]'" in result.stderr and "Traceback" not in result.stderr
+    assert "pip install 'multipy-interpreters[ray]'" in result.stderr and "Traceback" not in result.stderr

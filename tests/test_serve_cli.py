@@ -78,5 +78,29 @@ def test_cli_says_which_extra_to_install(command, extra, module):
             f"else real(name, *a)")
     result = _cli(command, "--help", patch=hide)
     assert result.returncode == 1
-    assert f"pip install 'multipy[{extra}]'" in result.stderr and module in result.stderr
+    assert f"pip install 'multipy-interpreters[{extra}]'" in result.stderr and module in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_folder_or_a_file_that_is_no_archive_gets_the_recipe(tmp_path):
+    """A folder that is neither an archive nor a Triton model's says so, and an archive
+    that is not one shows how to make one (intern the model's code, extern the rest)."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    not_a_package = tmp_path / "model.pt"
+    not_a_package.write_bytes(b"not a zip")
+    for path, said in [(folder, "is a folder, not a torch.package archive"),
+                       (not_a_package, "is not a torch.package archive")]:
+        result = _cli("serve", str(path))
+        assert result.returncode == 2 and said in result.stderr, result.stderr
+        assert "exporter.intern(" in result.stderr and "exporter.extern(" in result.stderr
+        assert "no such file" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_info_into_a_closed_pipe_ends_without_a_traceback():
+    """`multipy info | head`: the reader gone before info writes, info stops quietly."""
+    info = subprocess.Popen([sys.executable, "-m", "multipy", "info"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    info.stdout.close()  # (before the child has written: it takes longer to start)
+    assert info.wait(timeout=60) == 1
+    assert info.stderr.read() == ""

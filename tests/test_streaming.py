@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import threading
 
 import pytest
@@ -20,7 +19,7 @@ pytest.importorskip("starlette")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
 from conftest import until, write_one  # noqa: E402
-from serving import _grpc_port, _metrics, _request, _start, _stop  # noqa: E402
+from serving import _Events, _grpc_port, _metrics, _request, _start, _stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,16 +42,17 @@ def _noted(path, made):
 
 
 class Counter:
-    """n pieces {"token": "t<i>", "index": i}; before each piece after the first, a byte
-    from the FIFO gate, if given; in its finally, how many pieces it made, into note."""
+    """n pieces {"token": "t<i>", "index": i}; before piece i after the first, a byte
+    from the FIFO gate<i>, if gate is given; in its finally, how many pieces it made,
+    into note."""
 
     def predict(self, inputs):
         n, gate, note = int(inputs["n"].reshape(-1)[0]), _text(inputs, "gate"), _text(inputs, "note")
         made = 0
         try:
             for i in range(n):
-                if gate is not None and i:
-                    with open(gate, "rb") as f:
+                if gate is not None and i:  # (a FIFO of its own for each step)
+                    with open(f"{gate}{i}", "rb") as f:
                         f.read(1)
                 made += 1
                 yield {"token": f"t{i}", "index": np.array([i], dtype=np.int64)}
@@ -85,6 +85,16 @@ class Breaks:
         raise ValueError("broke after the first piece")
 
 
+class Threads:
+    """Two pieces, each the name of the thread that made it."""
+
+    def predict(self, inputs):
+        import threading
+
+        for _ in range(2):
+            yield {"thread": threading.current_thread().name}
+
+
 class Doubles:
     """Returns (does not stream): x doubled."""
 
@@ -101,7 +111,8 @@ def models(tmp_path_factory):
 
 
 def _paths(models) -> list[str]:
-    return [f"{models}/streams.py:{name}" for name in ("Counter", "Ticker", "Breaks", "Doubles")]
+    return [f"{models}/streams.py:{name}"
+            for name in ("Counter", "Ticker", "Breaks", "Threads", "Doubles")]
 
 
 @pytest.fixture(scope="module")
@@ -122,48 +133,6 @@ def timed(models, tmp_path_factory):
     _stop(served)
 
 
-class _Events:
-    """A generate_stream request on a connection of its own, its events read one by one
-    as they arrive."""
-
-    def __init__(self, server, model: str, request: dict) -> None:
-        self.socket = socket.create_connection(("127.0.0.1", server.port), timeout=60)
-        body = json.dumps(request).encode()
-        self.socket.sendall(f"POST /v2/models/{model}/generate_stream HTTP/1.1\r\nHost: x\r\n"
-                            f"Content-Type: application/json\r\nContent-Length: {len(body)}"
-                            f"\r\n\r\n".encode() + body)
-        self._reader = self.socket.makefile("rb")
-        self.status = int(self._reader.readline().split()[1])
-        self.headers = {}
-        while (line := self._reader.readline()) != b"\r\n":
-            key, _, value = line.decode().partition(":")
-            self.headers[key.lower()] = value.strip()
-        assert self.headers.get("transfer-encoding") == "chunked"
-
-    def next(self) -> dict | None:
-        """The next event's data, or None at the answer's end."""
-        data = b""
-        while not data.endswith(b"\n\n"):
-            size = int(self._reader.readline(), 16)
-            if size == 0:
-                self._reader.readline()
-                return None
-            data += self._reader.read(size)
-            self._reader.readline()  # (the chunk's CRLF)
-        assert data.startswith(b"data: "), data
-        return json.loads(data[len(b"data: "):])
-
-    def rest(self) -> list[dict]:
-        found = []
-        while (event := self.next()) is not None:
-            found.append(event)
-        return found
-
-    def close(self) -> None:
-        self._reader.close()
-        self.socket.close()
-
-
 def _tokens(events: list[dict]) -> list[str]:
     return [event["token"] for event in events]
 
@@ -172,7 +141,8 @@ def test_pieces_arrive_as_the_model_makes_them(server, tmp_path):
     """Each event is written before the model makes the next piece: the model waits on
     a FIFO for each, and the test reads each event before it lets the model go on."""
     gate = tmp_path / "gate"
-    os.mkfifo(gate)
+    for i in (1, 2):
+        os.mkfifo(f"{gate}{i}")
     events = _Events(server, "counter", {"n": 3, "gate": str(gate), "id": "s1"})
     try:
         assert events.status == 200
@@ -182,7 +152,7 @@ def test_pieces_arrive_as_the_model_makes_them(server, tmp_path):
             assert event == {"model_name": "counter", "model_version": "1", "id": "s1",
                              "token": f"t{i}", "index": i}
             if i < 2:
-                until(lambda: write_one(gate))
+                until(lambda: write_one(f"{gate}{i + 1}"))
         assert events.next() is None
     finally:
         events.close()
@@ -237,7 +207,8 @@ def test_a_client_that_goes_ends_its_model_s_stream(server, tmp_path, model):
     note, gate = tmp_path / "note", tmp_path / "gate"
     request = {"n": 10, "note": str(note)}
     if model == "counter":
-        os.mkfifo(gate)
+        for i in range(1, 10):
+            os.mkfifo(f"{gate}{i}")
         request["gate"] = str(gate)
     else:
         request["go"] = str(tmp_path / "never")
@@ -248,15 +219,23 @@ def test_a_client_that_goes_ends_its_model_s_stream(server, tmp_path, model):
     events.close()
     if model == "counter":  # (blocked in C, its step stops at its next bytecode: it is
         # let go on until it has, at most a few pieces later)
-        until(lambda: note.exists() or (write_one(gate) and False))
+        until(lambda: note.exists() or any(write_one(f"{gate}{i}") for i in range(1, 10))
+              and False)
         until(lambda: note.read_text() != "")
         assert 1 <= int(note.read_text()) < 10
     else:
         until(lambda: note.exists() and note.read_text() == "1")
     until(lambda: _metrics(server).get(key, 0) == before + 1)
+    _assert_idle(server, model)
     status, _, body = _request(server, "POST", f"/v2/models/{model}/generate",
                                json.dumps({"n": 1}).encode())
     assert status == 200 and json.loads(body)["token"] == "t0"
+
+
+def _assert_idle(server, model: str) -> None:
+    """No interpreter is busy with model, and none of its requests waits."""
+    until(lambda: _metrics(server)[("multipy_busy_interpreters", (("model", model),))] == 0)
+    assert _metrics(server)[("multipy_inference_queue_length", (("model", model),))] == 0
 
 
 def test_an_error_mid_stream_is_an_error_event_and_before_it_an_error_answer(server):
@@ -296,15 +275,18 @@ def test_generate_and_infer_answer_one_piece_and_a_model_that_returns(server):
         {"token": ["t0"], "index": [0]}
 
 
-def test_metrics_count_the_pieces_sent(server):
-    key = ("multipy_streamed_pieces_total", (("model", "counter"),))
-    before = _metrics(server)[key]
+def test_metrics_count_the_pieces_sent_and_a_stream_as_one_request_and_call(server):
+    keys = [(name, (("model", "counter"),)) for name in (
+        "multipy_streamed_pieces_total", "multipy_inference_requests_total",
+        "multipy_model_calls_total")]
+    before = _metrics(server)
     events = _Events(server, "counter", {"n": 7})
     try:
         assert len(events.rest()) == 7
     finally:
         events.close()
-    until(lambda: _metrics(server)[key] == before + 7)
+    until(lambda: [_metrics(server)[key] - before[key] for key in keys] == [7, 1, 1])
+    _assert_idle(server, "counter")
 
 
 def test_grpc_streams_pieces_with_the_final_flag_and_errors_per_request(server):
@@ -364,14 +346,31 @@ def test_a_cancelled_grpc_stream_ends_its_model_s_stream(server, tmp_path):
         client.stop_stream(cancel_requests=True)
         client.close()
     until(lambda: note.exists() and note.read_text() == "1")
+    until(lambda: _metrics(server).get(("multipy_inference_failures_total", (
+        ("model", "ticker"), ("status", "499"))), 0) >= 1)
+    _assert_idle(server, "ticker")
+    status, _, body = _request(server, "POST", "/v2/models/ticker/generate",
+                               json.dumps({"n": 1}).encode())
+    assert status == 200 and json.loads(body)["token"] == "t0"
 
 
-def test_timeout_bounds_a_stream_and_steps_run_on_the_call_thread(timed, tmp_path):
+def test_timeout_bounds_a_stream_and_steps_run_on_the_call_thread(server, timed, tmp_path):
     events = _Events(timed, "counter", {"n": 4})
     try:
         assert _tokens(events.rest()) == ["t0", "t1", "t2", "t3"]
     finally:
         events.close()
+    threads = {}
+    for name, served in (("timed", timed), ("plain", server)):
+        events = _Events(served, "threads", {"x": 1})
+        try:
+            threads[name] = [event["thread"] for event in events.rest()]
+        finally:
+            events.close()
+    # (with --timeout, the interpreter's call thread; else the thread of its loop, a host
+    # thread that entered it)
+    assert threads["timed"] == ["multipy-serve-call"] * 2
+    assert len(set(threads["plain"])) == 1 and threads["plain"][0] != "multipy-serve-call"
     note = tmp_path / "note"
     events = _Events(timed, "ticker", {"n": 3, "go": str(tmp_path / "never"),
                                        "note": str(note)})

@@ -3,15 +3,18 @@ Python-backend models (config.pbtxt, N/model.py with TritonPythonModel and
 triton_python_backend_utils), served unchanged, checked through tritonclient over HTTP
 and gRPC: add_sub, torch inside execute, per-request errors and a raising execute or a
 wrong return (in Triton's words), outputs not asked for dropped, each model's own
-modules, max_batch_size, a decoupled config refused, dynamic batching (several requests
-in one execute, each answered on its own), BYTES, request ids and parameters,
-initialize's args, an initialize that fails, finalize.
+modules, max_batch_size, dynamic batching (several requests in one execute, each
+answered on its own), BYTES, request ids and parameters, initialize's args, an
+initialize that fails, finalize; decoupled models (a response sender) streamed over
+gRPC's ModelStreamInfer and /generate_stream, each response as it is sent, from a
+thread after execute returned too, errors mid-stream, a cancelled request.
 """
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -24,7 +27,8 @@ np = pytest.importorskip("numpy")
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from serving import _client_error, _grpc_port, _start, _stop  # noqa: E402
+from conftest import until, write_one  # noqa: E402
+from serving import _client_error, _Events, _grpc_port, _start, _stop  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -319,6 +323,144 @@ class TritonPythonModel:
             f.write("finalized\\n")
 '''
 
+REPEAT_CONFIG = '''
+name: "repeat"
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [
+  { name: "IN" data_type: TYPE_INT32 dims: [ -1 ] },
+  { name: "GATE" data_type: TYPE_STRING dims: [ 1 ] optional: true }
+]
+output [
+  { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] },
+  { name: "IDX" data_type: TYPE_UINT32 dims: [ 1 ] }
+]
+'''
+
+# In the style of Triton's repeat example: a response for each element of IN (before
+# each after the first, a byte from the FIFO GATE, if given), then the final flag; an
+# error response for a negative element; execute raises for a zero, and returns a list
+# (not None) for 99
+REPEAT = '''
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("repeat must be decoupled")
+        self.idx_dtype = pb_utils.triton_string_to_numpy(
+            pb_utils.get_output_config_by_name(model_config, "IDX")["data_type"])
+
+    def execute(self, requests):
+        for request in requests:
+            values = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()
+            gate = pb_utils.get_input_tensor_by_name(request, "GATE")
+            sender = request.get_response_sender()
+            for index, value in enumerate(values):
+                if gate is not None and index:  # (a FIFO of its own for each step)
+                    with open(f"{gate.as_numpy()[0].decode()}{index}", "rb") as f:
+                        f.read(1)
+                if value == 0:
+                    raise pb_utils.TritonModelException("zero is not repeated")
+                if value == 99:
+                    return []
+                if value < 0:
+                    error = pb_utils.TritonError(f"negative value {value}",
+                                                 pb_utils.TritonError.INVALID_ARG)
+                    sender.send(pb_utils.InferenceResponse(error=error))
+                    continue
+                sender.send(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("OUT", np.array([value], np.int32)),
+                    pb_utils.Tensor("IDX", np.array([index], self.idx_dtype))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            try:
+                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except pb_utils.TritonModelException as error:
+                pb_utils.Logger.log_info(f"after the final flag: {error}")
+        return None
+'''
+
+SQUARES_CONFIG = '''
+name: "squares"
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "IN" data_type: TYPE_INT32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+'''
+
+# In the style of Triton's square example: execute starts a thread per request and
+# returns; the thread (once execute has returned, and the thread that ran it has ended)
+# sends IN responses, i * i, then the final flag; finalize waits for the threads
+SQUARES = '''
+import threading
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.inflight = []
+
+    def execute(self, requests):
+        caller = threading.current_thread()
+        for request in requests:
+            thread = threading.Thread(target=self.respond, args=(request, caller))
+            thread.start()
+            self.inflight.append(thread)
+        return None
+
+    def respond(self, request, caller):
+        caller.join()
+        n = int(pb_utils.get_input_tensor_by_name(request, "IN").as_numpy()[0])
+        sender = request.get_response_sender()
+        for i in range(n):
+            sender.send(pb_utils.InferenceResponse([
+                pb_utils.Tensor("OUT", np.array([i * i], np.int32))]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def finalize(self):
+        for thread in self.inflight:
+            thread.join()
+'''
+
+WATCHER_CONFIG = '''
+name: "watcher"
+backend: "python"
+model_transaction_policy { decoupled: true }
+input [ { name: "NOTE" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_INT32 dims: [ 1 ] } ]
+'''
+
+# one response, then (for at most a minute) it waits until its request is cancelled, and
+# notes whether it was into the file NOTE
+WATCHER = '''
+import time
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        request = requests[0]
+        note = pb_utils.get_input_tensor_by_name(request, "NOTE").as_numpy()[0].decode()
+        sender = request.get_response_sender()
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.ones(1, np.int32))]))
+        for _ in range(6000):
+            if request.is_cancelled() and sender.is_cancelled():
+                break
+            time.sleep(0.01)
+        with open(note, "w") as f:
+            f.write(f"cancelled: {request.is_cancelled()}")
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+
 
 def _model(repository, name: str, config: str, code: str, version: str = "1") -> str:
     folder = repository / name
@@ -340,6 +482,9 @@ def triton(tmp_path_factory):
     _model(repository, "echo", ECHO_CONFIG, ECHO)
     _model(repository, "async_triple", ASYNC_CONFIG, ASYNC)
     _model(repository, "returns", RETURNS_CONFIG, RETURNS)
+    _model(repository, "repeat", REPEAT_CONFIG, REPEAT)
+    _model(repository, "squares", SQUARES_CONFIG, SQUARES)
+    _model(repository, "watcher", WATCHER_CONFIG, WATCHER)
     for name, value in (("own_a", 1), ("own-b", 2)):
         folder = _model(repository, name, OWN_CONFIG.replace("NAME", name), OWN)
         with open(os.path.join(folder, "1", "utils.py"), "w") as f:
@@ -595,9 +740,8 @@ def test_config_pbtxt_as_triton_reads_it(tmp_path, caplog):
     assert model.version == "3" and model.instances is None  # version_policy's highest
     with pytest.raises(triton_model.ModelConfigError, match="config.pbtxt: 1:"):
         triton_model.parse("max_batch_size: many", "config.pbtxt")
-    assert triton_model.parse("model_transaction_policy { decoupled: false }", "c")
-    with pytest.raises(triton_model.ModelConfigError, match="decoupled models"):
-        triton_model.parse("model_transaction_policy { decoupled: true }", "c")
+    decoupled = triton_model.parse("model_transaction_policy { decoupled: True }", "c")
+    assert triton_model.as_dict(decoupled)["model_transaction_policy"] == {"decoupled": True}
     (folder / "config.pbtxt").write_text('backend: "onnxruntime"')
     with pytest.raises(triton_model.ModelConfigError, match="Python backend only"):
         triton_model.read(str(folder))
@@ -670,9 +814,131 @@ def test_config_errors_stop_the_start(tmp_path):
     process = _serve(["--model-repository", str(tmp_path / "wrong" / "1"), "--port", "0"])
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 2 and "no model folder" in output
-    folder = _model(tmp_path, "decoupled", BAD_INIT_CONFIG.replace("bad_init", "decoupled") +
-                    "model_transaction_policy { decoupled: True }", BAD_INIT)
-    process = _serve([folder, "--port", "0"])
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 2, output
-    assert "decoupled: true }: multipy does not serve decoupled models" in output
+
+
+def test_a_decoupled_model_streams_over_grpc(triton):
+    """Triton's repeat: a response per element, then (enable_empty_final_response) an
+    empty one with the final flag; an error response, what execute raises, or a return
+    other than None, ends its request's answer with that error (in Triton's words),
+    after the responses sent before it."""
+    client = _grpc(triton)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+
+    def repeat(values: list[int], request_id: str, **options) -> None:
+        client.async_stream_infer("repeat", _inputs(grpcclient, (
+            "IN", np.array(values, np.int32), "INT32")), request_id=request_id, **options)
+
+    try:
+        repeat([4, 5, 6], "r1", enable_empty_final_response=True)
+        pieces = []
+        while True:
+            result, error = answers.get(timeout=60)
+            assert error is None, error
+            response = result.get_response()
+            assert response.id == "r1"
+            if response.parameters["triton_final_response"].bool_param:
+                assert not response.outputs
+                break
+            pieces.append((int(result.as_numpy("OUT")[0]), int(result.as_numpy("IDX")[0])))
+        assert pieces == [(4, 0), (5, 1), (6, 2)]
+        failed = "Failed to process the request(s) for model instance 'repeat_0_0', message: "
+        for values, said in (([7, -1, 8], "negative value -1"),
+                             ([7, 0, 8], failed + "TritonModelException: zero is not repeated"),
+                             ([7, 99], failed + "Python model 'repeat' is using the decoupled "
+                                                "mode and the execute function must return "
+                                                "None.")):
+            repeat(values, "r2")
+            result, error = answers.get(timeout=60)
+            assert error is None and result.as_numpy("OUT").tolist() == [7]
+            result, error = answers.get(timeout=60)
+            assert result is None and said in str(error), error
+    finally:
+        client.stop_stream()
+        client.close()
+    assert "zero is not repeated" in triton.output()  # (logged, with its traceback)
+
+
+def test_each_response_is_written_as_the_model_sends_it(triton, tmp_path):
+    """The model waits on a FIFO before each response after the first, in execute: the
+    test reads each event before it lets the model go on."""
+    gates = [tmp_path / f"gate{index}" for index in (1, 2)]
+    for gate in gates:
+        os.mkfifo(gate)
+    events = _Events(triton, "repeat", {"IN": [4, 5, 6], "GATE": str(tmp_path / "gate"),
+                                        "id": "e1"})
+    try:
+        assert events.status == 200
+        for index, value in enumerate([4, 5, 6]):
+            assert events.next() == {"model_name": "repeat", "model_version": "1",
+                                     "id": "e1", "OUT": value, "IDX": index}
+            if index < 2:
+                until(lambda: write_one(gates[index]))
+        assert events.next() is None
+    finally:
+        events.close()
+    # a send after the final flag raises, in Triton's words
+    until(lambda: "after the final flag: Unable to send response. Response sender has "
+                  "been closed." in triton.output())
+
+
+def test_a_decoupled_model_sends_from_a_thread_after_execute_returned(triton):
+    events = _Events(triton, "squares", {"IN": 4})
+    try:
+        assert [event["OUT"] for event in events.rest()] == [0, 1, 4, 9]
+    finally:
+        events.close()
+    # /infer and ModelInfer answer with a model's one response; a second is refused there
+    for module, client in ((httpclient, triton.client()), (grpcclient, _grpc(triton))):
+        result = client.infer("squares", _inputs(module, ("IN", np.array([1], np.int32),
+                                                          "INT32")))
+        assert result.as_numpy("OUT").tolist() == [0]
+        _, message = _client_error(lambda: client.infer("squares", _inputs(
+            module, ("IN", np.array([2], np.int32), "INT32"))))
+        assert "answers in pieces" in message and "generate_stream" in message
+
+
+def test_an_error_response_answers_infer_with_its_code(triton):
+    for module, client, status in ((httpclient, triton.client(), "400"),
+                                   (grpcclient, _grpc(triton), "StatusCode.INVALID_ARGUMENT")):
+        got, message = _client_error(lambda: client.infer("repeat", _inputs(
+            module, ("IN", np.array([-3], np.int32), "INT32"))))
+        assert got == status and "negative value -3" in message
+
+
+def test_a_client_that_goes_cancels_its_request(triton, tmp_path):
+    note = tmp_path / "note"
+    events = _Events(triton, "watcher", {"NOTE": str(note)})
+    try:
+        assert events.next()["OUT"] == 1
+    finally:
+        events.close()
+    until(lambda: note.exists() and note.read_text() != "")
+    assert note.read_text() == "cancelled: True"
+
+
+def test_timeout_cancels_a_decoupled_request(tmp_path):
+    """With --timeout, steps run on the interpreter's call thread: the wait for the
+    model's next response is cancelled there too, the request is cancelled, and the
+    interpreter answers on."""
+    for name, config, code in (("watcher", WATCHER_CONFIG, WATCHER),
+                               ("squares", SQUARES_CONFIG, SQUARES)):
+        _model(tmp_path / "repository", name, config, code)
+    (tmp_path / "server").mkdir()
+    server = _start(tmp_path / "server", [], "--model-repository",
+                    str(tmp_path / "repository"), "--interpreters", "1", "--timeout", "2")
+    try:
+        note = tmp_path / "note"
+        events = _Events(server, "watcher", {"NOTE": str(note)})
+        try:
+            assert events.next()["OUT"] == 1
+            assert "did not answer within 2.0 s (--timeout)" in events.next()["error"]
+        finally:
+            events.close()
+        until(lambda: note.exists() and note.read_text() != "")
+        assert note.read_text() == "cancelled: True"
+        result = server.client().infer("squares", _inputs(httpclient, (
+            "IN", np.array([1], np.int32), "INT32")))
+        assert result.as_numpy("OUT").tolist() == [0]
+    finally:
+        _stop(server)

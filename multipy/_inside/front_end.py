@@ -468,8 +468,7 @@ class _Model(ModelRequests):
                  timeout: float | None, refused: Table | None) -> None:
         super().__init__(name, series, max_batch_size, batch_delay, timeout)
         self._served, self._worker = served, worker
-        # (a batch's call answers several clients: not cancelled for one)
-        self._hangups = hangups if self._batcher is None else None
+        self._hangups = hangups
         self._refused = refused  # with --processes: the inputs that crashed processes
         self._asynchronous = getattr(served, "asynchronous", False)  # a class's async predict
         self._noted = f"model {name!r}, "  # what a crash report names, before the requests
@@ -507,8 +506,10 @@ class _Model(ModelRequests):
     async def _steps(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                      arrays: list[Any], started: Started, given: dict[str, Any],
                      request: InferRequest) -> AsyncIterator[tuple]:
-        self._check_refused(names, datatypes, arrays, given, started)
         pieces = self._served.stream(names, datatypes, *arrays, **given)
+        # (steps awaited on the loop may interleave with others': their crash not pinned)
+        self._check_refused(names, datatypes, arrays, given, started,
+                            pinned=not (pieces.asynchronous and self._worker is None))
         try:
             while True:
                 piece = await self._calling(
@@ -537,14 +538,15 @@ class _Model(ModelRequests):
             logger.exception("model %r: ending its stream raised", self.name)
 
     def _check_refused(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
-                       arrays: list[Any], given: dict[str, Any], started: Started) -> None:
+                       arrays: list[Any], given: dict[str, Any], started: Started,
+                       pinned: bool = True) -> None:
         """With --processes: ProtocolError if these inputs crashed a process before
-        (multipy.serve.request.poison); else the call's digest is noted in started, so
-        that a crash in it is pinned on its request."""
+        (multipy.serve.request.poison); else, if pinned, the call's digest is noted in
+        started, so that a crash in it is pinned on its request."""
         if self._refused is not None:
             digest = check(self._refused, self.name, names, datatypes, arrays, given)
-            if started.one and not self._asynchronous:  # (its crash is pinned on it;
-                started.digest = digest  # async calls may run together: not pinned)
+            if pinned and started.one and not self._asynchronous:  # (async calls may
+                started.digest = digest  # run together: not pinned)
 
     async def _calling(self, call: Callable[[], Any],
                        acall: Callable[[], Awaitable[Any]] | None, started: Started,
@@ -564,8 +566,9 @@ class _Model(ModelRequests):
                     if acall is not None:
                         return await acall()
                     hangups = self._hangups
-                    if hangups is None or request is None:
-                        return call()
+                    if hangups is None or request is None or self._batcher is not None:
+                        return call()  # (a batch's call answers several clients: none
+                        # is cancelled for one)
                     serial = next(serials)  # (cancelled if its client goes: hangups)
                     hangups.running = (serial, request)
                     try:

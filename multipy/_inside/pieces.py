@@ -17,6 +17,10 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from ..serve.request.messages import ProtocolError
 from .serving import raise_plainly
 
+#: Seconds that a cancelled step of an async generator run on a loop of its own is given
+#: to stop (a cancel that lands in the loop's own code may leave it waiting for nothing).
+_STOPS_WITHIN = 0.5
+
 
 class Pieces:
     """The pieces that source (a generator, or an async generator) yields, each made
@@ -36,36 +40,50 @@ class Pieces:
 
     def next(self) -> tuple | None:
         if self.asynchronous:
-            if self._loop is None:
-                self._loop = asyncio.new_event_loop()
-            step = self._loop.create_task(self.anext())
-            try:
-                return self._loop.run_until_complete(step)
-            except BaseException:  # (a cancel of the call: the model's stream ends too)
-                if not step.done():
-                    step.cancel()
-                    with contextlib.suppress(BaseException):
-                        self._loop.run_until_complete(step)
-                raise
+            return self._next_on_own_loop()
         try:
-            piece = next(self._source)  # type: ignore[call-overload]
+            with _plainly():
+                piece = next(self._source)  # type: ignore[call-overload]
         except StopIteration:
             return None
-        except ProtocolError:
-            raise
-        except Exception as error:
-            raise_plainly(error)
         return self._answer(piece)
+
+    def _next_on_own_loop(self) -> tuple | None:
+        """next() of an async generator, on a loop of this object's own, which ends with
+        the stream: at its end, or at what a step raised (a cancel of the call too: the
+        step is cancelled, waited for _STOPS_WITHIN seconds at most, and the model's
+        stream ended)."""
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        loop = self._loop
+        if loop.is_closed():
+            return None
+        step = loop.create_task(self.anext())
+        try:
+            piece = loop.run_until_complete(step)
+        except BaseException:
+            self._end_own_loop(step)
+            raise
+        if piece is None:
+            self._end_own_loop(step)
+        return piece
+
+    def _end_own_loop(self, step: asyncio.Task) -> None:
+        loop = self._loop
+        with contextlib.suppress(BaseException):  # (the stream is over, whatever it says)
+            if not step.done():
+                step.cancel()
+                loop.run_until_complete(asyncio.wait({step}, timeout=_STOPS_WITHIN))
+            if step.done():  # (else the model still runs its step: it is not closed)
+                loop.run_until_complete(self._source.aclose())
+        loop.close()
 
     async def anext(self) -> tuple | None:
         try:
-            piece = await self._source.__anext__()  # type: ignore[union-attr]
+            with _plainly():
+                piece = await self._source.__anext__()  # type: ignore[union-attr]
         except StopAsyncIteration:
             return None
-        except ProtocolError:
-            raise
-        except Exception as error:
-            raise_plainly(error)
         return self._answer(piece)
 
     def close(self) -> None:
@@ -74,6 +92,8 @@ class Pieces:
             return
         if self._loop is None:
             self._loop = asyncio.new_event_loop()
+        if self._loop.is_closed():  # (ended already)
+            return
         try:
             self._loop.run_until_complete(self.aclose())
         finally:
@@ -81,6 +101,18 @@ class Pieces:
 
     async def aclose(self) -> None:
         await self._source.aclose()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def _plainly() -> Iterator[None]:
+    """What the model raises in it, as ``raise_plainly`` raises it (a ProtocolError, and
+    a builtin exception such as the end of its iteration, as it is)."""
+    try:
+        yield
+    except ProtocolError:
+        raise
+    except Exception as error:
+        raise_plainly(error)
 
 
 def streams(function: Callable) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..serve.request.protocol import ProtocolError
 from .pieces import Pieces, streams
-from .serving import declaration, named_outputs, raise_plainly
+from .serving import declaration, flat, named_outputs, raise_plainly
 
 
 def load(kind: type, described_as: str) -> ServedClass:
@@ -98,9 +98,7 @@ class ServedClass:
             raise
         except Exception as error:
             raise_plainly(error)
-        return (tuple(name for name, _, _ in outputs),
-                tuple(datatype for _, datatype, _ in outputs),
-                *(array for _, _, array in outputs))
+        return flat(outputs)
 
     def metadata(self) -> dict[str, Any]:
         """What the class declares (its ``inputs`` and ``outputs``), else none."""

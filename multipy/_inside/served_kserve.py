@@ -73,6 +73,7 @@ class ServedKServeModel(ServedClass):
         self.invalid = KServeInvalidInput
         self.declared = declared
         self.asynchronous = True
+        self.streams = False  # (a predict that yields KServe's streamed answer: not served)
 
     def infer(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any,
               request: tuple[str | None, dict[str, Any]] | None = None) -> tuple:

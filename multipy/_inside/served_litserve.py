@@ -28,12 +28,13 @@ import json
 import logging
 import sys
 import typing
-from typing import Any
+from typing import Any, Iterator
 
 from ..serve.request.litserve import API_PATH, BODY, REQUEST, STATUS
 from ..serve.request.messages import ProtocolError
+from .pieces import Pieces
 from .served_class import own_health
-from .serving import named_outputs, raise_plainly
+from .serving import flat, named_outputs, raise_plainly
 
 logger = logging.getLogger("multipy.serve")
 
@@ -57,11 +58,13 @@ def load(kind: type, device: str, max_batch_size: int) -> ServedLitAPI:
     instance = kind()
     described = f"{kind.__module__}.{kind.__qualname__}"
     for refused, what in ((instance.spec is not None, "a spec"),
-                          (instance.stream, "streaming (stream=True)"),
+                          (instance.stream and (max_batch_size > 1 or instance.max_batch_size > 1),
+                           "streaming (stream=True) with batching"),
                           (getattr(instance, "enable_async", False), "enable_async=True")):
         if refused:
             raise TypeError(f"{described} uses {what}, which multipy serve does not serve: "
-                            f"it serves LitAPIs that answer each request with one JSON value")
+                            f"it serves LitAPIs that answer each request with one JSON value, "
+                            f"or stream one request's (stream=True, without batching)")
     own = max_batch_size <= 1 and instance.max_batch_size > 1
     if not own:
         instance.max_batch_size = max_batch_size
@@ -83,6 +86,8 @@ class ServedLitAPI:
             jsonable_encoder = None
         self.instance = instance
         self.asynchronous = False
+        #: whether it answers in pieces (stream=True: predict and encode_response yield)
+        self.streams = bool(instance.stream)
         self._http_error = HTTPException
         self._encodable = jsonable_encoder
         self._batched = instance.max_batch_size > 1
@@ -113,17 +118,62 @@ class ServedLitAPI:
         except Exception as error:
             raise_plainly(error)
 
+    def stream(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...], *arrays: Any
+               ) -> Pieces:
+        """The pieces of the answer to the one request the arrays hold, for an API with
+        stream=True, whose predict and encode_response are generators: each encoded
+        response is one piece, as LitServe sends it (``format_encoded_response``: a dict
+        as a line of JSON) on LitServe's route, as outputs (``infer``'s) on the
+        protocol's.  A request refused before its first piece (HTTPException) is one
+        piece, its error answer, on LitServe's route; after it, a ProtocolError."""
+        return Pieces(self._pieces(names, arrays), lambda piece: piece)
+
+    def _pieces(self, names: tuple[str, ...], arrays: tuple) -> Iterator[tuple]:
+        own = names == (REQUEST,)
+        if own:
+            request = self._parsed(arrays[0][0])
+        else:
+            if not arrays or arrays[0].ndim == 0 or len(arrays[0]) != 1:
+                raise ProtocolError(f"{type(self.instance).__qualname__} streams its answer to "
+                                    f"one request at a time: give each input one row")
+            request = {name: _value(array[0]) for name, array in zip(names, arrays)}
+        sent = False
+        try:
+            context: dict = {}
+            if isinstance(request, _Refused):
+                raise request
+            if self._request_model is not None:
+                request = self._validated(request)
+            x = self._hook("decode_request", context, request)
+            for output in self._hook("encode_response", context,
+                                     self._hook("predict", context, x)):
+                yield self._piece(own, output)
+                sent = True
+        except (self._http_error, _Refused) as error:
+            status, detail = (error.status, error.detail) if isinstance(error, _Refused) \
+                else (error.status_code, error.detail)
+            if sent or not own:
+                raise ProtocolError(str(detail), status) from None
+            yield _own_answer(status, json.dumps({"detail": detail}, **_JSON).encode())
+
+    def _piece(self, own: bool, output: Any) -> tuple:
+        """One encoded response as a piece: LitServe's line on its route, else outputs."""
+        if own:
+            line = self.instance.format_encoded_response(output)
+            if not isinstance(line, (str, bytes)):
+                line = json.dumps(self._encoded(line)) + "\n"
+            return _own_answer(200, line.encode() if isinstance(line, str) else line)
+        outputs = named_outputs(sys.modules.get("torch"), output if isinstance(output, dict)
+                                else {"output": output}, set())
+        return flat(outputs)
+
     def _answers(self, names: tuple[str, ...], arrays: tuple) -> tuple:
         import numpy
 
         if names == (REQUEST,):
-            answers = [(status, json.dumps(value, **_JSON).encode())
-                       for status, value in self._serve([self._parsed(body)
-                                                         for body in arrays[0]])]
-            statuses = numpy.array([status for status, _ in answers], dtype=numpy.int32)
-            bodies = numpy.empty(len(answers), dtype=object)
-            bodies[:] = [body for _, body in answers]
-            return (STATUS, BODY), ("INT32", "BYTES"), statuses, bodies
+            return _own_answer(*zip(*[(status, json.dumps(value, **_JSON).encode())
+                                      for status, value in self._serve(
+                                          [self._parsed(body) for body in arrays[0]])]))
         rows = len(arrays[0]) if arrays and arrays[0].ndim else 0
         requests = [{name: _value(array[i]) for name, array in zip(names, arrays)}
                     for i in range(rows)]
@@ -136,9 +186,7 @@ class ServedLitAPI:
         outputs = named_outputs(sys.modules.get("torch"), {
             key: values if all(isinstance(v, (str, bytes)) for v in values)
             else numpy.asarray(values) for key, values in columns.items()}, set())
-        return (tuple(name for name, _, _ in outputs),
-                tuple(datatype for _, datatype, _ in outputs),
-                *(array for _, _, array in outputs))
+        return flat(outputs)
 
     def _parsed(self, body: bytes) -> Any:
         """The JSON value of a request's body, or the 400 answer to one that is not."""
@@ -219,8 +267,9 @@ class ServedLitAPI:
         the API sets it and --max-batch-size does not."""
         own = {"batching": [self.instance.max_batch_size, self.instance.batch_timeout]} \
             if self._own_batching else {}
+        streaming = {"streams": True} if self.streams else {}
         return {"inputs": [], "outputs": [], "platform": "python", "own_health": True,
-                API_PATH: self.instance.api_path, **own}
+                API_PATH: self.instance.api_path, **own, **streaming}
 
     def warm_up(self) -> None:
         """Nothing: setup() has run."""
@@ -252,6 +301,18 @@ def _pydantic_model(method: Any) -> type | None:
     except Exception:  # (a forward reference that does not resolve: no model)
         return None
     return kind if inspect.isclass(kind) and issubclass(kind, pydantic.BaseModel) else None
+
+
+def _own_answer(statuses: Any, bodies: Any) -> tuple:
+    """The outputs of the answers on LitServe's route: each request's status (an int, or
+    a sequence of them, one per request) and JSON body (bytes, or a sequence)."""
+    import numpy
+
+    if isinstance(bodies, bytes):
+        statuses, bodies = (statuses,), (bodies,)
+    found = numpy.empty(len(bodies), dtype=object)
+    found[:] = list(bodies)
+    return (STATUS, BODY), ("INT32", "BYTES"), numpy.array(statuses, dtype=numpy.int32), found
 
 
 def _value(row: Any) -> Any:

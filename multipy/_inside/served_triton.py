@@ -16,6 +16,12 @@ whose code says the HTTP status and gRPC code). What ``execute`` raises goes to 
 request of the call, as an internal error in Triton's words (logged, with its
 traceback). ``execute`` may be ``async def``: it is awaited on the front end's event
 loop. ``finalize()`` runs when the model is dropped: unloaded, or at the server's stop.
+
+A decoupled model (``model_transaction_policy { decoupled: true }``) streams: its
+``execute`` gets one request, runs on a thread of its own and returns None, and the
+request's response sender (``triton_utils.InferenceResponseSender``, from that thread or
+any other, during or after ``execute``) sends each response of the answer, a piece of
+it (multipy._inside.pieces), then the final flag.
 """
 from __future__ import annotations
 
@@ -23,13 +29,15 @@ import asyncio
 import inspect
 import json
 import os
+import threading
 import traceback
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
-from ..serve.request.messages import Answer
+from ..serve.request.messages import Answer, ProtocolError
 from . import triton_imports, triton_utils
-from .serving import output_array
+from .pieces import Pieces
+from .serving import flat, output_array
 
 #: (HTTP status, gRPC status name) of each TritonError code, as Triton answers them.
 _STATUSES = {0: (400, "UNKNOWN"), 1: (500, "INTERNAL"), 2: (404, "NOT_FOUND"),
@@ -39,6 +47,9 @@ _STATUSES = {0: (400, "UNKNOWN"), 1: (500, "INTERNAL"), 2: (404, "NOT_FOUND"),
 _PROTOCOL_PARAMETERS = {"binary_data_output", "binary_data_size"}
 #: One request of a call, as the host gives it: (id, parameters, rows, outputs asked for).
 Request = tuple[str | None, dict[str, Any], int, list[str] | None]
+#: Seconds between a stream's looks at its queue of responses: where the wait blocks a
+#: thread (with --timeout, the interpreter's call thread), a cancel lands between looks.
+_LOOK = 0.1
 
 
 def load(model_file: str, name: str, version: str, config: str, instance: int) -> ServedTriton:
@@ -80,7 +91,8 @@ def _declared(config: dict[str, Any], kind: str) -> list[dict[str, Any]]:
 
 class ServedTriton:
     """One Triton Python model in this interpreter, called as ``multipy._inside.serving.
-    Served`` is, but per request: ``infer`` answers each request of the call on its own."""
+    Served`` is, but per request: ``infer`` answers each request of the call on its own,
+    ``stream`` a decoupled model's one request in pieces."""
 
     def __init__(self, model: Any, name: str, version: str, config: dict[str, Any],
                  instance_name: str) -> None:
@@ -92,6 +104,8 @@ class ServedTriton:
         self.instance_name = instance_name
         #: whether execute is a coroutine function: awaited, on the front end's loop
         self.asynchronous = inspect.iscoroutinefunction(model.execute)
+        #: whether the model is decoupled: it answers in pieces, through response senders
+        self.streams = triton_utils.using_decoupled_model_transaction_policy(config)
         self._finalized = False
 
     def infer(self, names: tuple[str, ...], datatypes: tuple[str, ...], *arrays: Any,
@@ -117,19 +131,87 @@ class ServedTriton:
             if self.asynchronous:
                 responses = await responses
             return self._answers(calls, responses)
-        except _Returned as error:
-            reason, where = str(error), ""
         except Exception as error:
+            message = self._failure(error)
+        return ((tuple(Answer(status=500, code="INTERNAL", message=message)),) * len(calls),)
+
+    def stream(self, names: tuple[str, ...], datatypes: tuple[str, ...], *arrays: Any,
+               requests: list[Request]) -> Pieces:
+        """A decoupled model's answer to the one request of requests (see infer), in
+        pieces: each step waits for the next response its sender sends, and gives its
+        outputs (those the request asks for), as ``Served.infer`` gives them.  The first
+        step starts ``execute`` on a thread of its own.  A response with an error ends the
+        answer with it (ProtocolError, with its code's status), and so does what execute
+        raises, or returns other than None, in Triton's words; the final flag ends it.
+        Closed before then (its client went away), the request is cancelled."""
+        return Pieces(self._responses(names, arrays, requests), flat)
+
+    async def _responses(self, names: tuple[str, ...], arrays: tuple,
+                         requests: list[Request]) -> AsyncIterator[list[tuple[str, str, Any]]]:
+        """stream's source: each response's outputs, as the sender delivers them."""
+        loop = asyncio.get_running_loop()
+        delivered: asyncio.Queue = asyncio.Queue()
+
+        def deliver(response: triton_utils.InferenceResponse | None) -> None:
+            try:
+                loop.call_soon_threadsafe(delivered.put_nowait, response)
+            except RuntimeError:  # the loop has closed: the stream has ended with it
+                pass
+
+        sender = triton_utils.InferenceResponseSender(deliver)
+        [call] = self._requests(names, arrays, requests, sender)
+        threading.Thread(target=self._execute, args=(call, sender), daemon=True,
+                         name=f"{self.instance_name} execute").start()
+        ended = False
+        try:
+            while (response := await _next(delivered)) is not None:
+                if response.has_error():
+                    refused = _refused(response.error())
+                    raise ProtocolError(refused.message, refused.status, refused.code)
+                yield _outputs(call, response)
+            ended = True
+        finally:
+            if not ended:
+                sender.cancel()
+
+    def _execute(self, call: triton_utils.InferenceRequest,
+                 sender: triton_utils.InferenceResponseSender) -> None:
+        """Runs a decoupled model's execute on call (an ``async def execute`` on an event
+        loop of its own); what it raises, or returns other than None, ends the answer with
+        an internal error, unless it has ended."""
+        try:
+            returned = self.model.execute([call])
+            if inspect.iscoroutine(returned):
+                returned = asyncio.run(returned)
+            if returned is not None:
+                raise _Returned(f"Python model '{self.name}' is using the decoupled mode and "
+                                f"the execute function must return None.")
+        except Exception as error:
+            failed = triton_utils.InferenceResponse(error=triton_utils.TritonError(
+                self._failure(error)))
+            try:
+                sender.send(failed, triton_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except triton_utils.TritonModelException:  # (its answer had ended)
+                pass
+
+    def _failure(self, error: Exception) -> str:
+        """What a call of execute that raised error (or returned wrong: _Returned) answers,
+        in Triton's words; logged, with the traceback of what execute raised."""
+        if isinstance(error, _Returned):
+            reason, where = str(error), ""
+        else:
             reason = f"{type(error).__name__}: {error}"
             where = "\n" + "".join(traceback.format_exception(error)).rstrip()
         message = (f"Failed to process the request(s) for model instance "
                    f"'{self.instance_name}', message: {reason}")
         triton_utils.Logger.log_error(message + where)
-        return ((tuple(Answer(status=500, code="INTERNAL", message=message)),) * len(calls),)
+        return message
 
-    def _requests(self, names: tuple[str, ...], arrays: tuple,
-                  requests: list[Request]) -> list[triton_utils.InferenceRequest]:
-        """The InferenceRequests that execute gets for requests (see infer)."""
+    def _requests(self, names: tuple[str, ...], arrays: tuple, requests: list[Request],
+                  sender: triton_utils.InferenceResponseSender | None = None
+                  ) -> list[triton_utils.InferenceRequest]:
+        """The InferenceRequests that execute gets for requests (see infer); sender: the
+        one request's response sender (a decoupled model's)."""
         calls = []
         start = 0
         for request_id, parameters, rows, outputs in requests:
@@ -142,7 +224,7 @@ class ServedTriton:
                    if key not in _PROTOCOL_PARAMETERS}
             calls.append(triton_utils.InferenceRequest(
                 inputs, request_id or "", 0, asked, triton_utils.parameters_text(own),
-                self.name))
+                self.name, sender))
         return calls
 
     def _answers(self, calls: list[triton_utils.InferenceRequest], responses: Any) -> tuple:
@@ -151,22 +233,16 @@ class ServedTriton:
         unless responses is a list of one InferenceResponse per request."""
         _check_returned(calls, responses)
         answers: list[tuple] = []
-        flat: list[Any] = []
+        arrays: list[Any] = []
         for call, response in zip(calls, responses):
-            error = response.error()
-            if error is not None:
-                status, code = _STATUSES.get(error.code(), (500, "INTERNAL"))
-                answers.append(tuple(Answer(status=status, code=code,
-                                            message=str(error.message()))))
+            if response.has_error():
+                answers.append(tuple(_refused(response.error())))
                 continue
-            asked = set(call.requested_output_names())
-            found = [(tensor.name(), *output_array(None, tensor.name(), tensor.as_numpy(),
-                                                    set()))
-                     for tensor in response.output_tensors() if tensor.name() in asked]
+            found = _outputs(call, response)
             answers.append(tuple(Answer(tuple(name for name, _, _ in found),
                                         tuple(datatype for _, datatype, _ in found))))
-            flat.extend(array for _, _, array in found)
-        return (tuple(answers), *flat)
+            arrays.extend(array for _, _, array in found)
+        return (tuple(answers), *arrays)
 
     def metadata(self) -> dict[str, Any]:
         """The config's inputs and outputs (requests are checked against the inputs),
@@ -184,7 +260,8 @@ class ServedTriton:
         return {"inputs": _declared(config, "input"), "outputs": _declared(config, "output"),
                 "declared": True, "platform": "python", "versions": [self.version],
                 "per_request": True, "batching": batching,
-                "max_rows": config.get("max_batch_size", 0) or None}
+                "max_rows": config.get("max_batch_size", 0) or None,
+                **({"streams": True} if self.streams else {})}
 
     def warm_up(self) -> None:
         """Nothing: initialize has run."""
@@ -215,6 +292,30 @@ def _check_returned(calls: list[triton_utils.InferenceRequest], responses: Any) 
         if not isinstance(response, triton_utils.InferenceResponse):
             raise _Returned(f"Expected an 'InferenceResponse' object in the execute "
                             f"function return list, found type '{type(response)}'.")
+
+
+def _refused(error: triton_utils.TritonError) -> Answer:
+    """The answer of a response with error: the HTTP status and gRPC code of its code."""
+    status, code = _STATUSES.get(error.code(), (500, "INTERNAL"))
+    return Answer(status=status, code=code, message=str(error.message()))
+
+
+def _outputs(call: triton_utils.InferenceRequest, response: triton_utils.InferenceResponse
+             ) -> list[tuple[str, str, Any]]:
+    """response's outputs that call asks for (the others dropped, as Triton does), each
+    (name, datatype, array)."""
+    asked = set(call.requested_output_names())
+    return [(tensor.name(), *output_array(None, tensor.name(), tensor.as_numpy(), set()))
+            for tensor in response.output_tensors() if tensor.name() in asked]
+
+
+async def _next(delivered: asyncio.Queue) -> Any:
+    """The next item of delivered, looked for every _LOOK seconds."""
+    while True:
+        try:
+            return await asyncio.wait_for(delivered.get(), _LOOK)
+        except asyncio.TimeoutError:
+            continue
 
 
 def _finished(run: Coroutine[Any, Any, tuple]) -> tuple:

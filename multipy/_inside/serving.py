@@ -200,8 +200,7 @@ class Served:
             outputs = named_outputs(torch, result, self.state)
         except Exception as error:
             raise_plainly(error)
-        output_names, output_datatypes, output_arrays = zip(*outputs) if outputs else ((), (), ())
-        return (output_names, output_datatypes, *output_arrays)
+        return flat(outputs)
 
     def forget(self) -> None:
         """Lets go of what the process keeps of the model's package for good, so that
@@ -306,6 +305,13 @@ def named_outputs(torch: Any, result: Any, state: set[int]) -> list[tuple[str, s
         else:
             flat.append((name, *output_array(torch, name, value, state)))
     return flat
+
+
+def flat(outputs: list[tuple[str, str, Any]]) -> tuple:
+    """(names, datatypes, *arrays) of outputs, each (name, datatype, array), as
+    ``Served.infer`` returns them: flat, so that the call takes multipy's fast path."""
+    names, datatypes, arrays = zip(*outputs) if outputs else ((), (), ())
+    return (names, datatypes, *arrays)
 
 
 def _is_string_list(value: Any) -> bool:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import numpy as np
 
@@ -28,6 +29,8 @@ _NUMBERS = {name: number for number, name in enumerate(
     ["TYPE_INVALID", "TYPE_BOOL", "TYPE_UINT8", "TYPE_UINT16", "TYPE_UINT32", "TYPE_UINT64",
      "TYPE_INT8", "TYPE_INT16", "TYPE_INT32", "TYPE_INT64", "TYPE_FP16", "TYPE_FP32",
      "TYPE_FP64", "TYPE_STRING"])}
+#: The flag of a response sender's last send: the request's answer is complete.
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 
 _logger = logging.getLogger("multipy.serve")
 
@@ -173,17 +176,20 @@ class _Capsule:
 
 
 class InferenceRequest:
-    """One client's request, as ``execute`` gets it."""
+    """One client's request, as ``execute`` gets it; a decoupled model's answers it
+    through its ``get_response_sender()``."""
 
     def __init__(self, inputs: list[Tensor], request_id: str = "", correlation_id: int = 0,
                  requested_output_names: list[str] | None = None, parameters: str = "{}",
-                 model_name: str = "") -> None:
+                 model_name: str = "", response_sender: InferenceResponseSender | None = None
+                 ) -> None:
         self._inputs = inputs
         self._id = request_id
         self._correlation_id = correlation_id
         self._outputs = list(requested_output_names or [])
         self._parameters = parameters
         self._model_name = model_name
+        self._sender = response_sender
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -210,11 +216,68 @@ class InferenceRequest:
         return 0
 
     def is_cancelled(self) -> bool:
-        return False
+        """Whether the request's answer ended before the final flag (its client went
+        away): a decoupled model's request only (``InferenceResponseSender.is_cancelled``)."""
+        return self._sender is not None and self._sender.is_cancelled()
 
-    def get_response_sender(self) -> Any:
-        raise TritonModelException("decoupled models (a response sender) are not served by "
-                                   "multipy: return one InferenceResponse per request")
+    def get_response_sender(self) -> InferenceResponseSender:
+        """The sender of the request's responses; TritonModelException unless the model
+        is decoupled (a response sender in a model that returns its responses is not
+        served)."""
+        if self._sender is None:
+            raise TritonModelException(
+                "multipy serves a response sender to decoupled models only (config.pbtxt: "
+                "model_transaction_policy { decoupled: true }): return one "
+                "InferenceResponse per request")
+        return self._sender
+
+
+class InferenceResponseSender:
+    """A decoupled model's way to answer one request: ``send(response)`` sends one
+    response (its outputs, or its error), ``send(response=None,
+    flags=TRITONSERVER_RESPONSE_COMPLETE_FINAL)`` ends the answer, with or without a
+    last response; a send after that raises TritonModelException, in Triton's words.
+    Each response goes to deliver(response) as it is sent, and the end to
+    deliver(None); once the answer has ended otherwise (``cancel``), sends are dropped.
+    Any thread may send."""
+
+    def __init__(self, deliver: Callable[[InferenceResponse | None], None]) -> None:
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._closed = False
+        self._cancelled = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if response is None and not flags:
+            raise TritonModelException("Inference Response object must be provided when "
+                                       "the response flags is set to zero.")
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TypeError(f"send(): response is a {type(response).__name__}, not an "
+                            f"InferenceResponse")
+        with self._lock:
+            if self._closed:
+                raise TritonModelException("Unable to send response. Response sender has "
+                                           "been closed.")
+            self._closed = bool(flags)
+            if self._cancelled:
+                return
+            if response is not None:
+                self._deliver(response)
+            if flags:
+                self._deliver(None)
+
+    def is_cancelled(self) -> bool:
+        """Whether the answer ended before the final flag: its client went away (or
+        --timeout passed, or an error response ended it)."""
+        return self._cancelled
+
+    def cancel(self) -> None:
+        """(The server's) The answer has ended without its last response: later sends
+        are dropped, and ``is_cancelled()`` is true."""
+        with self._lock:
+            self._cancelled = True
 
 
 class InferenceResponse:
@@ -262,6 +325,12 @@ def get_input_config_by_name(model_config: dict, name: str) -> dict | None:
 def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
     """The config's output called name (a dict, as in ``args["model_config"]``), or None."""
     return next((spec for spec in model_config.get("output", []) if spec["name"] == name), None)
+
+
+def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
+    """Whether the config (a dict, as in ``args["model_config"]``) makes the model
+    decoupled: ``model_transaction_policy { decoupled: true }``."""
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled"))
 
 
 class Logger:

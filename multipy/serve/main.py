@@ -173,13 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     is not to be found, or whose code raised as the first interpreter loaded it
     (Service.prepare; then with the interpreter's traceback)."""
     make_room()  # re-executes this process with room for 15 interpreters if it lacks it
+    began = time.monotonic()  # "ready in" counts from here: loads before listening too
     parse = parser()
     args = parse.parse_args(argv)
     served = options(args, parse)
     if args.ray:
         if importlib.util.find_spec("ray") is None:
             parse.exit(1, "multipy serve --ray needs the 'ray' extra, which installs Ray "
-                          "Serve: pip install 'multipy[ray]' (from a checkout: "
+                          "Serve: pip install 'multipy-interpreters[ray]' (from a checkout: "
                           "pip install -e '.[ray]')\n")
         from .on_ray import serve_on_ray
 
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         supervised.prepared()
     listener = None if bound is None else listen(bound)
     fronts = FrontEnds()
-    loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc, supervised),
+    loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc, supervised,
+                                                    began),
                               daemon=True, name="multipy-serve-start")
     app = create_app(service, loader.start)
     config = Config(app, host=args.host, port=args.port, lifespan="on", ws="none",
@@ -293,14 +295,14 @@ def _host_port(host: str, port: int) -> str:
 
 
 def _load(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None,
-          supervised: Supervised | None) -> None:
+          supervised: Supervised | None, began: float) -> None:
     """Loads the models once the server listens, then starts the interpreters' front
     ends (with gRPC on grpc, "HOST:PORT", if given); stops the server if either fails.
-    A supervised process then tells its supervisor."""
+    A supervised process then tells its supervisor.  Its "ready in" counts from began,
+    the command's start (models written as classes load once before it listens)."""
     server.begun.wait()
     if server.should_exit:
         return
-    started = time.monotonic()
     try:
         service.start(before_ready=lambda: fronts.start(service, grpc, supervised))
     except BaseException as error:
@@ -314,7 +316,7 @@ def _load(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None
         supervised.ready()
     names = ", ".join(service.models)
     also = "" if grpc is None else f", gRPC on {grpc}"
-    logger.info(f"ready in {time.monotonic() - started:.1f} s: {names} on "
+    logger.info(f"ready in {time.monotonic() - began:.1f} s: {names} on "
                 f"{service.interpreters} interpreter(s), "
                 f"http://{server.config.host}:{server.config.port}/v2/models/NAME/infer{also}")
 

@@ -29,22 +29,30 @@ _LOCAL_HEADER = struct.Struct("<4s2B4HL2L2H")
 _LOCAL_MAGIC = b"PK\x03\x04"
 
 
+#: How to make an archive, as the errors say it: the model's own code goes in (intern),
+#: the libraries it imports stay outside (extern).
+_RECIPE = ("save the model with torch.package: with torch.package.PackageExporter(PATH) as "
+           "exporter: exporter.intern('your_models.**'); exporter.extern(['torch.**', "
+           "'numpy.**']); exporter.save_pickle('model', 'model.pkl', model)")
+
+
 class ArchiveError(ValueError):
     """The file is not a torch.package archive holding the model asked for."""
 
 
 def check(path: str, module: str, resource: str) -> None:
     """ArchiveError unless path is a torch.package archive with (module, resource)."""
+    if os.path.isdir(path):
+        raise ArchiveError(f"{path} is a folder, not a torch.package archive (a file), nor a "
+                           f"Triton model's folder (one with a config.pbtxt): {_RECIPE}")
     if not os.path.isfile(path):
         raise ArchiveError(f"{path}: no such file")
     if not zipfile.is_zipfile(path):
-        raise ArchiveError(f"{path} is not a torch.package archive (not a zip file): save "
-                           f"the model with torch.package.PackageExporter")
+        raise ArchiveError(f"{path} is not a torch.package archive (not a zip file): {_RECIPE}")
     with zipfile.ZipFile(path) as archive:
         records = {info.filename.split("/", 1)[-1] for info in archive.infolist()}
     if ".data/version" not in records:
-        raise ArchiveError(f"{path} is a zip file but not a torch.package archive: save "
-                           f"the model with torch.package.PackageExporter")
+        raise ArchiveError(f"{path} is a zip file but not a torch.package archive: {_RECIPE}")
     wanted = f"{module.replace('.', '/')}/{resource}"
     if wanted not in records:
         pickles = sorted(name for name in records

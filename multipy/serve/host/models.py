@@ -20,8 +20,9 @@ import logging
 import threading
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
+from ..._aio import acquire_one, result
 from ...errors import InterpreterError
 from ...replicated import ReplicatedObj
 from ..request.contract import ServedCalls
@@ -204,6 +205,56 @@ class ServedModel(ModelRequests):
         except InterpreterError as error:  # a type the host cannot re-create
             raise ModelError(f"model {self.name!r} raised {error.type_name}: "
                              f"{error.message}") from error
+
+
+    async def _steps(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
+                     arrays: list[Any], started: Started, given: dict[str, Any],
+                     request: InferRequest) -> AsyncIterator[tuple]:
+        """A model that streams, from the host: its pieces made in one interpreter, whose
+        turn the stream holds to its end (each step one call there)."""
+        stuck = self._metrics.all_stuck()  # (the front ends' interpreters)
+        if stuck:
+            raise ProtocolError(f"{stuck}; try again later", 503)
+        if self._refused is not None:
+            check(self._refused, self.name, names, datatypes, arrays, given)
+        async with self._turns:
+            with await acquire_one(self._manager) as session:
+                pieces = PiecesCalls(self._calls.stream(session.interpreter, names,
+                                                        datatypes, *arrays, **given))
+                ended = False
+                try:
+                    while True:
+                        try:
+                            with started:
+                                piece = await pieces.next()
+                        except BaseException:  # (a step that raised, or was cancelled,
+                            ended = True  # has ended the model's stream)
+                            raise
+                        if piece is None:
+                            ended = True
+                            return
+                        yield piece
+                        started = started.later()
+                finally:
+                    if not ended:  # (closed early, between steps)
+                        await pieces.close()
+
+
+class PiecesCalls:
+    """The host's calls of a model's answer in pieces in one interpreter (a
+    multipy._inside.pieces.Pieces, through pieces, its multipy.session.Obj), each awaited
+    without blocking the loop, cancelled if the awaiting task is."""
+
+    def __init__(self, pieces: Obj) -> None:
+        self._pieces = pieces
+
+    async def next(self) -> tuple | None:
+        """The next piece's outputs (as ``Served.infer``'s), or None at the end."""
+        return await result(self._pieces.start_call_value("next"))
+
+    async def close(self) -> None:
+        """Ends the model's stream early (its ``finally`` runs)."""
+        await result(self._pieces.start_call_value("close"))
 
 
 class Turns:

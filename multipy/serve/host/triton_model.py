@@ -118,22 +118,7 @@ def parse(text: str, where: str) -> ModelConfig:
         config = text_format.Parse(text, ModelConfig())
     except text_format.ParseError as error:
         raise ModelConfigError(f"{where}: {error}") from None
-    if any(name == "model_transaction_policy" and _sets_true(value, "decoupled")
-           for name, value in skipped):
-        raise ModelConfigError(f"{where}: model_transaction_policy {{ decoupled: true }}: "
-                               f"multipy does not serve decoupled models (responses sent "
-                               f"through a response sender) yet")
     return config
-
-
-def _sets_true(tokens: list[str], field: str) -> bool:
-    """Whether tokens (a message's, in text format) set its boolean field to true."""
-    for i, token in enumerate(tokens[:-1]):
-        if token == field:
-            value = tokens[i + 2] if tokens[i + 1] == ":" and i + 2 < len(tokens) \
-                else tokens[i + 1]
-            return value in ("true", "True", "t", "1")
-    return False
 
 
 def _known_only(text: str) -> tuple[list[str], list[tuple[str, list[str]]]]:

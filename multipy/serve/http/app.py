@@ -84,7 +84,7 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
               if route.path.rpartition("/")[2] in _DIRECT}
     app = Starlette(routes=routes, exception_handlers={HTTPException: endpoints.http_error},
                     lifespan=endpoints.lifespan)
-    return _inference_first(direct, litserve_first(service, app, read_body))
+    return _inference_first(direct, litserve_first(service, app))
 
 
 def _guarded(restrictions: Restrictions, path: str, endpoint: Callable) -> Callable:

@@ -1,11 +1,12 @@
 """The two ends of an HTTP exchange that the endpoints of multipy.serve.http write
 themselves, below Starlette: reading a request's body within a limit (``read_body``),
-and sending a whole answer (``answer``), written at once where uvicorn serves the
-connection.
+sending a whole answer (``answer``), written at once where uvicorn serves the
+connection, and sending one in pieces as they are made (``send_pieces``).
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import asyncio
+from typing import AsyncIterator, Awaitable, Callable, Mapping
 
 from ..request.messages import ProtocolError
 from .uvicorn_server import write_answer
@@ -51,3 +52,47 @@ async def read_body(receive: Callable, declared: str | None, limit: int) -> byte
         if not message.get("more_body", False):
             return b"".join((*chunks, chunk)) if chunks else chunk  # (most: in one piece)
         chunks.append(chunk)
+
+
+async def send_pieces(send: Callable, first: bytes | None, pieces: AsyncIterator[bytes],
+                      gone: Callable[[], Awaitable[None]],
+                      failed: Callable[[ProtocolError], bytes | None]) -> None:
+    """Sends first (if not None) and each of pieces, as it comes, as the body of an
+    answer begun (its start sent), then ends it; a ProtocolError between pieces ends it
+    with failed(error)'s last piece, if that gives one.  Once ``gone()`` returns (its
+    client has gone: uvicorn's send then writes nothing, silently), the wait for the
+    next piece is cancelled: the caller closes pieces."""
+    task = asyncio.current_task()
+    went = False
+
+    def going(_: object) -> None:
+        nonlocal went
+        went = True
+        task.cancel()
+
+    watching = asyncio.ensure_future(gone())
+    watching.add_done_callback(going)
+    try:
+        if first is not None:
+            await send(_piece(first))
+        try:
+            async for piece in pieces:
+                await send(_piece(piece))
+        except ProtocolError as error:
+            last = failed(error)
+            if last is not None:
+                await send(_piece(last))
+        await send({"type": "http.response.body", "body": b""})
+    except asyncio.CancelledError:
+        if not went:
+            raise
+        if hasattr(task, "uncancel") and task.uncancel() > 0:  # (3.11: this cancel is
+            raise  # handled; another, as the server stops, is not)
+    finally:
+        watching.remove_done_callback(going)
+        watching.cancel()
+
+
+def _piece(body: bytes) -> dict:
+    """The ASGI message of one piece of an answer's body, more to come."""
+    return {"type": "http.response.body", "body": body, "more_body": True}

@@ -12,19 +12,19 @@ step (during a step, the front end's watch of the connection cancels it): its
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Callable
 
 from ..request.contract import Server
 from ..request.generate import generate_answer, generate_request
 from ..request.inference import decode_apart, infer, ready_model, stream
 from ..request.messages import InferRequest, ProtocolError, Tensor, error_body
-from .exchange import JSON, answer, read_body
+from .exchange import JSON, answer, read_body, send_pieces
 
 #: the headers of an event stream's answer, as ASGI takes them
-_EVENTS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_EVENTS = [(b"content-type", b"text/event-stream; charset=utf-8"),
+           (b"cache-control", b"no-cache")]
 
 
 class Generate:
@@ -50,7 +50,8 @@ class Generate:
             return decoded
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> bytes:
-            return generate_answer(name, decoded.id, outputs)
+            answered = generate_answer(name, decoded.id, outputs)
+            return _event(answered) if self._streaming else answered
 
         async def gone() -> None:
             while (await receive())["type"] != "http.disconnect":
@@ -65,49 +66,17 @@ class Generate:
             async with contextlib.aclosing(pieces):
                 first = await anext(pieces, None)
                 await send({"type": "http.response.start", "status": 200, "headers": _EVENTS})
-                await _events(send, first, pieces, gone)
+                await send_pieces(send, first, pieces, gone, _error_event)
         except ProtocolError as error:  # (before the answer began)
             if error.status != 499:  # (no one to answer)
                 await answer(send, error.status, error_body(str(error)), JSON)
 
 
-async def _events(send: Callable, first: bytes | None, pieces: AsyncIterator[bytes],
-                  gone: Callable[[], Awaitable[None]]) -> None:
-    """Sends first and each of pieces as an event, as it comes, then ends the answer;
-    an error between pieces is an error event that ends it.  Once ``gone()`` returns
-    (the client has gone), the wait for the next piece is cancelled: pieces is closed
-    by the caller."""
-    task = asyncio.current_task()
-    went = False
-
-    def going(_: object) -> None:
-        nonlocal went
-        went = True
-        task.cancel()
-
-    watching = asyncio.ensure_future(gone())
-    watching.add_done_callback(going)
-    try:
-        if first is not None:
-            await send(_event(first))
-        async for piece in pieces:
-            await send(_event(piece))
-        await send({"type": "http.response.body", "body": b""})
-    except ProtocolError as error:
-        if error.status != 499:
-            await send(_event(json.dumps({"error": str(error)}).encode()))
-            await send({"type": "http.response.body", "body": b""})
-    except asyncio.CancelledError:
-        if not went:
-            raise
-        if hasattr(task, "uncancel"):  # (3.11: this cancel is handled)
-            task.uncancel()
-    finally:
-        watching.remove_done_callback(going)
-        watching.cancel()
+def _event(data: bytes) -> bytes:
+    """An event whose data is data (JSON: one line)."""
+    return b"data: " + data + b"\n\n"
 
 
-def _event(data: bytes) -> dict:
-    """The ASGI message of one event whose data is data (JSON: one line)."""
-    return {"type": "http.response.body", "body": b"data: " + data + b"\n\n",
-            "more_body": True}
+def _error_event(error: ProtocolError) -> bytes | None:
+    """The event that ends a stream with error (none for a client gone)."""
+    return None if error.status == 499 else _event(json.dumps({"error": str(error)}).encode())

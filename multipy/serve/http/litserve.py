@@ -6,7 +6,8 @@ as LitServe 0.2's server answers them.
 A LitServe request takes the path every inference request takes
 (multipy.serve.request.inference), as multipy.serve.request.litserve carries it; its
 answer is the API's JSON with the status the API gave (200, or its HTTPException's,
-with ``{"detail": ...}``).  multipy's own refusals keep their status with the message as
+with ``{"detail": ...}``); an API with ``stream=True`` answers in pieces, each encoded
+response's line sent as it is made.  multipy's own refusals keep their status with the message as
 the detail; a model's failure is 500 ``{"detail": "Internal server error"}``, as in
 LitServe, its exception and traceback in the log.  ``/health`` is 200 ``ok`` once the
 server is ready and every model's ``health()`` (a LitAPI's; a kserve.Model's
@@ -15,26 +16,25 @@ routes fall under the restricted APIs' categories (health, metadata, inference).
 """
 from __future__ import annotations
 
+import contextlib
 import json
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Callable
 
 from starlette.responses import JSONResponse, Response
 
 from ..request import repository
 from ..request.contract import Server
-from ..request.inference import infer
+from ..request.inference import infer, stream
 from ..request.litserve import API_PATH, REQUEST, answer
 from ..request.messages import InferRequest, ProtocolError, Tensor
 from ..request.restricted import HEALTH, INFERENCE, METADATA, Restrictions
+from .exchange import read_body, send_pieces
 
-#: Reads a request's body: (ASGI's receive, its Content-Length, the most bytes) -> body;
-#: ProtocolError past the most, or if the client goes away (multipy.serve.http.app's).
-ReadBody = Callable[[Callable, "str | None", int], Awaitable[bytes]]
 #: What LitServe answers for a model's failure.
 _FAILED = "Internal server error"
 
 
-def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Callable:
+def litserve_first(service: Server, app: Callable) -> Callable:
     """The ASGI application app, but LitServe's routes (see the module's docstring) are
     answered first, for service's models; a path that no LitAPI has, and every other
     request, goes to app."""
@@ -55,7 +55,8 @@ def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Calla
                     category, _header(scope, restrictions.header(category)))
                 response = _detail(403, refused) if refused else await endpoint(
                     scope, receive, send, apis)
-                await response(scope, receive, send)
+                if response is not None:  # (None: answered, in pieces)
+                    await response(scope, receive, send)
                 return
         await app(scope, receive, send)
 
@@ -72,8 +73,10 @@ def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Calla
 
     async def info(scope: dict, receive: Callable, send: Callable,
                    apis: dict[str, str]) -> Response:
+        streams = {path: getattr(service.model(name), "streams", False)
+                   for path, name in apis.items()}
         return JSONResponse({"model": None, "server": {
-            "stream": dict.fromkeys(apis, False), "models": apis,
+            "stream": streams, "models": apis,
             "max_payload_size": service.max_request_size}})
 
     async def loading(scope: dict, receive: Callable, send: Callable,
@@ -82,8 +85,9 @@ def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Calla
                             "when it is ready)")
 
     async def predict(scope: dict, receive: Callable, send: Callable,
-                      apis: dict[str, str]) -> Response:
+                      apis: dict[str, str]) -> Response | None:
         length = _header(scope, "content-length")
+        name = apis[scope["path"]]
 
         async def decode() -> InferRequest:
             import numpy  # (as the protocol's decoding: once a model serves here)
@@ -97,7 +101,12 @@ def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Calla
             return request
 
         try:
-            status, body = await infer(service, apis[scope["path"]], None, decode,
+            if getattr(service.model(name), "streams", False):
+                return await _streamed(stream(service, name, None, decode,
+                                              lambda _, outputs: answer(outputs),
+                                              status_of=lambda answered: answered[0]),
+                                       receive, send)
+            status, body = await infer(service, name, None, decode,
                                        lambda _, outputs: answer(outputs),
                                        status_of=lambda answered: answered[0])
         except ProtocolError as error:
@@ -107,6 +116,28 @@ def litserve_first(service: Server, app: Callable, read_body: ReadBody) -> Calla
         return Response(body, status, media_type="application/json")
 
     return dispatch
+
+
+async def _streamed(pieces: AsyncIterator[tuple[int, bytes]], receive: Callable,
+                    send: Callable) -> Response | None:
+    """The answer of a LitAPI that streams (stream=True): its first piece's, if that is
+    an error answer; else sent here, each piece's body as it comes (None).  An error
+    after the first piece ends the answer, as LitServe's server does."""
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async with contextlib.aclosing(pieces):
+        first = await anext(pieces, None)
+        if first is None or first[0] != 200:
+            status, body = first or (200, b"")
+            await anext(pieces, None)  # (its end: the answer is counted with its status)
+            return Response(body, status, media_type="application/json")
+        bodies = (body async for _, body in pieces)
+        async with contextlib.aclosing(bodies):
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send_pieces(send, first[1], bodies, gone, lambda _: None)
+    return None
 
 
 def _apis(service: Server) -> dict[str, str]:

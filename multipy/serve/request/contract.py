@@ -137,3 +137,12 @@ class ServedCalls:
         """The model's outputs for arrays, in a free interpreter (``Served.infer``)."""
         return await self._replicated.acall_method("infer", names, datatypes, *arrays,
                                                    **given)
+
+    def stream(self, interpreter: Interpreter, names: tuple[str, ...] | None,
+               datatypes: tuple[str, ...], *arrays: object, **given: object) -> Obj:
+        """The model's answer for arrays in pieces (a multipy._inside.pieces.Pieces), to be
+        made in interpreter, which the caller holds (``Served.stream``: none of the
+        model's code has run yet); the host steps it through
+        multipy.serve.host.models.PiecesCalls."""
+        return self._replicated.instance(interpreter).attr("stream")(
+            names, datatypes, *arrays, **given)

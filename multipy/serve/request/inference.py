@@ -117,14 +117,15 @@ async def infer(service: Server, name: str, version: str | None,
 
 async def stream(service: Server, name: str, version: str | None,
                  decode: Callable[[], Awaitable[InferRequest]],
-                 encode: Callable[[InferRequest, list[Tensor]], Answer]
-                 ) -> AsyncIterator[Answer]:
+                 encode: Callable[[InferRequest, list[Tensor]], Answer],
+                 status_of: Callable[[Answer], int] | None = None) -> AsyncIterator[Answer]:
     """The answer to one inference request for model name of service in pieces, as the
     model makes them (multipy.serve.request.requests.ModelRequests.stream; one piece for
     a model that does not stream): ``decode()`` reads and decodes the request, and
     ``encode(request, outputs)`` makes each piece's answer.  The request is counted in
-    the model's metrics and statistics once, as its stream ends: 200 at its end, an
-    error's status, or 499 if it is closed before (its client went away: the model's
+    the model's metrics and statistics once, as its stream ends: at its end, 200 (or
+    ``status_of(its first piece's answer)``, if given: a LitAPI's own error answer); an
+    error's status; or 499 if it is closed before (its client went away: the model's
     stream is ended then); each piece counts once the face has taken it (sent it).
     ProtocolError for every failure, before a piece or between two."""
     model = ready_model(service, name, version)
@@ -132,7 +133,7 @@ async def stream(service: Server, name: str, version: str | None,
     series.requests.inc()
     began = time.perf_counter_ns()
     timing = Timing()
-    status = 499  # (closed early, unless it ends otherwise)
+    status, ended = 499, None  # (closed early, unless it ends otherwise)
     try:
         request = await decode()
         timing.input_ns = time.perf_counter_ns() - began
@@ -141,9 +142,11 @@ async def stream(service: Server, name: str, version: str | None,
                 encoding = time.perf_counter_ns()
                 answer = encode(request, outputs)
                 timing.output_ns += time.perf_counter_ns() - encoding
+                if ended is None:
+                    ended = 200 if status_of is None else status_of(answer)
                 yield answer
                 model.sent()
-        status = 200
+        status = 200 if ended is None else ended
     except ProtocolError as error:
         status = error.status
         raise

@@ -231,10 +231,9 @@ class ModelRequests(abc.ABC):
                request: InferRequest) -> AsyncIterator[tuple]:
         """Runs a model that streams, for request, one step per piece, the first step
         within started (a later one within ``started.later()``); yields what
-        ``Served.infer`` returns, for each piece.  Closing it ends the model's stream.  Here: ProtocolError (503),
-        for a server whose model lives in other interpreters (the host's)."""
-        raise ProtocolError(f"model {self.name!r} answers in pieces, which only the "
-                            f"interpreters' front ends stream; try again", 503)
+        ``Served.infer`` returns, for each piece.  Closing it ends the model's stream.
+        Defined by the subclasses whose models may stream (the host's, a front end's)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no model that streams")
 
     async def _call(self, inputs: list[Tensor], places: list[_Place],
                     request: InferRequest | None = None) -> list[Tensor] | Outcomes:

@@ -22,6 +22,7 @@ interpreter, as an HTTP keep-alive connection does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from contextvars import ContextVar
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
@@ -221,8 +222,9 @@ class _Servicer:
         answers: set[asyncio.Task] = set()
         try:
             async for request in requests:
-                answers.add(asyncio.ensure_future(self._answer_streamed(request, context,
-                                                                         writing)))
+                answer = asyncio.ensure_future(self._answer_streamed(request, context, writing))
+                answers.add(answer)
+                answer.add_done_callback(answers.discard)  # (those answered: let go)
             await asyncio.gather(*answers)
         finally:
             for answer in answers:
@@ -244,11 +246,12 @@ class _Servicer:
             async with writing:
                 await context.write(response)
 
+        pieces = stream(self._as_taken(), request.model_name, request.model_version or None,
+                        lambda: self._decoded(request, context), encode)
         try:
-            async for response in stream(self._as_taken(), request.model_name,
-                                         request.model_version or None,
-                                         lambda: self._decoded(request, context), encode):
-                await write(response)
+            async with contextlib.aclosing(pieces):
+                async for response in pieces:
+                    await write(response)
         except ProtocolError as error:
             if error.status != 499:
                 await write(messages.ModelStreamInferResponse(

@@ -177,13 +177,8 @@ def test_declared_inputs_missing_and_optional():
     from multipy.serve.request.protocol import InferRequest
     from multipy.serve.request.requests import ModelRequests, Timing
 
-    class Echo(ModelRequests):
-        async def _run(self, names, datatypes, arrays, started, given, request):
-            with started:
-                return (tuple(names), tuple(datatypes), *arrays)
-
     metrics = Metrics(["m"], 1)  # (kept: its board is the series' memory)
-    model = Echo("m", metrics.models["m"])
+    model = _echo(ModelRequests)("m", metrics.models["m"])
     model.describe({"declared": True, "outputs": [], "inputs": [
         {"name": "a", "datatype": "INT32", "shape": [-1, 2]},
         {"name": "b", "datatype": "FP32", "shape": [3], "optional": True}]})
@@ -201,6 +196,19 @@ def test_declared_inputs_missing_and_optional():
     assert model.metadata()["inputs"][1] == {"name": "b", "datatype": "FP32", "shape": [3]}
 
 
+def _echo(base: type) -> type:
+    """A ModelRequests (base) whose model answers with its inputs, in one piece."""
+    class Echo(base):
+        async def _run(self, names, datatypes, arrays, started, given, request):
+            with started:
+                return (tuple(names), tuple(datatypes), *arrays)
+
+        async def _steps(self, names, datatypes, arrays, started, given, request):
+            yield await self._run(names, datatypes, arrays, started, given, request)
+
+    return Echo
+
+
 def test_a_model_that_wants_its_request_gets_its_id_and_parameters():
     """A model whose metadata says "wants_request" (a kserve.Model's) is called with the
     request's (id, parameters) as ``request``; any other model without it."""
@@ -211,11 +219,10 @@ def test_a_model_that_wants_its_request_gets_its_id_and_parameters():
     from multipy.serve.request.protocol import InferRequest
     from multipy.serve.request.requests import ModelRequests, Timing
 
-    class Given(ModelRequests):
+    class Given(_echo(ModelRequests)):
         async def _run(self, names, datatypes, arrays, started, given, request):
             self.given = given
-            with started:
-                return (tuple(names), tuple(datatypes), *arrays)
+            return await super()._run(names, datatypes, arrays, started, given, request)
 
     metrics = Metrics(["m"], 1)
     request = InferRequest([Tensor("a", "INT32", np.zeros(2, np.int32))], None, id="r7",

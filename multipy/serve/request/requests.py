@@ -226,14 +226,13 @@ class ModelRequests(abc.ABC):
             raise ServiceTimeout(f"model {self.name!r} did not answer within {self._timeout} "
                                  f"s (--timeout); the call was cancelled") from None
 
+    @abc.abstractmethod
     def _steps(self, names: tuple[str, ...] | None, datatypes: tuple[str, ...],
                arrays: list[Any], started: Started, given: dict[str, Any],
                request: InferRequest) -> AsyncIterator[tuple]:
         """Runs a model that streams, for request, one step per piece, the first step
         within started (a later one within ``started.later()``); yields what
-        ``Served.infer`` returns, for each piece.  Closing it ends the model's stream.
-        Defined by the subclasses whose models may stream (the host's, a front end's)."""
-        raise NotImplementedError(f"{type(self).__name__} runs no model that streams")
+        ``Served.infer`` returns, for each piece.  Closing it ends the model's stream."""
 
     async def _call(self, inputs: list[Tensor], places: list[_Place],
                     request: InferRequest | None = None) -> list[Tensor] | Outcomes:

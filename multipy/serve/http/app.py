@@ -29,7 +29,7 @@ from ..request.inference import (decode_apart, infer as infer_through, ready_mod
 from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
                                 compress, error_body, json_object)
 from ..request.restricted import HTTP_ROUTES, Restrictions
-from .exchange import JSON, answer, read_body
+from .exchange import JSON, answer, departure, read_body
 from .generate import Generate
 from .litserve import litserve_first
 from .uvicorn_server import LOGGING_CONFIG
@@ -297,15 +297,12 @@ class _Inference:
                 name, "1", decoded.id, chosen)
             return compress(body, answer_headers, accepted), answer_headers
 
-        async def gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass  # (once the body is read, only the disconnect comes)
-
         params = scope["path_params"]
         name = params["model"]
         try:
             body, answer_headers = await infer_through(service, name, params.get("version"),
-                                                       decode, encode, gone)
+                                                       decode, encode,
+                                                       departure(receive))
         except ProtocolError as error:
             if error.status == 499:
                 await answer(send, 499, b"", {})

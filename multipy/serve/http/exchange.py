@@ -54,6 +54,16 @@ async def read_body(receive: Callable, declared: str | None, limit: int) -> byte
         chunks.append(chunk)
 
 
+def departure(receive: Callable) -> Callable[[], Awaitable[None]]:
+    """``gone()`` for the request that receive (ASGI's) reads, once its body is read: it
+    returns when the client has gone away (only the disconnect comes then)."""
+    async def gone() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return gone
+
+
 async def send_pieces(send: Callable, first: bytes | None, pieces: AsyncIterator[bytes],
                       gone: Callable[[], Awaitable[None]],
                       failed: Callable[[ProtocolError], bytes | None]) -> None:

@@ -19,7 +19,7 @@ from typing import Callable
 from ..request.contract import Server
 from ..request.inference import decode_apart, infer, ready_model, stream
 from ..request.messages import InferRequest, ProtocolError, Tensor, error_body
-from .exchange import JSON, answer, read_body, send_pieces
+from .exchange import JSON, answer, departure, read_body, send_pieces
 
 #: the headers of an event stream's answer, as ASGI takes them
 _EVENTS = [(b"content-type", b"text/event-stream; charset=utf-8"),
@@ -58,10 +58,7 @@ class Generate:
             answered = generate_answer(name, decoded.id, outputs)
             return _event(answered) if self._streaming else answered
 
-        async def gone() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass  # (once the body is read, only the disconnect comes)
-
+        gone = departure(receive)
         try:
             if not self._streaming:  # (ModelRequests.infer: a stream's one piece)
                 await answer(send, 200, await infer(service, name, version, decode, encode,

@@ -28,7 +28,7 @@ from ..request.inference import infer, stream
 from ..request.litserve import API_PATH, REQUEST, answer
 from ..request.messages import InferRequest, ProtocolError, Tensor
 from ..request.restricted import HEALTH, INFERENCE, METADATA, Restrictions
-from .exchange import read_body, send_pieces
+from .exchange import departure, read_body, send_pieces
 
 #: What LitServe answers for a model's failure.
 _FAILED = "Internal server error"
@@ -123,10 +123,6 @@ async def _streamed(pieces: AsyncIterator[tuple[int, bytes]], receive: Callable,
     """The answer of a LitAPI that streams (stream=True): its first piece's, if that is
     an error answer; else sent here, each piece's body as it comes (None).  An error
     after the first piece ends the answer, as LitServe's server does."""
-    async def gone() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
     async with contextlib.aclosing(pieces):
         first = await anext(pieces, None)
         if first is None or first[0] != 200:
@@ -136,7 +132,8 @@ async def _streamed(pieces: AsyncIterator[tuple[int, bytes]], receive: Callable,
         bodies = (body async for _, body in pieces)
         async with contextlib.aclosing(bodies):
             await send({"type": "http.response.start", "status": 200, "headers": []})
-            await send_pieces(send, first[1], bodies, gone, lambda _: None)
+            await send_pieces(send, first[1], bodies, departure(receive),
+                              lambda _: None)
     return None
 
 

@@ -197,10 +197,10 @@ class _Servicer:
             return _encoded(request.model_name, decoded.id, outputs)
 
         return await infer(self._as_taken(), request.model_name, request.model_version or None,
-                           lambda: self._decoded(request, context), encode)
+                           lambda: self._with_deadline(request, context), encode)
 
-    async def _decoded(self, request: messages.ModelInferRequest,
-                       context: Context) -> InferRequest:
+    async def _with_deadline(self, request: messages.ModelInferRequest,
+                             context: Context) -> InferRequest:
         """request's record, with its deadline (its call stops then: multipy._inside.
         hangups)."""
         decoded = await _decoded(self._service, request)
@@ -247,7 +247,7 @@ class _Servicer:
                 await context.write(response)
 
         pieces = stream(self._as_taken(), request.model_name, request.model_version or None,
-                        lambda: self._decoded(request, context), encode)
+                        lambda: self._with_deadline(request, context), encode)
         try:
             async with contextlib.aclosing(pieces):
                 async for response in pieces:

@@ -170,15 +170,37 @@ def _every_interpreter_in_a_call(server: Server, tmp_path) -> Iterator[list]:
         call.close()
 
 
+def _accepted(server: Server) -> dict[str, float]:
+    """By whom the server's connections were accepted, as /metrics says (on a new one)."""
+    samples = _metrics(server)
+    return {by: samples[("multipy_connections_accepted_total", (("by", by),))]
+            for by in ("interpreter", "host")}
+
+
+def test_the_front_ends_accept_new_connections_themselves(per_loop):
+    """Connections made one after another while the interpreters are free are accepted
+    by their front ends (a connection that waited for one past a few milliseconds, on a
+    loaded machine, is the host's): every connection is counted once."""
+    before = _accepted(per_loop)
+    for _ in range(20):
+        assert _request(per_loop, "GET", "/v2/health/live")[0] == 200
+    after = _accepted(per_loop)
+    took = {by: after[by] - before[by] for by in after}
+    assert took["interpreter"] + took["host"] == 21  # (and /metrics's own connection)
+    assert took["interpreter"] >= 11
+
+
 def test_health_and_metrics_are_answered_while_every_interpreter_is_in_a_call(per_loop,
                                                                             tmp_path):
     """Both interpreters are in a call that does not end (no --timeout): liveness,
-    readiness and the metrics, each on a new connection, are answered meanwhile; then
-    the calls end and are answered."""
+    readiness and the metrics, each on a new connection, are answered meanwhile (the
+    host accepts them: no front end polls); then the calls end and are answered."""
     with _every_interpreter_in_a_call(per_loop, tmp_path) as calls:
+        before = _accepted(per_loop)["host"]
         for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
             assert _request(per_loop, "GET", path)[0] == 200, path
         assert _metrics(per_loop)[("multipy_busy_interpreters", (("model", "blocks"),))] == 2
+        assert _accepted(per_loop)["host"] - before == 5
         assert not any(_readable(call.sock) for call in calls)  # still running
 
 

@@ -48,6 +48,8 @@ def test_metrics_sum_every_writers_row():
         timing.input_ns, timing.queue_ns, timing.infer_ns, timing.output_ns = 1, 2, 3, 4
         series.answered(200, 100 * (k + 1), timing)
         series.call_began(1)
+        for accepted in (True, False):  # (one it accepted, one the host handed it)
+            front.opened_connection(accepted)
         front.closed_connection()
     fronts[0].models["b"].call_began(3)  # a batch of 3, ended
     fronts[0].models["b"].call_ended()
@@ -73,7 +75,8 @@ def test_metrics_sum_every_writers_row():
         "compute_input", "queue", "compute_infer", "compute_output")] == [2, 4, 6, 8]
     assert stats["b"]["inference_count"] == 3 and stats["b"]["execution_count"] == 1
     assert samples[("multipy_interpreters", ())] == 2
-    assert [host.closed_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
+    assert [host.open_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
+    assert host.accepted_connections() == 2
     assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 1]
     with fronts[1].decoding():  # a large request, decoded on a thread: busy too
         assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 2]

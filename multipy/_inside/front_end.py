@@ -1,11 +1,16 @@
 """An interpreter's front end for ``multipy serve``: HTTP, the protocol and the model
 calls, all in this interpreter, on its own GIL.
 
-The host accepts the connections and hands each to the front end of the interpreter with
-the fewest open ones, by writing its socket's file descriptor into the front end's
-inbox, a pipe whose read end the front end's event loop watches (the host never waits
-for this interpreter's GIL); a stop comes the same way, after every connection handed
-before it.  From then on, every request on it is parsed, decoded, checked, run and
+Each front end accepts connections on the server's listening socket itself, one at a
+time, while it is free: while it runs a call, its loop is not polling (or, with a worker,
+it stops watching the socket), and while another front end that is free serves fewer
+connections, it leaves them to that one.  The host takes what no front end has taken
+within a few milliseconds (every front end in a call: health checks are answered at once
+all the same; multipy.serve.main), and hands a connection to the front end of the interpreter with the
+fewest open ones by writing its socket's file descriptor into the front end's inbox, a
+pipe whose read end the front end's event loop watches (the host never waits for this
+interpreter's GIL); a stop comes the same way, after every connection handed before
+it.  From then on, every request on a connection is parsed, decoded, checked, run and
 answered here, by uvicorn and the same Starlette application as the host's
 (multipy.serve.http.app), on an event loop that runs on the host thread that called ``run``.
 A model runs on that thread, blocking the loop: one call at a time in this interpreter,
@@ -40,6 +45,7 @@ import asyncio
 import fcntl
 import itertools
 import logging.config
+import os
 import queue
 import socket
 import termios
@@ -75,6 +81,10 @@ _SERVING = (b"serving", b"the HTTP requests of multipy serve")
 #: Seconds within which a cancelled call that stops (Python code stops at its next
 #: bytecode; C, when it returns) does not make its interpreter stuck.
 _STOPS_WITHIN = 0.5
+#: Seconds before a front end looks at the listening socket again after it left a
+#: connection to a freer one, or accepting failed (out of file descriptors, say).
+_ACCEPT_AGAIN = 0.001
+_ACCEPT_PAUSE = 0.1
 
 
 class FrontEnd:
@@ -104,7 +114,7 @@ class FrontEnd:
         self._limits = settings.limits
         self._graceful_timeout = settings.graceful_timeout
         self.ready = True
-        self._worker = None if settings.timeout is None else _Worker(self._stuck_changed)
+        self._worker = None if settings.timeout is None else _Worker(self._stuck_changed, self._accept_when_free)
         #: the watch of calls on the loop (without a worker) for their clients' going
         self._hangups = Hangups() if self._worker is None else None
         self._refused = None if settings.refused is None else Table(address=settings.refused)
@@ -121,6 +131,9 @@ class FrontEnd:
         self._grpc_stops: dict[Any, asyncio.Future] = {}  # server stopped -> its stop
         self._server: _Server | None = None
         self._connecting: set[asyncio.Task] = set()
+        #: its own descriptor of the server's listening socket, while it may accept
+        self._listening: socket.socket | None = None
+        self._accepting = False  # it watches the listening socket
         self._serving = threading.Event()  # set once it serves, or has ended
         self._running = False
         self._protocol: Any = None
@@ -260,6 +273,8 @@ class FrontEnd:
         finally:
             self._running = False
             self._serving.set()
+            if self._listening is not None:
+                self._listening.close()
             if self._worker is not None:
                 self._worker.stop()
             if self._hangups is not None:
@@ -281,13 +296,16 @@ class FrontEnd:
         loop = self._loop = asyncio.get_running_loop()
         loop.add_reader(self._inbox, self._read_inbox)
         self._read_inbox()  # what came before the loop ran
+        if self._settings.listener >= 0 and not self._stopping:
+            self._listening = socket.socket(fileno=os.dup(self._settings.listener))
+            self._accept_when_free()
         self._running = True
         self._serving.set()
 
     def _read_inbox(self) -> None:
         for value in receive(self._inbox):
             if value >= 0:
-                self._connect(value)
+                self._connect(socket.socket(fileno=value), accepted=False)
                 continue
             if value == FORCE:
                 self._server.force_exit = True
@@ -304,10 +322,60 @@ class FrontEnd:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _connect(self, fd: int) -> None:
-        task = asyncio.get_running_loop().create_task(self._serve(socket.socket(fileno=fd)))
+    def _connect(self, connection: socket.socket, accepted: bool) -> None:
+        """Serves connection, which it accepted itself or the host handed it."""
+        self.metrics.opened_connection(accepted)
+        task = asyncio.get_running_loop().create_task(self._serve(connection))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
+
+    def _accept_when_free(self) -> None:
+        """Watches the listening socket while it may accept: it has one, and is not
+        stopping, nor (with a worker) running or stuck in a call."""
+        worker = self._worker
+        free = self._listening is not None and (
+            worker is None or (not worker.calls and worker.stuck is None))
+        if free != self._accepting:
+            self._accepting = free
+            if free:
+                self._loop.add_reader(self._listening.fileno(), self._accept)
+            else:
+                self._loop.remove_reader(self._listening.fileno())
+
+    def _pause_accepting(self, seconds: float) -> None:
+        self._loop.remove_reader(self._listening.fileno())
+        self._accepting = False
+        self._loop.call_later(seconds, self._accept_when_free)
+
+    def _accept(self) -> None:
+        """A connection waits on the listening socket: taken, unless another front end
+        took it first, or one that is free serves fewer connections than this one (it
+        takes it then)."""
+        metrics, row = self.metrics, self._settings.row
+        mine = metrics.open_connections(row)
+        if mine and any(metrics.open_connections(k) < mine and not metrics.busy(k)
+                        and metrics.stuck(k) is None
+                        for k in range(1, self._settings.interpreters + 1) if k != row):
+            self._pause_accepting(_ACCEPT_AGAIN)
+            return
+        try:
+            connection, _ = self._listening.accept()
+        except BlockingIOError:  # taken by another
+            return
+        except OSError as error:
+            logger.error("accepting a connection failed, trying again in %s s: %s",
+                         _ACCEPT_PAUSE, error)
+            self._pause_accepting(_ACCEPT_PAUSE)
+            return
+        self._connect(connection, accepted=True)
+
+    def _stop_accepting(self) -> None:
+        if self._accepting:
+            self._loop.remove_reader(self._listening.fileno())
+            self._accepting = False
+        if self._listening is not None:
+            self._listening.close()
+            self._listening = None
 
     async def _serve(self, connection: socket.socket) -> None:
         server = self._server
@@ -322,7 +390,8 @@ class FrontEnd:
     async def _stop(self) -> None:
         """Once every connection handed before has been set up and has read what its
         client sent, the server stops: uvicorn answers each request it has received and
-        closes each connection that has none."""
+        closes each connection that has none.  It accepts no more connections."""
+        self._stop_accepting()
         if self._grpc is not None:  # no new calls; those running end within the limit
             grace = self._graceful_timeout  # (None: none; grpc's None would be at once)
             self._stop_grpc(_NO_LIMIT if grace is None else grace)
@@ -368,7 +437,8 @@ class FrontEnd:
         server stops while another interpreter of the server (of any of its processes)
         is not stuck, so that the gRPC channels held here go there (HTTP's connections
         are closed as they are answered: _closing_while_stuck); a new one starts once it
-        is free again."""
+        is free again.  It accepts no connection while stuck."""
+        self._accept_when_free()
         if self._grpc_address is None or self._stopping:
             return
         if self._worker.stuck is None:
@@ -602,12 +672,14 @@ class _Worker:
     it at its next bytecode if it has; the cancel reaches that call only, never the
     worker's bookkeeping or its next call.  Whatever a call raises, BaseException
     included, is its caller's.  ``stuck_changed()`` is called on the caller's loop when
-    ``stuck`` changes."""
+    ``stuck`` changes, and ``calls_changed()`` when ``calls`` becomes 0 or stops being 0."""
 
-    def __init__(self, stuck_changed: Callable[[], None]) -> None:
+    def __init__(self, stuck_changed: Callable[[], None],
+                 calls_changed: Callable[[], None]) -> None:
         #: the model whose call, given up on by its request, still runs here, or None
         self.stuck: str | None = None
-        self._stuck_changed = stuck_changed
+        self.calls = 0  #: calls asked of it that have not been answered or given up on
+        self._stuck_changed, self._calls_changed = stuck_changed, calls_changed
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="multipy-serve-call",
                                         daemon=True)
@@ -621,12 +693,19 @@ class _Worker:
         has made the worker ``stuck`` (see _abandoned)."""
         job = _Job(call, started, asyncio.get_running_loop())
         self._jobs.put(job)
+        self.calls += 1
+        if self.calls == 1:
+            self._calls_changed()
         try:
             return await job.answer
         except asyncio.CancelledError:
             if job.abandon():  # (shielded: a second cancel does not skip the bookkeeping)
                 await asyncio.shield(self._abandoned(job, name, series))
             raise
+        finally:
+            self.calls -= 1
+            if not self.calls:
+                self._calls_changed()
 
     async def _abandoned(self, job: _Job, name: str, series: Any) -> None:
         """Waits for job, whose call was cancelled, to end: if it has not within

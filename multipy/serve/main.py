@@ -3,11 +3,13 @@ multipy.serve.command's).
 
 Each interpreter answers requests itself, on its own GIL: its front end
 (multipy._inside.front_end) runs uvicorn and the Starlette application
-(multipy.serve.http.app) on an event loop of its own, which parses, decodes, runs the
-model and answers, with no Python of the host's per request.  The host's main thread
-accepts the connections and hands each to the front end with the fewest open
-connections (multipy.serve.host.front_ends), so that N clients' keep-alive connections
-land on N interpreters; it also catches the signals and runs the lifespan.  The models
+(multipy.serve.http.app) on an event loop of its own, which accepts connections on the
+server's listening socket, parses, decodes, runs the model and answers, with no Python
+of the host's per request or per connection.  The host's main thread accepts the
+connections that no front end has taken within _OVERDUE seconds (every one in a call)
+and hands each to the front end with the fewest open connections
+(multipy.serve.host.front_ends), or answers a GET itself while every front end is busy;
+it also catches the signals and runs the lifespan.  The models
 load on a thread of their own once the server listens (a model written as a class loads
 on the first interpreter before, so that its code's errors are said before anything
 connects: Service.prepare): until they are ready, the host answers the connections
@@ -38,7 +40,7 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Iterator
+from typing import Callable, Iterator
 
 from .. import _host
 from .._launch import make_room
@@ -47,14 +49,19 @@ from .host import model_class
 from .host.front_ends import FrontEnds
 from .host.service import Place, Service
 from .http.app import create_app, logging_config
-from .http.connection import Limits, accept, bind, listen, request_line
+from .http.connection import Limits, accept, accept_overdue, bind, listen, request_line
 from .http.uvicorn_protocol import guarded
 from .http.uvicorn_server import Config, Server
 from .processes.link import Link, Start
+from .request.metrics import Metrics
 from .processes.supervised import Supervised
 from .processes.supervisor import HEALTH_TIMEOUT, Supervisor, Tunables
 
 logger = logging.getLogger("multipy.serve")
+
+#: Seconds a connection may wait on the listening socket for a front end to accept it
+#: before the host takes it.
+_OVERDUE = 0.01
 
 
 class _Server(Server):
@@ -65,13 +72,16 @@ class _Server(Server):
     when it stops.  A process of --processes (supervised) listens on nothing: its
     connections come from the supervisor."""
 
-    def __init__(self, config: Config, fronts: FrontEnds, limits: Limits,
+    def __init__(self, config: Config, fronts: FrontEnds, limits: Limits, metrics: Metrics,
                  listener: socket.socket | None = None,
                  supervised: Supervised | None = None) -> None:
         super().__init__(config)
         self._fronts = fronts
+        self._metrics = metrics
         self._limits = limits
-        self._listener = listener
+        #: the listening socket (None in a supervised process): the front ends accept on it too
+        self.listener = listener
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._supervised = supervised
         self._protocol: type | None = None
         self._accepting: asyncio.Task | None = None
@@ -114,12 +124,29 @@ class _Server(Server):
         if self._supervised is not None:
             self._supervised.listen(self._hand, self._supervisor_gone)
             return
-        listener = self._listener
+        listener = self.listener
         self.config.port = listener.getsockname()[1]  # the port --port 0 got, for the ready line
         logger.info("listening on http://%s; loading models (inference answers 503 until "
                     "the \"ready\" line; Ctrl-C stops)", _host_port(self.config.host,
                                                                  self.config.port))
-        self._accepting = asyncio.get_running_loop().create_task(accept(listener, self._hand))
+        self._loop = asyncio.get_running_loop()
+        self._accepting = self._loop.create_task(accept(listener, self._accepted))
+
+    def take_overdue(self, accepted: Callable[[], int]) -> None:
+        """(From any thread.)  The front ends accept on the listening socket from now
+        on (accepted(): how many they have, ever): the host accepts only the connections
+        they leave waiting for more than _OVERDUE seconds."""
+        def overdue() -> None:
+            if not self.should_exit and self._accepting is not None:
+                self._accepting.cancel()
+                self._accepting = self._loop.create_task(
+                    accept_overdue(self.listener, self._accepted, accepted, _OVERDUE))
+
+        self._loop.call_soon_threadsafe(overdue)
+
+    def _accepted(self, connection: socket.socket) -> None:
+        self._metrics.accepted_connection()
+        self._hand(connection)
 
     def _hand(self, connection: socket.socket) -> None:
         """To a front end that can take it; served here while none runs or every one is
@@ -159,6 +186,9 @@ class _Server(Server):
             # stop accepting, then answer what was received
             if self._accepting is not None:
                 self._accepting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._accepting
+                self.listener.close()
             else:
                 self._supervised.stop_listening()
             await asyncio.to_thread(self._fronts.stop)
@@ -231,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(app, host=args.host, port=args.port, lifespan="on", ws="none",
                     access_log=False, log_config=logging_config(),
                     timeout_graceful_shutdown=served.graceful_timeout)
-    server = _Server(config, fronts, served.limits, listener, supervised)
+    server = _Server(config, fronts, served.limits, service.metrics, listener, supervised)
     server.run()
     server.begun.set()  # (stopped before it started)
     if reserved is not None:
@@ -304,7 +334,8 @@ def _load(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None
     if server.should_exit:
         return
     try:
-        service.start(before_ready=lambda: fronts.start(service, grpc, supervised))
+        service.start(before_ready=lambda: _start_front_ends(service, server, fronts, grpc,
+                                                             supervised))
     except BaseException as error:
         if server.should_exit:  # stopped meanwhile: nothing failed
             return
@@ -319,6 +350,15 @@ def _load(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None
     logger.info(f"ready in {time.monotonic() - began:.1f} s: {names} on "
                 f"{service.interpreters} interpreter(s), "
                 f"http://{server.config.host}:{server.config.port}/v2/models/NAME/infer{also}")
+
+
+def _start_front_ends(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None,
+                      supervised: Supervised | None) -> None:
+    """Starts the interpreters' front ends, which accept on the server's listening
+    socket (a supervised process's come from its supervisor)."""
+    fronts.start(service, grpc, supervised, server.listener)
+    if server.listener is not None:
+        server.take_overdue(service.metrics.accepted_connections)
 
 
 if __name__ == "__main__":

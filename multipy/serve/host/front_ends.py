@@ -24,10 +24,12 @@ _START_TIMEOUT = 60.0
 
 class FrontEnds:
     """The interpreters' front ends (multipy._inside.front_end), once the models are
-    ready: each runs in its interpreter on a host thread of its own.  ``hand`` gives
-    each new connection to the one with the fewest open connections (then the fewest
-    calls running), skipping any that has stopped, by writing its file descriptor into
-    that front end's inbox: the host never waits for an interpreter's GIL to hand one.
+    ready: each runs in its interpreter on a host thread of its own.  Given the
+    server's listening socket, each accepts its connections itself while it is free
+    (multipy._inside.front_end); ``hand`` gives a connection that the host accepted to
+    the one with the fewest open connections (then the fewest calls running), skipping
+    any that has stopped, by writing its file descriptor into that front end's inbox:
+    the host never waits for an interpreter's GIL to hand one.
     The host owns the inboxes: what a front end leaves in its inbox when it ends, the
     host closes."""
 
@@ -35,7 +37,6 @@ class FrontEnds:
         self._fronts: list[FrontEndCalls] = []  # the FrontEnd in each interpreter
         self._threads: list[threading.Thread] = []
         self._inboxes: list[tuple[int, int]] = []  # (read end, write end) of each
-        self._handed: list[int] = []  # connections handed to each, ever
         self._metrics: Metrics | None = None
         self._control: Control | None = None
         self._stopping = False
@@ -44,11 +45,13 @@ class FrontEnds:
         self._changed = threading.Condition(self._lock)  # a front end ended, or force
 
     def start(self, service: Service, grpc: str | None = None,
-              repository: Repository | None = None) -> None:
+              repository: Repository | None = None,
+              listener: socket.socket | None = None) -> None:
         """Makes a front end in each interpreter of service, which is loaded, and runs
         them, each also serving gRPC on grpc ("HOST:PORT") if given, their model
         repository requests done by repository (default: the service; see
-        multipy.serve.host.control); raises what failed."""
+        multipy.serve.host.control), and each accepting connections on listener itself
+        if given; raises what failed."""
         options, metrics = service.options, service.metrics
         settings = FrontEndSettings(
             names=tuple(service.models),
@@ -62,7 +65,8 @@ class FrontEnds:
             graceful_timeout=options.graceful_timeout, grpc=grpc,
             model_control=service.model_control, strict_readiness=service.strict_readiness,
             http_restricted=service.http_restricted, grpc_restricted=service.grpc_restricted,
-            refused=None if service.refused is None else service.refused.address)
+            refused=None if service.refused is None else service.refused.address,
+            listener=-1 if listener is None else listener.fileno())
         fronts, inboxes, controls = [], [], []
         interpreters = service.manager.all_instances()
         try:
@@ -85,7 +89,7 @@ class FrontEnds:
                                     name=f"multipy-serve-front-{k}") for k in range(len(fronts))]
         with self._lock:
             self._fronts, self._threads, self._inboxes = fronts, threads, inboxes
-            self._metrics, self._handed = metrics, [0] * len(fronts)
+            self._metrics = metrics
             for thread in threads:
                 thread.start()
             if self._stopping:  # stopped while they were made
@@ -135,7 +139,7 @@ class FrontEnds:
             if not running:
                 return False
             k = min(running, key=lambda k: (
-                self._handed[k] - metrics.closed_connections(k + 1), metrics.busy(k + 1)))
+                metrics.open_connections(k + 1), metrics.busy(k + 1)))
             fd = connection.detach()
             try:
                 send(self._inboxes[k][1], fd)
@@ -143,8 +147,6 @@ class FrontEnds:
                 os.close(fd)
                 logger.error("interpreter %d's front end has not taken the connections "
                              "handed to it (%s): closing a new one", k, error)
-                return True
-            self._handed[k] += 1
         return True
 
     def stop(self) -> None:

@@ -2,9 +2,10 @@
 a server on the open network needs (``Limits``: enforced by the protocol of
 multipy.serve.http.uvicorn_server, the same wherever a connection is served, in an
 interpreter's front end or on the host while the models load), binding and listening
-(``bind``, ``listen``), accepting (``accept``), and peeking at a new connection until its
-request line is whole (``request_line``: the host chooses by it where the connection
-goes).
+(``bind``, ``listen``), accepting (``accept``; ``accept_overdue``, for the connections
+that the front ends, which accept on the same socket, have left waiting), and peeking
+at a new connection until its request line is whole (``request_line``: the host chooses
+by it where the connection goes).
 
 - A request's head (request line and headers) of more than ``max_header_size`` bytes,
   or with more than ``max_headers`` header fields, is answered 431 and the connection
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn
 
@@ -148,20 +150,58 @@ def _cannot_listen(host: str, port: int, error: OSError) -> NoReturn:
     raise SystemExit(2) from None
 
 
+def waiting(listener: socket.socket) -> int:
+    """How many connections wait in listener's accept queue (Linux's TCP_INFO of a
+    listening socket: tcpi_unacked)."""
+    info = listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO.size)
+    return _TCP_INFO.unpack_from(info)[-1]
+
+
+#: struct tcp_info as far as tcpi_unacked: 8 bytes, then rto, ato, snd_mss, rcv_mss, unacked
+_TCP_INFO = struct.Struct("8xIIIII")
+
+
+async def accept_overdue(listener: socket.socket, hand: Callable[[socket.socket], None],
+                         accepted: Callable[[], int], after: float) -> None:
+    """Accepts, until cancelled, the connections that have waited in listener's queue for
+    more than after seconds while others accept on it too (the front ends: accepted()
+    counts what they have taken, ever), giving each to hand; those they take in time are
+    theirs.  It looks at the queue at most once every after seconds: while the queue is
+    empty it sleeps until a connection comes."""
+    loop = asyncio.get_running_loop()
+    while True:
+        readable = loop.create_future()
+        loop.add_reader(listener.fileno(), lambda: readable.done() or readable.set_result(None))
+        try:
+            await readable
+        finally:
+            loop.remove_reader(listener.fileno())
+        queued, taken = waiting(listener), accepted()
+        await asyncio.sleep(after)
+        # (the queue is first in, first out: the first `overdue` are those seen before)
+        overdue = queued - (accepted() - taken)
+        for _ in range(overdue):
+            try:
+                connection, _ = listener.accept()
+            except BlockingIOError:
+                break
+            except OSError as error:
+                logger.error("accepting a connection failed: %s", error)
+                break
+            hand(connection)
+
+
 async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:
     """Accepts connections on listener until cancelled, giving each to hand.  An error
     accepting one (too many open files, say) is logged, and accepting goes on after a
     pause."""
     loop = asyncio.get_running_loop()
-    try:
-        while True:
-            try:
-                connection, _ = await loop.sock_accept(listener)
-            except OSError as error:
-                logger.error("accepting a connection failed, trying again in %s s: %s",
-                             _ACCEPT_PAUSE, error)
-                await asyncio.sleep(_ACCEPT_PAUSE)
-                continue
-            hand(connection)
-    finally:
-        listener.close()
+    while True:
+        try:
+            connection, _ = await loop.sock_accept(listener)
+        except OSError as error:
+            logger.error("accepting a connection failed, trying again in %s s: %s",
+                         _ACCEPT_PAUSE, error)
+            await asyncio.sleep(_ACCEPT_PAUSE)
+            continue
+        hand(connection)

@@ -28,7 +28,10 @@ STATUSES = (400, 404, 413, 499, 500, 503)
 # call it runs (multipy.serve.request.poison; 0: none, or a batch), and in a process's first row
 # (its host's) 1 + the interpreter whose call crashed it (multipy._host.crash_cell; 0:
 # none; -1: a signal another process sent) and the number of the last connection its
-# supervisor handed it that it has taken, then per model: requests, failures by
+# supervisor handed it that it has taken, connections it accepted from the server's
+# listening socket itself (an interpreter's front end: multipy._inside.front_end) and
+# connections it has served in all (those too, and those the host handed it), then per
+# model: requests, failures by
 # status, latency (a count per bucket and one past the last, then the sum), queued,
 # busy, calls, batched (the same), successes, then nanoseconds: of successes, of
 # failures, and of successes queued, decoding, in calls and encoding; then when the
@@ -42,7 +45,9 @@ DECODING = 3
 INPUT = 4
 CRASHED = 5
 TAKEN = 6
-ROW = 7
+ACCEPTED = 7
+OPENED = 8
+ROW = 9
 REQUESTS = 0
 FAILURES = 1
 LATENCY_AT = FAILURES + len(STATUSES)
@@ -109,13 +114,13 @@ class Board:
 
     def reset(self, first: int, count: int) -> None:
         """Rows first to first + count - 1 belonged to a process that has ended: what
-        they say of the present (connections closed, a call running, requests decoding,
+        they say of the present (connections opened and closed, a call running, requests decoding,
         requests queued, calls running) goes back to 0; the counts of what happened
         stay."""
         for k in range(first, first + count):
             row = self.row(k)
             row[CLOSED] = row[SINCE] = row[ABANDONED] = row[DECODING] = 0.0
-            row[INPUT] = row[CRASHED] = row[TAKEN] = 0.0
+            row[INPUT] = row[CRASHED] = row[TAKEN] = row[ACCEPTED] = row[OPENED] = 0.0
             for at in range(ROW, self.width, PER_MODEL):
                 row[at + QUEUED] = row[at + BUSY] = 0.0
 

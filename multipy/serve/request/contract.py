@@ -83,6 +83,9 @@ class FrontEndSettings:
     row: int = 0  #: this front end's row of the board (its interpreter's, from 1)
     inbox: int = -1  #: the read end of its inbox (multipy.serve.http.inbox), the host's
     control: int = -1  #: the write end of its control pipe (multipy.serve.host.control)
+    #: the server's listening socket, on which it accepts connections itself (-1: none;
+    #: they come through its inbox)
+    listener: int = -1
 
 
 class FrontEndCalls:

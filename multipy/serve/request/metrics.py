@@ -28,13 +28,11 @@ import contextlib
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from .board import (ABANDONED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board, CALLS, CLOSED,
-                    CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT, INFER_NS, INPUT,
-                    INPUT_NS, LAST_CALL,
-                    LATENCY, LATENCY_AT, LATENCY_SUM, OUTPUT_NS, PER_MODEL, PIECES, QUEUED,
-                    QUEUE_NS,
-                    REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT,
-                    board_width)
+from .board import (ABANDONED, ACCEPTED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board,
+                    CALLS, CLOSED, CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT,
+                    INFER_NS, INPUT, INPUT_NS, LAST_CALL, LATENCY, LATENCY_AT, LATENCY_SUM,
+                    OPENED, OUTPUT_NS, PER_MODEL, PIECES, QUEUED, QUEUE_NS, REQUESTS, ROW,
+                    SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT, board_width)
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -163,6 +161,8 @@ class Metrics:
         self.board = Board(rows, board_width(self.slots), address, fd)
         self._values = values = self.board.row(first + row)
         self._closed = Count(values, CLOSED)
+        self._accepted = Count(values, ACCEPTED)
+        self._opened = Count(values, OPENED)
         self._decoding = Count(values, DECODING)
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
@@ -192,12 +192,29 @@ class Metrics:
                               self.board.most(at + UNHEALTHY_AT))
         return None if healthy == unhealthy == 0.0 else healthy > unhealthy
 
+    def opened_connection(self, accepted: bool) -> None:
+        """This writer (a front end) serves a new connection: one it accepted from the
+        listening socket itself, or not (the host handed it)."""
+        self._opened.inc()
+        if accepted:
+            self._accepted.inc()
+
+    def accepted_connection(self) -> None:
+        """This writer (a host) accepted a connection from the listening socket."""
+        self._accepted.inc()
+
     def closed_connection(self) -> None:
         self._closed.inc()
 
-    def closed_connections(self, row: int) -> int:
-        """How many connections the writer of row (of this process's rows) has closed."""
-        return int(self.board.row(self.first + row)[CLOSED])
+    def open_connections(self, row: int) -> int:
+        """How many connections the writer of row (of this process's rows) serves now."""
+        values = self.board.row(self.first + row)
+        return int(values[OPENED] - values[CLOSED])
+
+    def accepted_connections(self) -> int:
+        """How many connections every writer of the board (of every process) has accepted
+        from the listening socket itself."""
+        return int(self.board.total(ACCEPTED))
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
@@ -399,8 +416,16 @@ class _Collector:
         rows = [p * per + k for p in range(board.rows // per)
                 for k in range(1, per)] if board.rows > 1 else []
         stuck.add_metric([], sum(metrics._stuck(at) is not None for at in rows))
+        accepted = CounterMetricFamily(
+            "multipy_connections_accepted",
+            "Connections accepted from the listening socket, by who accepted them: an "
+            "interpreter's front end, or a host (while the models load, or when every front "
+            "end has left one waiting)", labels=["by"])
+        by_interpreters = sum(board.row(at)[ACCEPTED] for at in rows)
+        accepted.add_metric(["interpreter"], by_interpreters)
+        accepted.add_metric(["host"], board.total(ACCEPTED) - by_interpreters)
         yield from (requests, failures, latency, queued, busy, calls, batched, pieces,
-                    interpreters, stuck)
+                    interpreters, stuck, accepted)
 
 
 def _bound(value: float) -> str:

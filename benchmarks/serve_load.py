@@ -57,17 +57,23 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEER_PACKAGES = ["kserve==0.21.0", "torch==2.13.0", "numpy==2.4.6", "tokenizers==0.23.3"]
-TRANSPORTS = ("http", "grpc", "json")
+TRANSPORTS = ("http", "grpc", "json", "json-new")
 #: each transport's clients, as the tables name them
 CLIENTS = {"http": "tritonclient.http, binary", "grpc": "tritonclient.grpc",
            "json": "http.client, keep-alive, the protocol's JSON form",
+           "json-new": "http.client, a new connection per request, the protocol's JSON form",
            "litserve": "http.client, keep-alive, LitServe's JSON body"}
-PEERS = ("kserve", "floor")
+#: the servers measured beside `multipy serve --interpreters N`: peers, and multipy's own
+#: --processes N --interpreters 1 ("processes")
+PEERS = ("kserve", "floor", "processes")
 #: the transports each server speaks: it is measured over those of --transports only
-SPEAKS = {"multipy": TRANSPORTS, "kserve": TRANSPORTS, "floor": ("json",)}
+SPEAKS = {"multipy": TRANSPORTS, "kserve": TRANSPORTS, "floor": ("json", "json-new"),
+          "processes": TRANSPORTS}
 LABELS = {"multipy": "multipy serve, {n} interp.", "kserve": "kserve.ModelServer, {n} workers",
-          "floor": "floor (uvicorn), {n} workers"}
-NAMES = {"multipy": "multipy", "kserve": "KServe", "floor": "the floor"}
+          "floor": "floor (uvicorn), {n} workers",
+          "processes": "multipy, {n} proc. x 1 interp."}
+NAMES = {"multipy": "multipy", "kserve": "KServe", "floor": "the floor",
+         "processes": "multipy --processes"}
 
 
 def free_port() -> int:
@@ -239,8 +245,8 @@ def _connect(port: int, transport: str, model: str, inputs, names: list[str]):
     inference of inputs ((name, datatype, array) triples) to model and returns its
     outputs named names as numpy arrays, and one that closes the connection.  For
     "litserve", model is the path LitServe serves the API on ("predict")."""
-    if transport == "json":
-        return _json_connection(port, model, inputs, names)
+    if transport in ("json", "json-new"):
+        return _json_connection(port, model, inputs, names, keep_alive=transport == "json")
     if transport == "litserve":
         return _litserve_connection(port, model, inputs, names)
     if transport == "grpc":
@@ -268,9 +274,10 @@ def _connect(port: int, transport: str, model: str, inputs, names: list[str]):
     return infer, connection.close
 
 
-def _json_connection(port: int, model: str, inputs, names: list[str]):
+def _json_connection(port: int, model: str, inputs, names: list[str], keep_alive: bool = True):
     """_connect() for "json": one keep-alive http.client connection POSTing the
-    protocol's JSON form (flat data, BYTES as strings, Content-Type application/json)."""
+    protocol's JSON form (flat data, BYTES as strings, Content-Type application/json);
+    for "json-new" (not keep_alive), a new connection for each request."""
     import numpy as np
 
     body = {"inputs": [
@@ -287,7 +294,7 @@ def _json_connection(port: int, model: str, inputs, names: list[str]):
                          ).reshape(given[name]["shape"]) if name in given else None
                 for name in names]
 
-    return _post_json(port, f"/v2/models/{model}/infer", body, outputs)
+    return _post_json(port, f"/v2/models/{model}/infer", body, outputs, keep_alive)
 
 
 def _litserve_connection(port: int, path: str, inputs, names: list[str]):
@@ -302,10 +309,11 @@ def _litserve_connection(port: int, path: str, inputs, names: list[str]):
                                       for name in names])
 
 
-def _post_json(port: int, path: str, body: dict, outputs):
-    """One keep-alive http.client connection: a function that POSTs body as JSON to path
-    and returns outputs(the answer's JSON) (RuntimeError unless the status is 200), and
-    one that closes the connection."""
+def _post_json(port: int, path: str, body: dict, outputs, keep_alive: bool = True):
+    """One keep-alive http.client connection (or, unless keep_alive, one per request,
+    closed once answered): a function that POSTs body as JSON to path and returns
+    outputs(the answer's JSON) (RuntimeError unless the status is 200), and one that
+    closes the connection."""
     import http.client
 
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -320,6 +328,8 @@ def _post_json(port: int, path: str, body: dict, outputs):
         except Exception:
             connection.close()  # the next request opens a new one
             raise
+        if not keep_alive:
+            connection.close()
         if response.status != 200:
             raise RuntimeError(f"{response.status}: {answer[:200]!r}")
         return outputs(json.loads(answer))
@@ -447,8 +457,10 @@ def server_command(name: str, path: str, model: str, n: int, grpc: bool,
     with n interpreters or workers, the model on device, its HTTP port "{http}" and,
     with grpc, its gRPC port "{grpc}" to be filled in."""
     grpc_port = ["--grpc-port", "{grpc}"] if grpc else []
-    if name == "multipy":
-        return [sys.executable, "-m", "multipy", "serve", path, "--interpreters", str(n),
+    if name in ("multipy", "processes"):
+        shape = ["--interpreters", str(n)] if name == "multipy" else \
+            ["--processes", str(n), "--interpreters", "1"]
+        return [sys.executable, "-m", "multipy", "serve", path, *shape,
                 "--port", "{http}", "--device", device, *grpc_port]
     peer = [path, "--name", model, "--workers", str(n), "--port", "{http}", "--device", device]
     if name == "kserve":
@@ -473,12 +485,14 @@ def main() -> None:
                              "(simple,python_heavy,text_classifier)")
     parser.add_argument("--transports", default="http,grpc,json",
                         help="http (tritonclient.http, binary), grpc (tritonclient.grpc), json "
-                             "(http.client, the protocol's JSON form), each measured in every "
+                             "(http.client, keep-alive, the protocol's JSON form), json-new "
+                             "(the same, a new connection per request), each measured in every "
                              "run of a server that speaks it (http,grpc,json)")
-    parser.add_argument("--peers", default=",".join(PEERS),
+    parser.add_argument("--peers", default="kserve,floor",
                         help="the servers multipy is measured beside: kserve "
                              "(kserve.ModelServer), floor (benchmarks/floor_app.py, json "
-                             "only), or none (kserve,floor)")
+                             "and json-new only), processes (multipy serve --processes N "
+                             "--interpreters 1), or none (kserve,floor)")
     parser.add_argument("--no-peer", action="store_true", help="--peers none")
     parser.add_argument("--peer-venv", default=os.path.join(ROOT, ".venv", "kserve-peer"),
                         help="KServe's virtual environment, made if missing (.venv/kserve-peer)")
@@ -568,15 +582,19 @@ def report(rows: list[dict], transports: tuple, args) -> None:
                       f"{f['wrong']:6d} {ratio:>12s}")
     print("\n(ratio, on a peer's row: multipy / that peer, requests/s / memory)")
     for row in rows:
-        for peer in row["servers"][1:]:
-            requests, memory = _ratios(row["multipy"], row[peer])
+        # multipy against every other server; --processes against the peers
+        pairs = [("multipy", peer) for peer in row["servers"][1:]]
+        if "processes" in row["servers"]:
+            pairs += [("processes", peer) for peer in row["servers"][1:] if peer != "processes"]
+        for ours, peer in pairs:
+            requests, memory = _ratios(row[ours], row[peer])
             each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
-                             for a, b in zip(row["rounds"]["multipy"], row["rounds"][peer]))
-            device = (f", GPU memory {row['multipy']['device_mib'] / row[peer]['device_mib']:.2f}x"
+                             for a, b in zip(row["rounds"][ours], row["rounds"][peer]))
+            device = (f", GPU memory {row[ours]['device_mib'] / row[peer]['device_mib']:.2f}x"
                       if args.device != "cpu" else "")
-            print(f"  {row['model']}, {row['transport']}, N={row['n']}: multipy / {NAMES[peer]}: "
-                  f"requests/s {requests:.2f}x, memory {memory:.2f}x{device}   (req/s by round, "
-                  f"multipy/{NAMES[peer]}: {each})")
+            print(f"  {row['model']}, {row['transport']}, N={row['n']}: {NAMES[ours]} / "
+                  f"{NAMES[peer]}: requests/s {requests:.2f}x, memory {memory:.2f}x{device}   "
+                  f"(req/s by round, {NAMES[ours]}/{NAMES[peer]}: {each})")
     for model in args.models.split(","):
         for transport in transports:
             mine = [row for row in rows if row["model"] == model and row["transport"] == transport]

@@ -56,7 +56,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import _multipy_bootstrap
 
 from ..serve.http.app import create_app, logging_config
-from ..serve.http.inbox import FORCE, receive, send
+from ..serve.http.inbox import ACCEPT, FORCE, PAUSE, receive, send
 from ..serve.http.uvicorn_protocol import guarded
 from ..serve.http.uvicorn_server import Config, Server
 from ..serve.request.contract import FrontEndSettings
@@ -134,6 +134,7 @@ class FrontEnd:
         #: its own descriptor of the server's listening socket, while it may accept
         self._listening: socket.socket | None = None
         self._accepting = False  # it watches the listening socket
+        self._may_accept = settings.accepting  # (ACCEPT and PAUSE from its inbox)
         self._serving = threading.Event()  # set once it serves, or has ended
         self._running = False
         self._protocol: Any = None
@@ -307,6 +308,10 @@ class FrontEnd:
             if value >= 0:
                 self._connect(socket.socket(fileno=value), accepted=False)
                 continue
+            if value in (ACCEPT, PAUSE):
+                self._may_accept = value == ACCEPT
+                self._accept_when_free()
+                continue
             if value == FORCE:
                 self._server.force_exit = True
                 for server in [self._grpc, *self._grpc_stops]:  # their calls end now
@@ -330,10 +335,10 @@ class FrontEnd:
         task.add_done_callback(self._connecting.discard)
 
     def _accept_when_free(self) -> None:
-        """Watches the listening socket while it may accept: it has one, and is not
-        stopping, nor (with a worker) running or stuck in a call."""
+        """Watches the listening socket while it may accept: it has one, is not stopping,
+        has not been told to PAUSE, and (with a worker) runs no call and is not stuck."""
         worker = self._worker
-        free = self._listening is not None and (
+        free = self._listening is not None and self._may_accept and (
             worker is None or (not worker.calls and worker.stuck is None))
         if free != self._accepting:
             self._accepting = free

@@ -122,7 +122,7 @@ class _Server(Server):
         self._protocol = guarded(self.config.http_protocol_class, self._limits,
                                  one_request=True)
         if self._supervised is not None:
-            self._supervised.listen(self._hand, self._supervisor_gone)
+            self._supervised.listen(self._hand, self._supervisor_gone, self._fronts.accepting)
             return
         listener = self.listener
         self.config.port = listener.getsockname()[1]  # the port --port 0 got, for the ready line
@@ -229,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
         grpc = None if args.grpc_port is None else _host_port(args.host, args.grpc_port)
         reserved = None
         bound = None
+        shared = socket.socket(fileno=fds[2])  # the supervisor's listening socket
     else:  # (bound first: a port that is taken is said before anything else)
         link, place = None, Place()
         bound = bind(args.host, args.port)
         reserved = None if args.grpc_port is None else \
             reserve_port(args.host, args.grpc_port, parse)
         grpc = None if reserved is None else _address(reserved)
+        shared = None
     service = Service(served, place)
     if link is not None:  # its supervisor reads which interpreter's call crashed it there
         _host.crash_cell(service.metrics.crash_cell())
@@ -255,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     listener = None if bound is None else listen(bound)
     fronts = FrontEnds()
     loader = threading.Thread(target=lambda: _load(service, server, fronts, grpc, supervised,
-                                                    began),
+                                                    shared, began),
                               daemon=True, name="multipy-serve-start")
     app = create_app(service, loader.start)
     config = Config(app, host=args.host, port=args.port, lifespan="on", ws="none",
@@ -325,9 +327,11 @@ def _host_port(host: str, port: int) -> str:
 
 
 def _load(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None,
-          supervised: Supervised | None, began: float) -> None:
+          supervised: Supervised | None, shared: socket.socket | None, began: float) -> None:
     """Loads the models once the server listens, then starts the interpreters' front
-    ends (with gRPC on grpc, "HOST:PORT", if given); stops the server if either fails.
+    ends (with gRPC on grpc, "HOST:PORT", if given; accepting on the server's listening
+    socket, or on shared, the supervisor's, once it says so); stops the server if either
+    fails.
     A supervised process then tells its supervisor.  Its "ready in" counts from began,
     the command's start (models written as classes load once before it listens)."""
     server.begun.wait()
@@ -335,7 +339,7 @@ def _load(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None
         return
     try:
         service.start(before_ready=lambda: _start_front_ends(service, server, fronts, grpc,
-                                                             supervised))
+                                                             supervised, shared))
     except BaseException as error:
         if server.should_exit:  # stopped meanwhile: nothing failed
             return
@@ -353,12 +357,17 @@ def _load(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None
 
 
 def _start_front_ends(service: Service, server: _Server, fronts: FrontEnds, grpc: str | None,
-                      supervised: Supervised | None) -> None:
+                      supervised: Supervised | None, shared: socket.socket | None) -> None:
     """Starts the interpreters' front ends, which accept on the server's listening
-    socket (a supervised process's come from its supervisor)."""
+    socket; a supervised process's, on shared, once its supervisor says so."""
+    if supervised is not None:
+        try:
+            fronts.start(service, grpc, supervised, shared, accepting=False)
+        finally:  # (each front end has its own descriptor of it: a stop closes them all)
+            shared.close()
+        return
     fronts.start(service, grpc, supervised, server.listener)
-    if server.listener is not None:
-        server.take_overdue(service.metrics.accepted_connections)
+    server.take_overdue(service.metrics.accepted_connections)
 
 
 if __name__ == "__main__":

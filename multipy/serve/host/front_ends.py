@@ -10,7 +10,7 @@ import os
 import socket
 import threading
 
-from ..http.inbox import FORCE, STOP, open_inbox, receive, send
+from ..http.inbox import ACCEPT, FORCE, PAUSE, STOP, open_inbox, receive, send
 from ..request.contract import FrontEndCalls, FrontEndSettings
 from ..request.metrics import Metrics
 from .control import Control, Repository
@@ -41,17 +41,23 @@ class FrontEnds:
         self._control: Control | None = None
         self._stopping = False
         self._forced = False
+        #: whether the front ends accept on the listening socket, once told (None: not yet)
+        self._accepting: bool | None = None
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # a front end ended, or force
 
     def start(self, service: Service, grpc: str | None = None,
               repository: Repository | None = None,
-              listener: socket.socket | None = None) -> None:
+              listener: socket.socket | None = None, accepting: bool = True) -> None:
         """Makes a front end in each interpreter of service, which is loaded, and runs
         them, each also serving gRPC on grpc ("HOST:PORT") if given, their model
         repository requests done by repository (default: the service; see
         multipy.serve.host.control), and each accepting connections on listener itself
-        if given; raises what failed."""
+        if given, from the start if accepting, else once ``accepting(True)``; raises
+        what failed."""
+        with self._lock:
+            if self._accepting is None:
+                self._accepting = accepting
         options, metrics = service.options, service.metrics
         settings = FrontEndSettings(
             names=tuple(service.models),
@@ -66,7 +72,7 @@ class FrontEnds:
             model_control=service.model_control, strict_readiness=service.strict_readiness,
             http_restricted=service.http_restricted, grpc_restricted=service.grpc_restricted,
             refused=None if service.refused is None else service.refused.address,
-            listener=-1 if listener is None else listener.fileno())
+            listener=-1 if listener is None else listener.fileno(), accepting=self._accepting)
         fronts, inboxes, controls = [], [], []
         interpreters = service.manager.all_instances()
         try:
@@ -149,6 +155,13 @@ class FrontEnds:
                              "handed to it (%s): closing a new one", k, error)
         return True
 
+    def accepting(self, on: bool) -> None:
+        """Has every front end accept on the listening socket (while free), or not."""
+        with self._lock:
+            self._accepting = on
+            if not self._stopping:
+                self._tell(ACCEPT if on else PAUSE)
+
     def stop(self) -> None:
         """Stops every front end gracefully (each serves the connections handed to it
         and answers what it has received) and waits for them, until ``force``."""
@@ -179,8 +192,8 @@ class FrontEnds:
                 try:
                     send(write, message)
                 except OSError as error:
-                    logger.error("interpreter %d's front end could not be told to stop: %s",
-                                 k, error)
+                    logger.error("interpreter %d's front end could not be told (%d): %s",
+                                 k, message, error)
 
 
 def _close_left(inbox: int) -> None:

@@ -3,7 +3,8 @@ connections and tells it to stop, without waiting for its GIL.
 
 Each message is one native int32 (a write of 4 bytes into a pipe is atomic, so reads
 of a multiple of 4 bytes return whole messages): a file descriptor >= 0 is an accepted
-connection, which the front end owns from then on; STOP and FORCE stop it.  The host
+connection, which the front end owns from then on; STOP and FORCE stop it; ACCEPT and
+PAUSE start and stop its accepting on the server's listening socket.  The host
 makes the pipe (``open_inbox``), writes (``send``) and closes both ends once the front
 end has ended; the front end reads (``receive``) from its event loop.
 """
@@ -14,6 +15,8 @@ import struct
 
 STOP = -1  #: stop gracefully: every connection sent before is served, every request answered
 FORCE = -2  #: stop at once, as uvicorn does on a second Ctrl-C (a model call still ends first)
+ACCEPT = -3  #: accept connections on the listening socket while free
+PAUSE = -4  #: accept none (the host hands them, if any)
 _MESSAGE = struct.Struct("i")
 
 

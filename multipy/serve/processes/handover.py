@@ -1,8 +1,11 @@
-"""The supervisor's hand-over of the connections it accepts (``Handover``): to which
-server process each goes, and its copy of each, kept until the process has taken it
-(the process notes the number of the last one it took in its host row of the metrics
-board, before it reads a byte of any): a process that dies first has those handed to
-another.  ``ServerProcess`` is one process as the supervisor knows it."""
+"""The supervisor's hand-over of connections (``Handover``): which server processes'
+front ends accept on the listening socket themselves (those that take connections: told
+by ``Accepting``), to which process each connection that the supervisor accepts goes
+(those that no front end took in time, and all while none takes any), and its copy of
+each, kept until the process has taken it (the process notes the number of the last one
+it took in its host row of the metrics board, before it reads a byte of any): a process
+that dies first has those handed to another.  ``ServerProcess`` is one process as the
+supervisor knows it."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +15,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from ..request.board import Board
-from .link import Connection, Link, Pong
+from .link import Accepting, Connection, Link, Pong
 
 #: Seconds without an answer to a health check after which a process gets no new
 #: connection.
@@ -40,6 +43,7 @@ class ServerProcess:
     loaded: bool = False  #: it has loaded its start-up models
     ready: bool = False  #: it has redone the repository's requests: it takes connections
     retiring: bool = False  #: replaced: it takes no new connection, and stops
+    accepting: bool = False  #: its front ends accept on the listening socket (told so)
     replaces: ServerProcess | None = None  #: the process it replaces while that one runs
     #: since when a health check waits for its answer (time.monotonic(); None: none waits)
     waiting: float | None = None
@@ -88,8 +92,15 @@ class Handover:
         now = time.monotonic()
         alive = [p for p in processes if p.prepared and not p.retiring
                  and p.process.returncode is None and p.responsive(now)]
-        self._takers = [p for p in alive if p.taking(now)] or \
-            [p for p in alive if p.ready] or alive
+        taking = [p for p in alive if p.taking(now)]
+        self._takers = taking or [p for p in alive if p.ready] or alive
+        for record in processes:
+            if record.accepting != (record in taking):
+                try:
+                    record.link.send(Accepting(record in taking))
+                except OSError:  # ending: it accepts nothing more
+                    continue
+                record.accepting = record in taking
         if self._held and self._takers:
             held, self._held = self._held, []
             for connection in held:

@@ -6,8 +6,9 @@ Each message is one of the frozen dataclasses below, written as a JSON object wh
 ``op`` names its class (``encode``) and read back into one (``decode``):
 
 - supervisor to process: ``Start`` (its slot of the metrics board, of how many, and how
-  many processes serve; carries the metrics board and the table of refused inputs,
-  multipy.serve.request.poison), ``Connection`` (carries one accepted connection under a
+  many processes serve; carries the metrics board, the table of refused inputs,
+  multipy.serve.request.poison, and the server's listening socket), ``Accepting``
+  (whether its front ends accept connections on that socket themselves), ``Connection`` (carries one accepted connection under a
   ``number``), ``Do`` (a model repository request to do here, under a ``number``),
   ``Answer`` (to an ``Ask``), ``Ping`` (a health check);
 - process to supervisor: ``Prepared`` (its models are checked as a single server
@@ -55,11 +56,21 @@ class TooLarge(ValueError):
 @dataclass(frozen=True)
 class Start:
     """Supervisor to process, first: its slot of the metrics board, of ``slots``, and
-    how many processes serve (carries the board and the table of refused inputs)."""
+    how many processes serve (carries the board, the table of refused inputs and the
+    server's listening socket)."""
 
     process: int
     processes: int
     slots: int
+
+
+@dataclass(frozen=True)
+class Accepting:
+    """Supervisor to process: whether its front ends accept connections on the server's
+    listening socket themselves (``on``), as they do while it is ready, answers and has
+    an interpreter that is not stuck."""
+
+    on: bool
 
 
 @dataclass(frozen=True)
@@ -138,7 +149,7 @@ class Ready:
     """Process to supervisor: its models are loaded."""
 
 
-Message = Union[Start, Connection, Do, Ask, Done, Answer, Ping, Pong, Prepared, Ready]
+Message = Union[Start, Accepting, Connection, Do, Ask, Done, Answer, Ping, Pong, Prepared, Ready]
 
 _KINDS: dict[str, type] = {kind.__name__.lower(): kind for kind in typing.get_args(Message)}
 
@@ -166,9 +177,9 @@ def _hints(kind: type) -> dict[str, object]:
 
 
 def _built(value: object, kind: object) -> object:
-    """value (decoded JSON) as kind: a message's class (or RepositoryRequest), int, str
-    or dict[str, str]; ValueError if it is not one."""
-    if kind in (int, str):
+    """value (decoded JSON) as kind: a message's class (or RepositoryRequest), int, str,
+    bool or dict[str, str]; ValueError if it is not one."""
+    if kind in (int, str, bool):
         if type(value) is not kind:  # (a bool is not an int here)
             raise ValueError(f"{value!r} is not a {kind.__name__}")
         return value

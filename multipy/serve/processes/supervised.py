@@ -1,9 +1,11 @@
 """A server process's side of ``multipy serve --processes`` (multipy.serve.processes.supervisor):
 its link to the supervisor, read on the process's event loop.
 
-The supervisor hands it connections (served as a single server serves those it
-accepts; each is acknowledged as it arrives, before anything reads it, on the metrics
-board, where the supervisor reads it even after this process has died), checks its
+The supervisor says when its front ends accept connections on the server's listening
+socket themselves, hands it the connections that no front end took in time (served as a
+single server serves those it accepts; each is acknowledged as it arrives, before
+anything reads it, on the metrics board, where the supervisor reads it even after this
+process has died), checks its
 health (answered from its event loop) and has it do the model repository's requests; it
 tells the supervisor when its models are loaded, and asks it to have every process do
 the repository requests that its own front ends receive (``load_now`` and
@@ -22,8 +24,8 @@ from typing import Callable
 from ..host.control import Watcher, do
 from ..host.service import Service
 from ..request.messages import ProtocolError
-from .link import (Answer, Ask, Connection, Do, Done, Link, Message, Ping, Pong, Prepared,
-                   Ready, RepositoryRequest, TooLarge)
+from .link import (Accepting, Answer, Ask, Connection, Do, Done, Link, Message, Ping, Pong,
+                   Prepared, Ready, RepositoryRequest, TooLarge)
 from .tasks import Tasks
 
 logger = logging.getLogger("multipy.serve")
@@ -41,10 +43,12 @@ class Supervised:
 
     # -- on the event loop --
 
-    def listen(self, hand: Callable[[socket.socket], None], gone: Callable[[], None]) -> None:
+    def listen(self, hand: Callable[[socket.socket], None], gone: Callable[[], None],
+               accepting: Callable[[bool], None]) -> None:
         """Reads the link from now on: hand(connection) for each connection handed to
-        this process; gone() once the supervisor has gone (the process should stop)."""
-        self._hand, self._gone = hand, gone
+        this process; gone() once the supervisor has gone (the process should stop);
+        accepting(on) when the supervisor says whether its front ends accept."""
+        self._hand, self._gone, self._accepting = hand, gone, accepting
         asyncio.get_running_loop().add_reader(self._link.fileno(), self._read)
         self._reading = True
 
@@ -87,6 +91,8 @@ class Supervised:
             match message:
                 case Connection(number) if fds:
                     connections.append((number, fds.pop(0)))
+                case Accepting(on):
+                    self._accepting(on)
                 case Ping():
                     self._tell(Pong(**self._service.metrics.health()))
                 case Do():

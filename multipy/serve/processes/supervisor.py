@@ -3,9 +3,12 @@ behind one port, started and watched by the ``multipy serve`` process itself, th
 supervisor, which runs no interpreter and imports no torch (docs/design.md, "Server
 processes", says why and how).
 
-The supervisor binds the port, starts each process fresh (exec, never fork), listens
-once one has prepared (a class whose code fails stops the server with status 2 first),
-accepts every connection and hands it over (multipy.serve.processes.handover).  It
+The supervisor binds the port, starts each process fresh (exec, never fork), and passes
+each the socket; it listens once one has prepared (a class whose code fails stops the
+server with status 2 first).  The front ends of the processes that take connections
+(ready, answering, not all stuck) accept on that socket themselves; the supervisor
+accepts those left waiting more than OVERDUE seconds (every one busy, or none ready yet)
+and hands them over (multipy.serve.processes.handover).  It
 pings each process every PING_EVERY seconds: one that has not answered for
 --health-timeout seconds is killed.  A process that ends is replaced as
 multipy.serve.processes.policy.decide says, and the request whose call crashed it is
@@ -31,8 +34,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..._launch import launch_environment
-from ..http.connection import accept, bind, listen
-from ..request.board import Board, board_width
+from ..http.connection import accept_overdue, bind, listen
+from ..request.board import ACCEPTED, Board, board_width
 from ..request.poison import Crashes, Table
 from .handover import Handover, ServerProcess
 from .link import Ask, Done, Ping, Pong, Prepared, Ready, Start, pair
@@ -48,6 +51,9 @@ PING_EVERY = 1.0
 #: Seconds without an answer after which a process is killed, by default
 #: (--health-timeout).
 HEALTH_TIMEOUT = 20.0
+#: Seconds a connection may wait on the listening socket for a front end to accept it
+#: before the supervisor takes it.
+OVERDUE = 0.01
 #: The signals by which a process's own fault ends it (its call crashed).
 _FAULTS = {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGFPE, -signal.SIGILL, -signal.SIGABRT}
 
@@ -84,6 +90,7 @@ class Supervisor:
         self._tasks = Tasks()
         self._starting: dict[int, int] = {}  # slot -> index of the processes starting
         self._handover = Handover(self.board, self._rows)
+        self._bound: socket.socket | None = None  # the port, passed to every process
         self._models = tuple(models)
         self._replication: Replication | None = None
         self._rolling = Rolling(self._processes, self._handover, self._tasks,
@@ -108,7 +115,7 @@ class Supervisor:
         self._replication = Replication(self._models)
         self._finished = loop.create_future()
         self._prepared = asyncio.Event()
-        bound = bind(self._host, self._port)  # (a port that is taken is said first)
+        bound = self._bound = bind(self._host, self._port)  # (a port taken is said first)
         self._port = bound.getsockname()[1]
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._signalled, sig)
@@ -132,7 +139,8 @@ class Supervisor:
 
     async def _serve(self, listener: socket.socket) -> None:
         """Accepts connections on listener until the server stops."""
-        accepting = asyncio.get_running_loop().create_task(accept(listener, self._handover.hand))
+        accepting = asyncio.get_running_loop().create_task(accept_overdue(
+            listener, self._handover.hand, lambda: int(self.board.total(ACCEPTED)), OVERDUE))
         logger.info("listening on http://%s:%d with %d server processes of %d interpreter(s) "
                     "each; loading models", self._host, self._port, self._count,
                     self._interpreters)
@@ -171,7 +179,8 @@ class Supervisor:
             raise
         finally:
             there.close()
-        here.send(Start(slot, self._count, self._slots), (self.board.fd, self.refused.fd))
+        here.send(Start(slot, self._count, self._slots),
+                  (self.board.fd, self.refused.fd, self._bound.fileno()))
         record = ServerProcess(k, slot, here, process,
                           self.board.requests(slot * self._rows, self._rows), replaces=replaces)
         tunables = self._tunables

@@ -84,8 +84,9 @@ class FrontEndSettings:
     inbox: int = -1  #: the read end of its inbox (multipy.serve.http.inbox), the host's
     control: int = -1  #: the write end of its control pipe (multipy.serve.host.control)
     #: the server's listening socket, on which it accepts connections itself (-1: none;
-    #: they come through its inbox)
+    #: they come through its inbox), from the start if accepting, else once told (ACCEPT)
     listener: int = -1
+    accepting: bool = True
 
 
 class FrontEndCalls:

@@ -341,26 +341,26 @@ class FrontEnd:
         free = self._listening is not None and self._may_accept and (
             worker is None or (not worker.calls and worker.stuck is None))
         if free != self._accepting:
-            self._accepting = free
-            if free:
-                self._loop.add_reader(self._listening.fileno(), self._accept)
-            else:
-                self._loop.remove_reader(self._listening.fileno())
+            self._watch(free)
+
+    def _watch(self, on: bool) -> None:
+        """Watches the listening socket (on), or not; the board says which."""
+        self._accepting = on
+        self.metrics.watching(on)
+        if on:
+            self._loop.add_reader(self._listening.fileno(), self._accept)
+        else:
+            self._loop.remove_reader(self._listening.fileno())
 
     def _pause_accepting(self, seconds: float) -> None:
-        self._loop.remove_reader(self._listening.fileno())
-        self._accepting = False
+        self._watch(False)
         self._loop.call_later(seconds, self._accept_when_free)
 
     def _accept(self) -> None:
         """A connection waits on the listening socket: taken, unless another front end
-        took it first, or one that is free serves fewer connections than this one (it
-        takes it then)."""
-        metrics, row = self.metrics, self._settings.row
-        mine = metrics.open_connections(row)
-        if mine and any(metrics.open_connections(k) < mine and not metrics.busy(k)
-                        and metrics.stuck(k) is None
-                        for k in range(1, self._settings.interpreters + 1) if k != row):
+        took it first, or one that watches the socket too, runs no call and serves fewer
+        connections than this one, of any process (it takes it then)."""
+        if self.metrics.freer_front_end():
             self._pause_accepting(_ACCEPT_AGAIN)
             return
         try:
@@ -376,8 +376,7 @@ class FrontEnd:
 
     def _stop_accepting(self) -> None:
         if self._accepting:
-            self._loop.remove_reader(self._listening.fileno())
-            self._accepting = False
+            self._watch(False)
         if self._listening is not None:
             self._listening.close()
             self._listening = None

@@ -32,7 +32,8 @@ from .board import (ABANDONED, ACCEPTED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY,
                     CALLS, CLOSED, CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT,
                     INFER_NS, INPUT, INPUT_NS, LAST_CALL, LATENCY, LATENCY_AT, LATENCY_SUM,
                     OPENED, OUTPUT_NS, PER_MODEL, PIECES, QUEUED, QUEUE_NS, REQUESTS, ROW,
-                    SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT, board_width)
+                    SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT, WATCHING,
+                    board_width)
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -157,7 +158,7 @@ class Metrics:
         self.slots = max(len(models), slots)
         self.interpreters = interpreters
         self.stuck_after = stuck_after
-        self.first, self.processes = first, processes
+        self.first, self.processes, self.row = first, processes, row
         self.board = Board(rows, board_width(self.slots), address, fd)
         self._values = values = self.board.row(first + row)
         self._closed = Count(values, CLOSED)
@@ -210,6 +211,23 @@ class Metrics:
         """How many connections the writer of row (of this process's rows) serves now."""
         values = self.board.row(self.first + row)
         return int(values[OPENED] - values[CLOSED])
+
+    def watching(self, on: bool) -> None:
+        """This writer (a front end) watches the listening socket (on), or not."""
+        self._values[WATCHING] = float(on)
+
+    def freer_front_end(self) -> bool:
+        """Whether a front end other than this writer's, of any process, watches the
+        listening socket, runs no call and serves fewer connections than this one."""
+        board, per, this = self.board, self.interpreters + 1, self.first + self.row
+        mine = self.open_connections(self.row)
+        for at in range(board.rows):
+            values = board.row(at)
+            if at % per and at != this and values[WATCHING] \
+                    and values[OPENED] - values[CLOSED] < mine and not board.busy(at, 1) \
+                    and not values[DECODING]:
+                return True
+        return False
 
     def accepted_connections(self) -> int:
         """How many connections every writer of the board (of every process) has accepted
@@ -419,8 +437,8 @@ class _Collector:
         accepted = CounterMetricFamily(
             "multipy_connections_accepted",
             "Connections accepted from the listening socket, by who accepted them: an "
-            "interpreter's front end, or a host (while the models load, or when every front "
-            "end has left one waiting)", labels=["by"])
+            "interpreter's front end, or the host of a server of one process (while the "
+            "models load, or when every front end has left one waiting)", labels=["by"])
         by_interpreters = sum(board.row(at)[ACCEPTED] for at in rows)
         accepted.add_metric(["interpreter"], by_interpreters)
         accepted.add_metric(["host"], board.total(ACCEPTED) - by_interpreters)

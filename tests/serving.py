@@ -293,16 +293,20 @@ def _start(tmp_path, paths: list[str], *options: str) -> Server:
              *options], stdout=out, stderr=subprocess.STDOUT, env=env)
     server = Server(process, port, log, report)
     deadline = time.monotonic() + 110
-    while True:
-        assert process.poll() is None, f"the server exited:\n{server.output()}"
-        assert time.monotonic() < deadline, f"the server was not ready:\n{server.output()}"
-        try:
-            if _request(server, "GET", "/v2/health/ready")[0] == 200 and \
-                    "ready in" in server.output():
-                return server
-        except OSError:
-            pass  # not listening yet
-        time.sleep(0.1)
+    try:
+        while True:
+            assert process.poll() is None, f"the server exited:\n{server.output()}"
+            assert time.monotonic() < deadline, f"the server was not ready:\n{server.output()}"
+            try:
+                if _request(server, "GET", "/v2/health/ready")[0] == 200 and \
+                        "ready in" in server.output():
+                    return server
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.1)
+    except BaseException:  # (a server that is not ready does not outlive its test)
+        _stop(server)
+        raise
 
 
 def _stop(server: Server) -> None:

@@ -171,8 +171,8 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
                     "--processes", "2", "--interpreters", "10", "--grpc-port", "0")
     try:
         _all_ready(server)
-        # 20 connections open at once: the supervisor hands them to the two processes in
-        # turn, and each process each of its ten to an interpreter with the fewest open
+        # 20 connections open at once: the front ends of both processes accept them, each
+        # leaving one to a front end that serves fewer (of either process)
         # (a front end counts a connection closed once its loop has closed it: the
         # readiness checks' are, first; on a loaded machine a front end may still count
         # one of the round before as its own: the round is tried again)
@@ -187,6 +187,8 @@ def test_counts_and_statistics_are_every_process(packages, tmp_path):
         assert len({pid for pid, _ in where}) == 2
         metrics = _metrics(server)
         assert metrics[("multipy_interpreters", ())] == 20
+        # (the front ends accept on the supervisor's socket themselves: those of both)
+        assert metrics[("multipy_connections_accepted_total", (("by", "interpreter"),))] >= 20
         assert metrics[("multipy_inference_requests_total", (("model", "where"),))] == sent
         x = grpcclient.InferInput("x", [1], "FP32")
         x.set_data_from_numpy(np.ones(1, np.float32))

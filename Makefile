@@ -67,22 +67,21 @@ test: $(VENV)/.installed
 	$(VENV)/bin/multipy run -m pytest
 
 # The tests that a torch build can change, for a second build (CI: TORCH=cuda): torch
-# imported in every interpreter (its libraries, CUDA's forwarded), tensors lent across
-# calls on both call paths, torch.package archives, the C++ API against the wheel's
-# libtorch, models written with torch (classes, Triton's execute, examples).  The serving
-# machinery's own tests (HTTP, gRPC, processes, Ray, limits) do not depend on the build.
-# Each module runs in a process of its own: with the CUDA build, a process that has
-# imported torch into many interpreters can hang as torch is imported into one more
+# imported in every interpreter (its libraries, CUDA's forwarded, the static TLS room it
+# needs), tensors lent across calls on both call paths, torch's settings and threads in
+# each interpreter, the C++ API against the wheel's libtorch.  Models written with torch
+# (examples, classes, Triton's execute, the benchmark) and the serving machinery (HTTP,
+# gRPC, processes, Ray, limits) run on what these cover, and are tested with the CPU
+# build.  Each module runs in a process of its own: with the CUDA build, a process that
+# has imported torch into many interpreters can hang as torch is imported into one more
 # (inside the dynamic linker, waiting in __thread_gscope_wait on a thread that is in no
 # lookup; seen after test_torch.py, in test_call_path.py and test_torch_settings.py); a
 # runtime bug to fix, not a test's.  A test stuck there is ended by pytest-timeout's
 # thread method, which dumps every thread's stack first: the module fails, the rest run.
-TORCH_TESTS = tests/test_bench.py tests/test_call_path.py tests/test_cpp.py \
-	tests/test_cuda.py tests/test_errors.py tests/test_examples.py \
-	tests/test_forwarded_libraries.py tests/test_gpu.py tests/test_hf_classifier.py \
-	tests/test_model_class.py tests/test_process_state.py tests/test_room.py \
-	tests/test_text_classifier.py tests/test_thread_stacks.py tests/test_torch.py \
-	tests/test_torch_settings.py tests/test_triton_backend.py tests/test_warm_up.py
+TORCH_TESTS = tests/test_call_path.py tests/test_cpp.py tests/test_cuda.py \
+	tests/test_forwarded_libraries.py tests/test_gpu.py tests/test_process_state.py \
+	tests/test_room.py tests/test_thread_stacks.py tests/test_torch.py \
+	tests/test_torch_settings.py
 test-torch: $(VENV)/.installed
 	@failed=""; for module in $(TORCH_TESTS); do \
 		$(VENV)/bin/multipy run -m pytest -q -o timeout_method=thread $$module \

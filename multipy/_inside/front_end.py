@@ -6,13 +6,14 @@ time, while it is free: while it runs a call, its loop is not polling (or, with 
 it stops watching the socket), and while another front end that is free serves fewer
 connections, it leaves them to that one.  The host takes what no front end has taken
 within a few milliseconds (every front end in a call: health checks are answered at once
-all the same; multipy.serve.main), and hands a connection to the front end of the interpreter with the
-fewest open ones by writing its socket's file descriptor into the front end's inbox, a
-pipe whose read end the front end's event loop watches (the host never waits for this
-interpreter's GIL); a stop comes the same way, after every connection handed before
-it.  From then on, every request on a connection is parsed, decoded, checked, run and
-answered here, by uvicorn and the same Starlette application as the host's
-(multipy.serve.http.app), on an event loop that runs on the host thread that called ``run``.
+all the same; multipy.serve.main), and hands such a connection to the front end of the
+interpreter with the fewest open ones by writing its socket's file descriptor into the
+front end's inbox, a pipe whose read end the front end's event loop watches (the host
+never waits for this interpreter's GIL); a stop comes the same way, after every
+connection handed before it.  From then on, every request on a connection is parsed,
+decoded, checked, run and answered here, by uvicorn and the same Starlette application
+as the host's (multipy.serve.http.app), on an event loop that runs on the host thread
+that called ``run``.
 A model runs on that thread, blocking the loop: one call at a time in this interpreter,
 as in one worker process of other servers; a thread of this interpreter watches the
 call's client meanwhile, and cancels the call if the client goes (multipy._inside.
@@ -114,7 +115,8 @@ class FrontEnd:
         self._limits = settings.limits
         self._graceful_timeout = settings.graceful_timeout
         self.ready = True
-        self._worker = None if settings.timeout is None else _Worker(self._stuck_changed, self._accept_when_free)
+        self._worker = None if settings.timeout is None else \
+            _Worker(self._stuck_changed, self._accept_when_free)
         #: the watch of calls on the loop (without a worker) for their clients' going
         self._hangups = Hangups() if self._worker is None else None
         self._refused = None if settings.refused is None else Table(address=settings.refused)

@@ -8,9 +8,10 @@ Each message is one of the frozen dataclasses below, written as a JSON object wh
 - supervisor to process: ``Start`` (its slot of the metrics board, of how many, and how
   many processes serve; carries the metrics board, the table of refused inputs,
   multipy.serve.request.poison, and the server's listening socket), ``Accepting``
-  (whether its front ends accept connections on that socket themselves), ``Connection`` (carries one accepted connection under a
-  ``number``), ``Do`` (a model repository request to do here, under a ``number``),
-  ``Answer`` (to an ``Ask``), ``Ping`` (a health check);
+  (whether its front ends accept connections on that socket themselves), ``Connection``
+  (carries one accepted connection under a ``number``), ``Do`` (a model repository
+  request to do here, under a ``number``), ``Answer`` (to an ``Ask``), ``Ping`` (a
+  health check);
 - process to supervisor: ``Prepared`` (its models are checked as a single server
   checks them before it listens: it takes connections), ``Ready`` (its models are
   loaded: it takes requests), ``Ask`` (a repository request that one of its front ends

@@ -121,7 +121,8 @@ class Board:
         for k in range(first, first + count):
             row = self.row(k)
             row[CLOSED] = row[SINCE] = row[ABANDONED] = row[DECODING] = 0.0
-            row[INPUT] = row[CRASHED] = row[TAKEN] = row[ACCEPTED] = row[OPENED] = row[WATCHING] = 0.0
+            row[INPUT] = row[CRASHED] = row[TAKEN] = 0.0
+            row[ACCEPTED] = row[OPENED] = row[WATCHING] = 0.0
             for at in range(ROW, self.width, PER_MODEL):
                 row[at + QUEUED] = row[at + BUSY] = 0.0
 

@@ -5,7 +5,9 @@ Starts `multipy serve` (one interpreter) or the floor (benchmarks/floor_app.py, 
 uvicorn worker, with torch's intra-op threads as many as multipy's interpreter has, as
 serve_load.py gives them) on the example model `simple` (or `python_heavy`), under
 callgrind with instrumentation off (`--tool callgrind`) or plainly (`--tool strace`);
-warms it up with JSON requests over a keep-alive connection; then counts, over --requests more: the
+warms it up with JSON requests over a keep-alive connection (or, with --new-connections,
+a new connection per request, as clients without keep-alive send them); then counts,
+over --requests more: the
 instructions the server ran (callgrind, switched on for them alone with
 callgrind_control; user space only), or its system calls by kind (strace -c, attached
 for them alone).  Needs valgrind or strace.
@@ -14,6 +16,7 @@ With --keep FILE, callgrind's profile of those requests is kept there, for
 
     python benchmarks/serve_instructions.py [--server multipy|floor] [--tool callgrind|strace]
         [--model simple|python_heavy] [--requests 1000] [--warm-up 20] [--keep FILE]
+        [--new-connections]
 """
 from __future__ import annotations
 
@@ -44,9 +47,9 @@ BODIES = {name: json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype":
 
 
 def requests(port: int, count: int | None = None, seconds: float = 0.0,
-             model: str = "simple") -> None:
+             model: str = "simple", new: bool = False) -> None:
     """count requests of model, or as many as seconds allow, over one keep-alive
-    connection."""
+    connection (new: each on a connection of its own)."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     end = time.monotonic() + seconds
     done = 0
@@ -58,6 +61,8 @@ def requests(port: int, count: int | None = None, seconds: float = 0.0,
         if answer.status != 200:
             raise RuntimeError(f"the server answered {answer.status}")
         done += 1
+        if new:
+            connection.close()
     connection.close()
 
 
@@ -69,6 +74,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--warm-up", type=float, default=20, help="seconds of requests first")
     parser.add_argument("--keep", metavar="FILE", help="where to keep callgrind's profile")
+    parser.add_argument("--new-connections", action="store_true",
+                        help="a new connection per request (default: one keep-alive connection)")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     from generate_examples import generate
@@ -93,11 +100,12 @@ def main() -> None:
                                   env=launch_environment())
         try:
             _wait_ready(port, server, seconds=1200)  # (minutes to start under callgrind)
-            requests(port, seconds=args.warm_up, model=args.model)
+            new = args.new_connections
+            requests(port, seconds=args.warm_up, model=args.model, new=new)
             if args.tool == "callgrind":
                 subprocess.run(["callgrind_control", "-i", "on", str(server.pid)],
                                check=True, capture_output=True)
-                requests(port, args.requests, model=args.model)
+                requests(port, args.requests, model=args.model, new=new)
                 for command in (["-i", "off"], ["-d"]):  # the count, dumped to out.1
                     subprocess.run(["callgrind_control", *command, str(server.pid)],
                                    check=True, capture_output=True)
@@ -112,7 +120,7 @@ def main() -> None:
                 tracer = subprocess.Popen(["strace", "-f", "-c", "-o", summary, "-p",
                                            str(server.pid)], stderr=subprocess.DEVNULL)
                 time.sleep(1)  # attached to every thread
-                requests(port, args.requests, model=args.model)
+                requests(port, args.requests, model=args.model, new=new)
                 tracer.send_signal(signal.SIGINT)
                 tracer.wait(60)
         finally:
@@ -127,7 +135,8 @@ def main() -> None:
             if args.keep:
                 shutil.copyfile(dumped, args.keep)
             print(f"{args.server}: {int(totals[0]) / args.requests:,.0f} instructions per "
-                  f"request ({args.requests} requests of {args.model})")
+                  f"request ({args.requests} requests of {args.model}"
+                  f"{', each on a new connection' if new else ''})")
         else:
             calls = {}
             for line in open(summary):
@@ -138,7 +147,8 @@ def main() -> None:
             each = ", ".join(f"{name} {count / args.requests:.2f}"
                              for name, count in sorted(calls.items(), key=lambda kv: -kv[1]))
             print(f"{args.server}: {total / args.requests:.2f} system calls per request "
-                  f"({each}; {args.requests} requests)")
+                  f"({each}; {args.requests} requests"
+                  f"{', each on a new connection' if new else ''})")
 
 
 if __name__ == "__main__":

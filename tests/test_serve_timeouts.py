@@ -339,7 +339,7 @@ class Series:
 
 
 async def _cancelled_as_it_ends():
-    worker = front_end._Worker(lambda: None, lambda: None)
+    worker = front_end._Worker(lambda: None)
     started = Started()
     run = lambda call: asyncio.wait_for(worker.run(call, started, Series(), "m"), 30)
     try:

@@ -1,16 +1,15 @@
 """An interpreter's front end for ``multipy serve``: HTTP, the protocol and the model
 calls, all in this interpreter, on its own GIL.
 
-Each front end accepts connections on the server's listening socket itself, one at a
-time, while it is free: while it runs a call, its loop is not polling (or, with a worker,
-it stops watching the socket), and while another front end that is free serves fewer
-connections, it leaves them to that one.  The host takes what no front end has taken
-within a few milliseconds (every front end in a call: health checks are answered at once
-all the same; multipy.serve.main), and hands such a connection to the front end of the
-interpreter with the fewest open ones by writing its socket's file descriptor into the
-front end's inbox, a pipe whose read end the front end's event loop watches (the host
-never waits for this interpreter's GIL); a stop comes the same way, after every
-connection handed before it.  From then on, every request on a connection is parsed,
+Each front end accepts connections on the server's listening socket itself
+(multipy._inside.accepting), while it runs no call, and gives one back to the host when
+another front end is freer.  The host takes what no front end has taken within a few
+milliseconds (every front end in a call: health checks are answered at once all the
+same; multipy.serve.main), and hands such a connection, or one given back, to the front
+end of the interpreter with the fewest open ones by writing its socket's file
+descriptor into the front end's inbox, a pipe whose read end the front end's event loop
+watches (the host never waits for this interpreter's GIL); a stop comes the same way,
+after every connection handed before it.  From then on, every request on a connection is parsed,
 decoded, checked, run and answered here, by uvicorn and the same Starlette application
 as the host's (multipy.serve.http.app), on an event loop that runs on the host thread
 that called ``run``.
@@ -46,7 +45,6 @@ import asyncio
 import fcntl
 import itertools
 import logging.config
-import os
 import queue
 import socket
 import termios
@@ -57,6 +55,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 import _multipy_bootstrap
 
 from ..serve.http.app import create_app, logging_config
+from ..serve.http.connection import BACKLOG
 from ..serve.http.inbox import ACCEPT, FORCE, PAUSE, receive, send
 from ..serve.http.uvicorn_protocol import guarded
 from ..serve.http.uvicorn_server import Config, Server
@@ -66,6 +65,7 @@ from ..serve.request.metrics import Metrics
 from ..serve.request.poison import Table, check
 from ..serve.request.repository import READY
 from ..serve.request.requests import NO_ID, ModelRequests, Started, named
+from .accepting import Acceptor
 from .hangups import Hangups, serials
 from .pieces import Pieces
 from .serving import Served
@@ -82,10 +82,6 @@ _SERVING = (b"serving", b"the HTTP requests of multipy serve")
 #: Seconds within which a cancelled call that stops (Python code stops at its next
 #: bytecode; C, when it returns) does not make its interpreter stuck.
 _STOPS_WITHIN = 0.5
-#: Seconds before a front end looks at the listening socket again after it left a
-#: connection to a freer one, or accepting failed (out of file descriptors, say).
-_ACCEPT_AGAIN = 0.001
-_ACCEPT_PAUSE = 0.1
 
 
 class FrontEnd:
@@ -115,8 +111,7 @@ class FrontEnd:
         self._limits = settings.limits
         self._graceful_timeout = settings.graceful_timeout
         self.ready = True
-        self._worker = None if settings.timeout is None else \
-            _Worker(self._stuck_changed, self._accept_when_free)
+        self._worker = None if settings.timeout is None else _Worker(self._stuck_changed)
         #: the watch of calls on the loop (without a worker) for their clients' going
         self._hangups = Hangups() if self._worker is None else None
         self._refused = None if settings.refused is None else Table(address=settings.refused)
@@ -133,9 +128,7 @@ class FrontEnd:
         self._grpc_stops: dict[Any, asyncio.Future] = {}  # server stopped -> its stop
         self._server: _Server | None = None
         self._connecting: set[asyncio.Task] = set()
-        #: its own descriptor of the server's listening socket, while it may accept
-        self._listening: socket.socket | None = None
-        self._accepting = False  # it watches the listening socket
+        self._acceptor: Acceptor | None = None  # (with a listening socket)
         self._may_accept = settings.accepting  # (ACCEPT and PAUSE from its inbox)
         self._serving = threading.Event()  # set once it serves, or has ended
         self._running = False
@@ -276,8 +269,6 @@ class FrontEnd:
         finally:
             self._running = False
             self._serving.set()
-            if self._listening is not None:
-                self._listening.close()
             if self._worker is not None:
                 self._worker.stop()
             if self._hangups is not None:
@@ -300,7 +291,8 @@ class FrontEnd:
         loop.add_reader(self._inbox, self._read_inbox)
         self._read_inbox()  # what came before the loop ran
         if self._settings.listener >= 0 and not self._stopping:
-            self._listening = socket.socket(fileno=os.dup(self._settings.listener))
+            self._acceptor = Acceptor(self._settings.listener, BACKLOG, self._accepted,
+                                      self._freer, self._give_back)
             self._accept_when_free()
         self._running = True
         self._serving.set()
@@ -337,51 +329,35 @@ class FrontEnd:
         task.add_done_callback(self._connecting.discard)
 
     def _accept_when_free(self) -> None:
-        """Watches the listening socket while it may accept: it has one, is not stopping,
-        has not been told to PAUSE, and (with a worker) runs no call and is not stuck."""
+        """Accepts on the listening socket while it may: it has one, is not stopping,
+        has not been told to PAUSE, and (with a worker) is not stuck."""
+        acceptor = self._acceptor
+        if acceptor is not None:
+            worker = self._worker
+            wanted = self._may_accept and not self._stopping and (
+                worker is None or worker.stuck is None)
+            acceptor.want(wanted)
+            self.metrics.watching(wanted)
+
+    def _accepted(self) -> Any:
+        """The protocol of a connection it accepted itself."""
+        self.metrics.opened_connection(True)
+        server = self._server
+        return self._protocol(config=server.config, server_state=server.server_state,
+                              app_state=server.lifespan.state)
+
+    def _freer(self) -> bool:
+        """Whether a connection it has just accepted would be served sooner by another
+        front end of this process (multipy._inside.accepting)."""
         worker = self._worker
-        free = self._listening is not None and self._may_accept and (
-            worker is None or (not worker.calls and worker.stuck is None))
-        if free != self._accepting:
-            self._watch(free)
+        return self.metrics.freer_front_end(busy=worker is not None and worker.calls > 0)
 
-    def _watch(self, on: bool) -> None:
-        """Watches the listening socket (on), or not; the board says which."""
-        self._accepting = on
-        self.metrics.watching(on)
-        if on:
-            self._loop.add_reader(self._listening.fileno(), self._accept)
-        else:
-            self._loop.remove_reader(self._listening.fileno())
-
-    def _pause_accepting(self, seconds: float) -> None:
-        self._watch(False)
-        self._loop.call_later(seconds, self._accept_when_free)
-
-    def _accept(self) -> None:
-        """A connection waits on the listening socket: taken, unless another front end
-        took it first, or one that watches the socket too, runs no call and serves fewer
-        connections than this one, of any process (it takes it then)."""
-        if self.metrics.freer_front_end():
-            self._pause_accepting(_ACCEPT_AGAIN)
-            return
+    def _give_back(self, fd: int) -> None:
         try:
-            connection, _ = self._listening.accept()
-        except BlockingIOError:  # taken by another
-            return
-        except OSError as error:
-            logger.error("accepting a connection failed, trying again in %s s: %s",
-                         _ACCEPT_PAUSE, error)
-            self._pause_accepting(_ACCEPT_PAUSE)
-            return
-        self._connect(connection, accepted=True)
-
-    def _stop_accepting(self) -> None:
-        if self._accepting:
-            self._watch(False)
-        if self._listening is not None:
-            self._listening.close()
-            self._listening = None
+            send(self._settings.given_back, fd)
+        except OSError as error:  # (the host's pipe is full: thousands wait there)
+            logger.error("a connection could not be given back to the host: %s", error)
+            socket.socket(fileno=fd).close()
 
     async def _serve(self, connection: socket.socket) -> None:
         server = self._server
@@ -397,7 +373,9 @@ class FrontEnd:
         """Once every connection handed before has been set up and has read what its
         client sent, the server stops: uvicorn answers each request it has received and
         closes each connection that has none.  It accepts no more connections."""
-        self._stop_accepting()
+        if self._acceptor is not None:
+            self._accept_when_free()  # (stopping: it wants none)
+            await self._acceptor.close()
         if self._grpc is not None:  # no new calls; those running end within the limit
             grace = self._graceful_timeout  # (None: none; grpc's None would be at once)
             self._stop_grpc(_NO_LIMIT if grace is None else grace)
@@ -678,14 +656,13 @@ class _Worker:
     it at its next bytecode if it has; the cancel reaches that call only, never the
     worker's bookkeeping or its next call.  Whatever a call raises, BaseException
     included, is its caller's.  ``stuck_changed()`` is called on the caller's loop when
-    ``stuck`` changes, and ``calls_changed()`` when ``calls`` becomes 0 or stops being 0."""
+    ``stuck`` changes."""
 
-    def __init__(self, stuck_changed: Callable[[], None],
-                 calls_changed: Callable[[], None]) -> None:
+    def __init__(self, stuck_changed: Callable[[], None]) -> None:
         #: the model whose call, given up on by its request, still runs here, or None
         self.stuck: str | None = None
         self.calls = 0  #: calls asked of it that have not been answered or given up on
-        self._stuck_changed, self._calls_changed = stuck_changed, calls_changed
+        self._stuck_changed = stuck_changed
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="multipy-serve-call",
                                         daemon=True)
@@ -700,8 +677,6 @@ class _Worker:
         job = _Job(call, started, asyncio.get_running_loop())
         self._jobs.put(job)
         self.calls += 1
-        if self.calls == 1:
-            self._calls_changed()
         try:
             return await job.answer
         except asyncio.CancelledError:
@@ -710,8 +685,6 @@ class _Worker:
             raise
         finally:
             self.calls -= 1
-            if not self.calls:
-                self._calls_changed()
 
     async def _abandoned(self, job: _Job, name: str, series: Any) -> None:
         """Waits for job, whose call was cancelled, to end: if it has not within

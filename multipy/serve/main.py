@@ -50,6 +50,7 @@ from .host.front_ends import FrontEnds
 from .host.service import Place, Service
 from .http.app import create_app, logging_config
 from .http.connection import Limits, accept, accept_overdue, bind, listen, request_line
+from .http.inbox import receive
 from .http.uvicorn_protocol import guarded
 from .http.uvicorn_server import Config, Server
 from .processes.link import Link, Start
@@ -114,6 +115,7 @@ class _Server(Server):
             self.begun.set()
 
     async def _start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         await super().startup([])  # the lifespan; connections come from accept below
         if self.should_exit:
             return
@@ -129,20 +131,27 @@ class _Server(Server):
         logger.info("listening on http://%s; loading models (inference answers 503 until "
                     "the \"ready\" line; Ctrl-C stops)", _host_port(self.config.host,
                                                                  self.config.port))
-        self._loop = asyncio.get_running_loop()
         self._accepting = self._loop.create_task(accept(listener, self._accepted))
 
-    def take_overdue(self, accepted: Callable[[], int]) -> None:
-        """(From any thread.)  The front ends accept on the listening socket from now
-        on (accepted(): how many they have, ever): the host accepts only the connections
-        they leave waiting for more than _OVERDUE seconds."""
+    def front_ends_accept(self, accepted: Callable[[], int]) -> None:
+        """(From any thread, once the front ends run.)  They accept on the listening
+        socket from now on (accepted(): how many they have, ever; a supervised process's,
+        on its supervisor's): the host hands on the connections they give back, and
+        accepts only those they leave waiting for more than _OVERDUE seconds."""
         def overdue() -> None:
-            if not self.should_exit and self._accepting is not None:
+            if self.should_exit:
+                return
+            self._loop.add_reader(self._fronts.given_back, self._given_back)
+            if self._accepting is not None:
                 self._accepting.cancel()
                 self._accepting = self._loop.create_task(
                     accept_overdue(self.listener, self._accepted, accepted, _OVERDUE))
 
         self._loop.call_soon_threadsafe(overdue)
+
+    def _given_back(self) -> None:
+        for fd in receive(self._fronts.given_back):
+            self._hand(socket.socket(fileno=fd))
 
     def _accepted(self, connection: socket.socket) -> None:
         self._metrics.accepted_connection()
@@ -192,6 +201,8 @@ class _Server(Server):
             else:
                 self._supervised.stop_listening()
             await asyncio.to_thread(self._fronts.stop)
+        self._loop.remove_reader(self._fronts.given_back)  # (none is given back now)
+        self._fronts.close()
         await super().shutdown(sockets)
 
 
@@ -365,9 +376,9 @@ def _start_front_ends(service: Service, server: _Server, fronts: FrontEnds, grpc
             fronts.start(service, grpc, supervised, shared, accepting=False)
         finally:  # (each front end has its own descriptor of it: a stop closes them all)
             shared.close()
-        return
-    fronts.start(service, grpc, supervised, server.listener)
-    server.take_overdue(service.metrics.accepted_connections)
+    else:
+        fronts.start(service, grpc, supervised, server.listener)
+    server.front_ends_accept(service.metrics.accepted_connections)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,8 @@ class FrontEnds:
         self._fronts: list[FrontEndCalls] = []  # the FrontEnd in each interpreter
         self._threads: list[threading.Thread] = []
         self._inboxes: list[tuple[int, int]] = []  # (read end, write end) of each
+        #: (read end, write end) of the pipe of connections the front ends give back
+        self._given = open_inbox()
         self._metrics: Metrics | None = None
         self._control: Control | None = None
         self._stopping = False
@@ -72,7 +74,8 @@ class FrontEnds:
             model_control=service.model_control, strict_readiness=service.strict_readiness,
             http_restricted=service.http_restricted, grpc_restricted=service.grpc_restricted,
             refused=None if service.refused is None else service.refused.address,
-            listener=-1 if listener is None else listener.fileno(), accepting=self._accepting)
+            listener=-1 if listener is None else listener.fileno(), accepting=self._accepting,
+            given_back=self._given[1])
         fronts, inboxes, controls = [], [], []
         interpreters = service.manager.all_instances()
         try:
@@ -129,6 +132,12 @@ class FrontEnds:
         return [k for k, (_, write) in enumerate(self._inboxes)
                 if write >= 0 and self._metrics.stuck(k + 1) is None]
 
+    @property
+    def given_back(self) -> int:
+        """The read end of the pipe through which the front ends give connections back
+        (multipy._inside.accepting): ``receive`` them, and ``hand`` each on."""
+        return self._given[0]
+
     def can_take(self) -> bool:
         """Whether a front end runs that is not stuck."""
         with self._lock:
@@ -176,6 +185,14 @@ class FrontEnds:
             thread.join()
         if self._control is not None:
             self._control.close()
+
+    def close(self) -> None:
+        """Once stopped: closes the pipe of connections given back, and those in it
+        (unless forced: a front end may still write there, and the process ends)."""
+        if self._forced:
+            return
+        _close_left(self._given[0])
+        os.close(self._given[1])
 
     def force(self) -> None:
         """Stops the front ends at once, as uvicorn does on a second SIGINT (a model

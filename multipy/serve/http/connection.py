@@ -34,6 +34,8 @@ MAX_HEADER_SIZE = 64 << 10
 MAX_HEADERS = 100
 #: Seconds for a request to arrive whole, from its first byte.
 READ_TIMEOUT = 60.0
+#: Connections the listening socket queues before the kernel refuses more.
+BACKLOG = 2048
 #: Seconds between a failed accept and the next try.
 _ACCEPT_PAUSE = 0.1
 
@@ -132,7 +134,7 @@ def bind(host: str, port: int) -> socket.socket:
     return bound
 
 
-def listen(bound: socket.socket, backlog: int = 2048) -> socket.socket:
+def listen(bound: socket.socket, backlog: int = BACKLOG) -> socket.socket:
     """bound (from ``bind``), listening and non-blocking; SystemExit(2), as bind's, if
     it cannot listen (another socket took the port meanwhile)."""
     try:

@@ -87,6 +87,9 @@ class FrontEndSettings:
     #: they come through its inbox), from the start if accepting, else once told (ACCEPT)
     listener: int = -1
     accepting: bool = True
+    #: the write end of the host's pipe for the connections it gives back (the inbox's
+    #: messages: multipy.serve.http.inbox)
+    given_back: int = -1
 
 
 class FrontEndCalls:

@@ -216,16 +216,17 @@ class Metrics:
         """This writer (a front end) watches the listening socket (on), or not."""
         self._values[WATCHING] = float(on)
 
-    def freer_front_end(self) -> bool:
-        """Whether a front end other than this writer's, of any process, watches the
-        listening socket, runs no call and serves fewer connections than this one."""
-        board, per, this = self.board, self.interpreters + 1, self.first + self.row
-        mine = self.open_connections(self.row)
-        for at in range(board.rows):
+    def freer_front_end(self, busy: bool) -> bool:
+        """Whether another front end of this writer's process (a front end's) accepts on
+        the listening socket, runs no call and serves at least two connections fewer
+        than this one, or, if this one is busy, any number."""
+        board, this = self.board, self.first + self.row
+        fewer = self.open_connections(self.row) - 1
+        for at in range(self.first + 1, self.first + self.interpreters + 1):
             values = board.row(at)
-            if at % per and at != this and values[WATCHING] \
-                    and values[OPENED] - values[CLOSED] < mine and not board.busy(at, 1) \
-                    and not values[DECODING]:
+            if at != this and values[WATCHING] and not board.busy(at, 1) \
+                    and not values[DECODING] \
+                    and (busy or values[OPENED] - values[CLOSED] < fewer):
                 return True
         return False
 

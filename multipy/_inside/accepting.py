@@ -14,21 +14,24 @@ the connections that others could serve at once.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from typing import Callable
 
+logger = logging.getLogger("multipy.serve")
+
 
 class Acceptor:
-    """Accepts connections on the listening socket (a descriptor of its own, made from
-    ``listener``, a descriptor of the host's, with ``backlog`` as the host listens)
-    while ``want(True)`` says so: each connection is served with the protocol that
-    ``make()`` gives, unless ``freer()``, when its descriptor goes to ``give`` (which
-    owns it from then on)."""
+    """Accepts connections on the listening socket (a descriptor of its own, copied from
+    ``listener``, the host's, at once; with ``backlog`` as the host listens) while
+    ``want(True)`` says so: each connection is served with the protocol that ``make()``
+    gives, unless ``freer()``, when its descriptor goes to ``give`` (which owns it from
+    then on)."""
 
     def __init__(self, listener: int, backlog: int, make: Callable[[], asyncio.Protocol],
                  freer: Callable[[], bool], give: Callable[[int], None]) -> None:
-        self._listener, self._backlog = listener, backlog
+        self._listener, self._backlog = os.dup(listener), backlog
         self._make, self._freer, self._give = make, freer, give
         self._server: asyncio.AbstractServer | None = None
         self._wanted = False
@@ -57,6 +60,7 @@ class Acceptor:
         if self._server is not None:
             self._server.close()
             self._server = None
+        os.close(self._listener)
 
     async def _follow(self) -> None:
         loop = asyncio.get_running_loop()
@@ -64,9 +68,15 @@ class Acceptor:
             await self._changed.wait()
             self._changed.clear()
             if self._wanted and self._server is None:
+                # (a server closes the socket it was given: it gets a copy of its own)
                 own = socket.socket(fileno=os.dup(self._listener))
-                self._server = await loop.create_server(self._protocol, sock=own,
-                                                        backlog=self._backlog)
+                try:
+                    self._server = await loop.create_server(self._protocol, sock=own,
+                                                            backlog=self._backlog)
+                except OSError as error:  # (out of file descriptors, say: the host
+                    own.close()  # takes the connections this one leaves)
+                    logger.error("an interpreter's front end could not accept "
+                                 "connections: %s", error)
             elif not self._wanted and self._server is not None:
                 self._server.close()
                 self._server = None

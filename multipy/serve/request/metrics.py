@@ -218,15 +218,16 @@ class Metrics:
 
     def freer_front_end(self, busy: bool) -> bool:
         """Whether another front end of this writer's process (a front end's) accepts on
-        the listening socket, runs no call and serves at least two connections fewer
-        than this one, or, if this one is busy, any number."""
+        the listening socket, runs no call and serves fewer connections than this one
+        (that is, two fewer once this one takes a new one), or, if this one is busy,
+        any number."""
         board, this = self.board, self.first + self.row
-        fewer = self.open_connections(self.row) - 1
+        mine = self.open_connections(self.row)
         for at in range(self.first + 1, self.first + self.interpreters + 1):
             values = board.row(at)
             if at != this and values[WATCHING] and not board.busy(at, 1) \
                     and not values[DECODING] \
-                    and (busy or values[OPENED] - values[CLOSED] < fewer):
+                    and (busy or values[OPENED] - values[CLOSED] < mine):
                 return True
         return False
 

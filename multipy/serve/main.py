@@ -150,8 +150,13 @@ class _Server(Server):
         self._loop.call_soon_threadsafe(overdue)
 
     def _given_back(self) -> None:
+        """Connections that front ends gave back: to the supervisor, for another
+        process, when a front end of one is freer than every one here; else handed."""
         for fd in receive(self._fronts.given_back):
-            self._hand(socket.socket(fileno=fd))
+            connection = socket.socket(fileno=fd)
+            if self._supervised is None or not self._metrics.freer_elsewhere() \
+                    or not self._supervised.give_back(connection):
+                self._hand(connection)
 
     def _accepted(self, connection: socket.socket) -> None:
         self._metrics.accepted_connection()

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import time
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 from .board import (ABANDONED, ACCEPTED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board,
                     CALLS, CLOSED, CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT,
@@ -217,19 +218,38 @@ class Metrics:
         self._values[WATCHING] = float(on)
 
     def freer_front_end(self, busy: bool) -> bool:
-        """Whether another front end of this writer's process (a front end's) accepts on
-        the listening socket, runs no call and serves fewer connections than this one
-        (that is, two fewer once this one takes a new one), or, if this one is busy,
-        any number."""
-        board, this = self.board, self.first + self.row
+        """Whether another front end, of any process, accepts on the listening socket,
+        runs no call and serves fewer connections than this writer's (a front end's;
+        that is, two fewer once this one takes a new one), or, if this one is busy, any
+        number."""
         mine = self.open_connections(self.row)
-        for at in range(self.first + 1, self.first + self.interpreters + 1):
+        return self._least_open(self.first + self.row, busy) < mine
+
+    def freer_elsewhere(self) -> bool:
+        """Whether a front end of another process accepts, runs no call and serves
+        fewer connections than every one of this process that accepts and runs none."""
+        here = self._least_open(None, False, range(self.first + 1,
+                                                   self.first + self.interpreters + 1))
+        per = self.interpreters + 1
+        others = [at for at in range(self.board.rows) if at % per
+                  and not self.first <= at <= self.first + self.interpreters]
+        return self._least_open(None, False, others) < here
+
+    def _least_open(self, this: int | None, any_free: bool,
+                    rows: Iterable[int] | None = None) -> float:
+        """The fewest connections that a front end of rows (every front end's of the
+        board) but this one serves, of those that accept and run no call (or, with
+        any_free, -1 if there is one); inf if none."""
+        board, per = self.board, self.interpreters + 1
+        least = math.inf
+        for at in (range(board.rows) if rows is None else rows):
             values = board.row(at)
-            if at != this and values[WATCHING] and not board.busy(at, 1) \
-                    and not values[DECODING] \
-                    and (busy or values[OPENED] - values[CLOSED] < mine):
-                return True
-        return False
+            if at % per and at != this and values[WATCHING] and not board.busy(at, 1) \
+                    and not values[DECODING]:
+                if any_free:
+                    return -1
+                least = min(least, values[OPENED] - values[CLOSED])
+        return least
 
     def accepted_connections(self) -> int:
         """How many connections every writer of the board (of every process) has accepted

@@ -48,8 +48,9 @@ def test_metrics_sum_every_writers_row():
         timing.input_ns, timing.queue_ns, timing.infer_ns, timing.output_ns = 1, 2, 3, 4
         series.answered(200, 100 * (k + 1), timing)
         series.call_began(1)
-        for accepted in (True, False):  # (one it accepted, one the host handed it)
-            front.opened_connection(accepted)
+        front.accepted_connection()  # (one it accepted, and one the host handed it)
+        front.opened_connection()
+        front.opened_connection()
         front.closed_connection()
     fronts[0].models["b"].call_began(3)  # a batch of 3, ended
     fronts[0].models["b"].call_ended()

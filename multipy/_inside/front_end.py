@@ -300,7 +300,7 @@ class FrontEnd:
     def _read_inbox(self) -> None:
         for value in receive(self._inbox):
             if value >= 0:
-                self._connect(socket.socket(fileno=value), accepted=False)
+                self._connect(socket.socket(fileno=value))
                 continue
             if value in (ACCEPT, PAUSE):
                 self._may_accept = value == ACCEPT
@@ -321,9 +321,9 @@ class FrontEnd:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _connect(self, connection: socket.socket, accepted: bool) -> None:
-        """Serves connection, which it accepted itself or the host handed it."""
-        self.metrics.opened_connection(accepted)
+    def _connect(self, connection: socket.socket) -> None:
+        """Serves connection, which the host handed it."""
+        self.metrics.opened_connection()
         task = asyncio.get_running_loop().create_task(self._serve(connection))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
@@ -340,15 +340,16 @@ class FrontEnd:
             self.metrics.watching(wanted)
 
     def _accepted(self) -> Any:
-        """The protocol of a connection it accepted itself."""
-        self.metrics.opened_connection(True)
+        """The protocol of a connection it accepted itself, and serves."""
+        self.metrics.opened_connection()
         server = self._server
         return self._protocol(config=server.config, server_state=server.server_state,
                               app_state=server.lifespan.state)
 
     def _freer(self) -> bool:
-        """Whether a connection it has just accepted would be served sooner by another
-        front end of this process (multipy._inside.accepting)."""
+        """Counts a connection it has just accepted, and says whether another front end
+        would serve it sooner (multipy._inside.accepting)."""
+        self.metrics.accepted_connection()
         worker = self._worker
         return self.metrics.freer_front_end(busy=worker is not None and worker.calls > 0)
 

@@ -194,15 +194,13 @@ class Metrics:
                               self.board.most(at + UNHEALTHY_AT))
         return None if healthy == unhealthy == 0.0 else healthy > unhealthy
 
-    def opened_connection(self, accepted: bool) -> None:
-        """This writer (a front end) serves a new connection: one it accepted from the
-        listening socket itself, or not (the host handed it)."""
+    def opened_connection(self) -> None:
+        """This writer (a front end) serves a new connection."""
         self._opened.inc()
-        if accepted:
-            self._accepted.inc()
 
     def accepted_connection(self) -> None:
-        """This writer (a host) accepted a connection from the listening socket."""
+        """This writer accepted a connection from the listening socket (whoever serves
+        it)."""
         self._accepted.inc()
 
     def closed_connection(self) -> None:

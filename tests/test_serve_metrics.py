@@ -49,8 +49,8 @@ def test_metrics_sum_every_writers_row():
         series.answered(200, 100 * (k + 1), timing)
         series.call_began(1)
         front.accepted_connection()  # (one it accepted, and one the host handed it)
-        front.opened_connection()
-        front.opened_connection()
+        front.opened_connection(received=False)
+        front.opened_connection(received=True)
         front.closed_connection()
     fronts[0].models["b"].call_began(3)  # a batch of 3, ended
     fronts[0].models["b"].call_ended()
@@ -77,6 +77,8 @@ def test_metrics_sum_every_writers_row():
     assert stats["b"]["inference_count"] == 3 and stats["b"]["execution_count"] == 1
     assert samples[("multipy_interpreters", ())] == 2
     assert [host.open_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
+    # (and one more handed to the second that it has not taken yet)
+    assert [host.open_connections(k, handed) for k, handed in ((1, 1), (2, 2))] == [1, 2]
     assert host.accepted_connections() == 2
     assert [host.busy(k) for k in (0, 1, 2)] == [0, 1, 1]
     with fronts[1].decoding():  # a large request, decoded on a thread: busy too

@@ -323,7 +323,7 @@ class FrontEnd:
 
     def _connect(self, connection: socket.socket) -> None:
         """Serves connection, which the host handed it."""
-        self.metrics.opened_connection()
+        self.metrics.opened_connection(received=True)
         task = asyncio.get_running_loop().create_task(self._serve(connection))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)
@@ -341,7 +341,7 @@ class FrontEnd:
 
     def _accepted(self) -> Any:
         """The protocol of a connection it accepted itself, and serves."""
-        self.metrics.opened_connection()
+        self.metrics.opened_connection(received=False)
         server = self._server
         return self._protocol(config=server.config, server_state=server.server_state,
                               app_state=server.lifespan.state)

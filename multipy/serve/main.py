@@ -154,8 +154,9 @@ class _Server(Server):
         process, when a front end of one is freer than every one here; else handed."""
         for fd in receive(self._fronts.given_back):
             connection = socket.socket(fileno=fd)
-            if self._supervised is None or not self._metrics.freer_elsewhere() \
-                    or not self._supervised.give_back(connection):
+            if self._supervised is None or not (
+                    self._metrics.least_open_elsewhere() < self._fronts.least_open()
+                    and self._supervised.give_back(connection)):
                 self._hand(connection)
 
     def _accepted(self, connection: socket.socket) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import socket
 import threading
@@ -37,6 +38,7 @@ class FrontEnds:
         self._fronts: list[FrontEndCalls] = []  # the FrontEnd in each interpreter
         self._threads: list[threading.Thread] = []
         self._inboxes: list[tuple[int, int]] = []  # (read end, write end) of each
+        self._handed: list[int] = []  # connections handed to each, ever
         #: (read end, write end) of the pipe of connections the front ends give back
         self._given = open_inbox()
         self._metrics: Metrics | None = None
@@ -98,7 +100,7 @@ class FrontEnds:
                                     name=f"multipy-serve-front-{k}") for k in range(len(fronts))]
         with self._lock:
             self._fronts, self._threads, self._inboxes = fronts, threads, inboxes
-            self._metrics = metrics
+            self._metrics, self._handed = metrics, [0] * len(fronts)
             for thread in threads:
                 thread.start()
             if self._stopping:  # stopped while they were made
@@ -154,7 +156,7 @@ class FrontEnds:
             if not running:
                 return False
             k = min(running, key=lambda k: (
-                metrics.open_connections(k + 1), metrics.busy(k + 1)))
+                metrics.open_connections(k + 1, self._handed[k]), metrics.busy(k + 1)))
             fd = connection.detach()
             try:
                 send(self._inboxes[k][1], fd)
@@ -162,7 +164,20 @@ class FrontEnds:
                 os.close(fd)
                 logger.error("interpreter %d's front end has not taken the connections "
                              "handed to it (%s): closing a new one", k, error)
+                return True
+            self._handed[k] += 1
         return True
+
+    def least_open(self) -> float:
+        """The fewest connections that a front end that accepts and runs no call serves,
+        or will once it has taken those handed to it (inf: none)."""
+        with self._lock:
+            metrics = self._metrics
+            if metrics is None:
+                return math.inf
+            return min((metrics.open_connections(k + 1, self._handed[k])
+                        for k in self._open() if metrics.watching_now(k + 1)
+                        and not metrics.busy(k + 1)), default=math.inf)
 
     def accepting(self, on: bool) -> None:
         """Has every front end accept on the listening socket (while free), or not."""

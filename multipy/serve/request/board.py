@@ -30,8 +30,9 @@ STATUSES = (400, 404, 413, 499, 500, 503)
 # none; -1: a signal another process sent) and the number of the last connection its
 # supervisor handed it that it has taken, connections it accepted from the server's
 # listening socket itself (an interpreter's front end: multipy._inside.front_end),
-# connections it has served in all (those too, and those the host handed it), and 1
-# while it watches the listening socket (0: not), then per model: requests, failures by
+# connections it has served in all (those too, and those the host handed it), of which
+# those the host handed it, and 1 while it accepts on the listening socket (0: not), then
+# per model: requests, failures by
 # status, latency (a count per bucket and one past the last, then the sum), queued,
 # busy, calls, batched (the same), successes, then nanoseconds: of successes, of
 # failures, and of successes queued, decoding, in calls and encoding; then when the
@@ -47,8 +48,9 @@ CRASHED = 5
 TAKEN = 6
 ACCEPTED = 7
 OPENED = 8
-WATCHING = 9
-ROW = 10
+RECEIVED = 9
+WATCHING = 10
+ROW = 11
 REQUESTS = 0
 FAILURES = 1
 LATENCY_AT = FAILURES + len(STATUSES)
@@ -122,7 +124,7 @@ class Board:
             row = self.row(k)
             row[CLOSED] = row[SINCE] = row[ABANDONED] = row[DECODING] = 0.0
             row[INPUT] = row[CRASHED] = row[TAKEN] = 0.0
-            row[ACCEPTED] = row[OPENED] = row[WATCHING] = 0.0
+            row[ACCEPTED] = row[OPENED] = row[RECEIVED] = row[WATCHING] = 0.0
             for at in range(ROW, self.width, PER_MODEL):
                 row[at + QUEUED] = row[at + BUSY] = 0.0
 

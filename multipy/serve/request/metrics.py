@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 from .board import (ABANDONED, ACCEPTED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board,
                     CALLS, CLOSED, CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT,
                     INFER_NS, INPUT, INPUT_NS, LAST_CALL, LATENCY, LATENCY_AT, LATENCY_SUM,
-                    OPENED, OUTPUT_NS, PER_MODEL, PIECES, QUEUED, QUEUE_NS, REQUESTS, ROW,
-                    SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT, WATCHING,
+                    OPENED, OUTPUT_NS, PER_MODEL, PIECES, QUEUED, QUEUE_NS, RECEIVED,
+                    REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT, WATCHING,
                     board_width)
 
 if TYPE_CHECKING:
@@ -165,6 +165,7 @@ class Metrics:
         self._closed = Count(values, CLOSED)
         self._accepted = Count(values, ACCEPTED)
         self._opened = Count(values, OPENED)
+        self._received = Count(values, RECEIVED)
         self._decoding = Count(values, DECODING)
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
@@ -194,9 +195,12 @@ class Metrics:
                               self.board.most(at + UNHEALTHY_AT))
         return None if healthy == unhealthy == 0.0 else healthy > unhealthy
 
-    def opened_connection(self) -> None:
-        """This writer (a front end) serves a new connection."""
+    def opened_connection(self, received: bool) -> None:
+        """This writer (a front end) serves a new connection: one the host handed it
+        (received), or one it accepted."""
         self._opened.inc()
+        if received:
+            self._received.inc()
 
     def accepted_connection(self) -> None:
         """This writer accepted a connection from the listening socket (whoever serves
@@ -206,10 +210,11 @@ class Metrics:
     def closed_connection(self) -> None:
         self._closed.inc()
 
-    def open_connections(self, row: int) -> int:
-        """How many connections the writer of row (of this process's rows) serves now."""
+    def open_connections(self, row: int, handed: int = 0) -> int:
+        """How many connections the writer of row (of this process's rows) serves now,
+        or will once it has taken those of the handed that it has not yet."""
         values = self.board.row(self.first + row)
-        return int(values[OPENED] - values[CLOSED])
+        return int(values[OPENED] - values[CLOSED] + handed - values[RECEIVED])
 
     def watching(self, on: bool) -> None:
         """This writer (a front end) watches the listening socket (on), or not."""
@@ -223,15 +228,18 @@ class Metrics:
         mine = self.open_connections(self.row)
         return self._least_open(self.first + self.row, busy) < mine
 
-    def freer_elsewhere(self) -> bool:
-        """Whether a front end of another process accepts, runs no call and serves
-        fewer connections than every one of this process that accepts and runs none."""
-        here = self._least_open(None, False, range(self.first + 1,
-                                                   self.first + self.interpreters + 1))
+    def watching_now(self, row: int) -> bool:
+        """Whether the writer of row (of this process's rows) accepts on the listening
+        socket."""
+        return bool(self.board.row(self.first + row)[WATCHING])
+
+    def least_open_elsewhere(self) -> float:
+        """The fewest connections that a front end of another process that accepts and
+        runs no call serves (inf: none)."""
         per = self.interpreters + 1
         others = [at for at in range(self.board.rows) if at % per
                   and not self.first <= at <= self.first + self.interpreters]
-        return self._least_open(None, False, others) < here
+        return self._least_open(None, False, others)
 
     def _least_open(self, this: int | None, any_free: bool,
                     rows: Iterable[int] | None = None) -> float:

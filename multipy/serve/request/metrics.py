@@ -33,8 +33,8 @@ from .board import (ABANDONED, ACCEPTED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY,
                     CALLS, CLOSED, CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT,
                     INFER_NS, INPUT, INPUT_NS, LAST_CALL, LATENCY, LATENCY_AT, LATENCY_SUM,
                     OPENED, OUTPUT_NS, PER_MODEL, PIECES, QUEUED, QUEUE_NS, RECEIVED,
-                    REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN, UNHEALTHY_AT, WATCHING,
-                    board_width)
+                    REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN,
+                    UNHEALTHY_AT, WATCHING, board_width)
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -210,11 +210,12 @@ class Metrics:
     def closed_connection(self) -> None:
         self._closed.inc()
 
-    def open_connections(self, row: int, handed: int = 0) -> int:
+    def open_connections(self, row: int, handed: int | None = None) -> int:
         """How many connections the writer of row (of this process's rows) serves now,
-        or will once it has taken those of the handed that it has not yet."""
+        or, given how many the host has handed it, will once it has taken them."""
         values = self.board.row(self.first + row)
-        return int(values[OPENED] - values[CLOSED] + handed - values[RECEIVED])
+        pending = 0 if handed is None else handed - values[RECEIVED]
+        return int(values[OPENED] - values[CLOSED] + pending)
 
     def watching(self, on: bool) -> None:
         """This writer (a front end) watches the listening socket (on), or not."""

@@ -217,7 +217,8 @@ class Interpreter:
         self._epoch = runtime.epoch  # this manager's requests carry it
         self._closed = False
         #: open sessions and running calls of replicated objects: the load balancer's
-        #: measure of load (``occupy``, ``occupy_if_idle`` and ``hand_back`` count them)
+        #: measure of load (``occupy`` and ``hand_back`` count them; its take_if_idle
+        #: counts one if there is none, room left, no abandoned call, the manager open)
         self.occupancy = Occupancy(runtime)
         self._lock = threading.RLock()  # a session's finaliser may close it while held
 
@@ -256,12 +257,6 @@ class Interpreter:
                 _pool.refuse(f"{self} belongs to a manager that was closed")
             self.occupancy.take()
         return self
-
-    def occupy_if_idle(self) -> bool:
-        """``occupy()`` if the load balancer would pick this interpreter at once (no open
-        session, room left, no abandoned call running, its manager open); whether it
-        did.  One call for the load balancer's common case."""
-        return self.occupancy.take_if_idle()
 
     def hand_back(self) -> None:
         """Ends one ``occupy()``."""

@@ -55,12 +55,12 @@ def test_load_balancer_prefers_free_then_least_used(manager):
         assert s.interpreter.index == last
 
 
-def test_occupy_if_idle_takes_only_a_free_interpreter(manager):
+def test_take_if_idle_takes_only_a_free_interpreter(manager):
     interpreter = manager[0]
-    assert interpreter.occupy_if_idle()
+    assert interpreter.occupancy.take_if_idle()
     try:
         assert interpreter.open_sessions == 1
-        assert not interpreter.occupy_if_idle()  # busy: left to the full pick
+        assert not interpreter.occupancy.take_if_idle()  # busy: left to the full pick
     finally:
         interpreter.hand_back()
     assert interpreter.open_sessions == 0
@@ -106,7 +106,7 @@ def test_the_last_pick_is_passed_by_once_it_has_no_room(manager):
         last = s.interpreter
     last._runtime.out_of_room = "no room (a test)"
     try:
-        assert not last.occupy_if_idle()
+        assert not last.occupancy.take_if_idle()
         chosen = manager.occupy_one()
         chosen.hand_back()
         assert chosen is not last

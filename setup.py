@@ -7,7 +7,7 @@ HEADERS = ["multipy/_entry.h", "multipy/_dlpack.h", "multipy/_lend.h", "multipy/
 
 extensions = [
     # The host's side: an ordinary extension module (multipy._host).
-    Extension("multipy._host", ["multipy/_host.c"], depends=HEADERS),
+    Extension("multipy._host", ["multipy/_host.c"], depends=[*HEADERS, "multipy/_occupancy.h"]),
     # A plain shared library loaded into each interpreter's namespace with dlmopen,
     # never imported: it resolves Py* symbols from that namespace's libpython.
     Extension("multipy._bootstrap", ["multipy/_bootstrap.c"], depends=HEADERS),

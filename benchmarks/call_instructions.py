@@ -1,4 +1,5 @@
-"""Instructions per call of the `simple` model (a 3x10 input) by each way of calling it,
+"""Instructions per call of the `simple` model (a 3x10 input), or of `Linear(8, 8)` on a
+(1, 8) input (`--model linear`), by each way of calling it,
 and of the steps between them, against a plain host thread's call: counts that a busy,
 shared machine does not skew, where times do (docs/benchmarks.md, "The call path,
 2026-11-26").
@@ -10,7 +11,7 @@ that the loop ran, divided by its calls.  User space only; each interpreter's co
 libpython and torch show in callgrind's report as unnamed code ("???").  Needs valgrind,
 its headers and a C compiler.
 
-    python benchmarks/call_instructions.py [--calls 2000] [WAY ...]
+    python benchmarks/call_instructions.py [--calls 2000] [--model simple|linear] [WAY ...]
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ WAYS = {
 }
 
 
-def _measure(way: str, calls: int, helper: str) -> None:
+def _measure(way: str, calls: int, helper: str, model: str) -> None:
     """In the process under callgrind: calls of way, instrumented alone."""
     import ctypes
 
@@ -54,7 +55,7 @@ def _measure(way: str, calls: int, helper: str) -> None:
     torch.set_grad_enabled(False)
     with tempfile.TemporaryDirectory() as folder, \
             multipy.InterpreterManager(1, torch_threads=1, grad_enabled=False) as manager:
-        call = simple_calls(folder, manager)[way]
+        call = simple_calls(folder, manager, model)[way]
         for _ in range(200):  # warm: first calls fill caches and import
             call()
         counter = ctypes.CDLL(helper)
@@ -64,14 +65,14 @@ def _measure(way: str, calls: int, helper: str) -> None:
         counter.stop()
 
 
-def _count(way: str, calls: int, helper: str, folder: str) -> float:
+def _count(way: str, calls: int, helper: str, folder: str, model: str) -> float:
     """Instructions per call of way, from a process of its own under callgrind."""
     from multipy._launch import launch_environment
 
     out = os.path.join(folder, f"callgrind.{way}")
     subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
                     f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
-                    "_measure", way, str(calls), helper],
+                    "_measure", way, str(calls), helper, model],
                    check=True, capture_output=True, env=launch_environment())
     total = 0
     for name in os.listdir(folder):  # the loop's dump: out.1
@@ -83,11 +84,13 @@ def _count(way: str, calls: int, helper: str, folder: str) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_measure":
-        _measure(sys.argv[2], int(sys.argv[3]), sys.argv[4])
+        _measure(sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ways", nargs="*", default=list(WAYS), help=", ".join(WAYS))
     parser.add_argument("--calls", type=int, default=2000, help="calls counted per way (2000)")
+    parser.add_argument("--model", choices=("simple", "linear"), default="simple",
+                        help="the model called (simple)")
     args = parser.parse_args()
     unknown = set(args.ways) - set(WAYS)
     if unknown:
@@ -97,8 +100,8 @@ def main() -> None:
         helper = os.path.join(folder, "counter.so")
         subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-x", "c", "-", "-o", helper],
                        input=_HELPER.encode(), check=True)
-        counts = {way: _count(way, args.calls, helper, folder) for way in ways}
-    print(f"\ninstructions per call of the simple model ({args.calls} calls counted by "
+        counts = {way: _count(way, args.calls, helper, folder, args.model) for way in ways}
+    print(f"\ninstructions per call of the {args.model} model ({args.calls} calls counted by "
           f"callgrind), against a plain host thread's")
     for way in WAYS:
         if way in counts:

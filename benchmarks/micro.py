@@ -16,9 +16,10 @@
 - ceiling:   the python_heavy model looped inside n interpreters at once, no calls
   crossing, against a loop in one host thread: the most any call path could reach;
   and the same model called from n host threads through calls, against that ceiling.
-- small:     the `simple` model (a 3x10 input), each call against a plain host thread's:
-  looped inside an interpreter, one entry per call with its input already inside (no
-  tensor crossing), through Obj.call_value (a tensor each way), through a ReplicatedObj.
+- small:     the `simple` model (a 3x10 input) and `Linear(8, 8)` on a (1, 8) input,
+  each call against a plain host thread's: looped inside an interpreter, one entry per
+  call with its input already inside (no tensor crossing), through Obj.call_value (a
+  tensor each way), through a ReplicatedObj; each ratio per round, the median and range.
 - keys:      pthread_getspecific and pthread_setspecific, looped in C inside an
   interpreter (each interpreter's own keys, docs/design.md) against glibc's in the host.
 - defaults:  ResNet-18 (64x64) from n host threads on n interpreters with the manager's
@@ -401,22 +402,43 @@ def loop(count):
 """
 
 
-def simple_calls(directory: str, manager: multipy.InterpreterManager) -> dict[str, Callable]:
-    """The simple model (examples/generate_examples.py), written to directory, called in
-    each way that the benchmarks compare (also benchmarks/call_instructions.py): way ->
-    a function that makes one call.  "host": a plain host thread; on manager's
-    interpreter 0, "noop" and "tensor_in": a no-op call_value with nothing, or the input,
-    crossing; "one": one entry a call, its input inside; "call_value": Obj.call_value, a
-    tensor each way; "replicated": a ReplicatedObj's call; "balancer": occupy_one() and
-    hand_back() alone; and "loop" (count): the median of count calls looped inside."""
+#: the models the small benchmark calls: name -> what it is
+SMALL_MODELS = {"simple": "the simple model (relu(x @ w + b), a 3x10 input)",
+                "linear": "Linear(8, 8) on a (1, 8) input"}
+
+
+def _small_package(directory: str, model: str) -> str:
+    """The archive of one of SMALL_MODELS, written into directory: its path."""
     import torch
 
-    sys.path.insert(0, EXAMPLES)
-    from generate_examples import generate
+    if model == "simple":
+        sys.path.insert(0, EXAMPLES)
+        from generate_examples import generate
 
-    path = generate(directory, ["simple"])["simple"]
+        return generate(directory, ["simple"])["simple"]
+    torch.manual_seed(0)
+    path = os.path.join(directory, f"{model}.pt")
+    with torch.package.PackageExporter(path) as exporter:
+        exporter.extern("torch.**")
+        exporter.save_pickle("model", "model.pkl", torch.nn.Linear(8, 8))
+        exporter.save_pickle("model", "example.pkl", (torch.randn(1, 8),))
+    return path
+
+
+def simple_calls(directory: str, manager: multipy.InterpreterManager,
+                 model: str = "simple") -> dict[str, Callable]:
+    """A model of SMALL_MODELS, written to directory, called in each way that the
+    benchmarks compare (also benchmarks/call_instructions.py): way -> a function that
+    makes one call.  "host": a plain host thread; on manager's interpreter 0, "noop" and
+    "tensor_in": a no-op call_value with nothing, or the input, crossing; "one": one
+    entry a call, its input inside; "call_value": Obj.call_value, a tensor each way;
+    "replicated": a ReplicatedObj's call; "balancer": occupy_one() and hand_back()
+    alone; and "loop" (count): the median of count calls looped inside."""
+    import torch
+
+    path = _small_package(directory, model)
     importer = torch.package.PackageImporter(path)
-    model = importer.load_pickle("model", "model.pkl")
+    host_model = importer.load_pickle("model", "model.pkl")
     inputs = importer.load_pickle("model", "example.pkl")
     replicated = manager.load_package(path).load_pickle("model", "model.pkl")
     replicated.warm_up(*inputs)
@@ -425,7 +447,7 @@ def simple_calls(directory: str, manager: multipy.InterpreterManager) -> dict[st
         s.global_("micro_small", "hold")(s.self, inputs[0])
         loop, one, noop = (s.global_("micro_small", name) for name in ("loop", "one", "noop"))
         instance = s.self
-    return {"host": lambda: model(*inputs),
+    return {"host": lambda: host_model(*inputs),
             "noop": lambda: noop.call_value(None),
             "tensor_in": lambda: noop.call_value(None, inputs),
             "one": lambda: one.call_value(None),
@@ -435,34 +457,40 @@ def simple_calls(directory: str, manager: multipy.InterpreterManager) -> dict[st
             "loop": lambda count: loop.call_value(None, (count,))}
 
 
-def small(count: int) -> None:
+def small(count: int, rounds: int = 5) -> None:
+    """Each model of SMALL_MODELS called in each way, against a plain host thread in the
+    same run: per way the median time of a call in a block of count, the blocks taking
+    turns, and over the rounds the median and range of the ratio to the thread's."""
     import torch
 
     torch.set_num_threads(1)
     torch.set_grad_enabled(False)
-    rounds = 5
-    print(f"\nthe simple model (relu(x @ w + b), a 3x10 input): the median time of a call in a "
-          f"block of {count}, the blocks taking turns, the median of {rounds} rounds; and its "
-          f"throughput against a plain host thread's")
-    with tempfile.TemporaryDirectory() as directory, \
-            multipy.InterpreterManager(1, torch_threads=1, grad_enabled=False) as manager:
-        ways = simple_calls(directory, manager)
-        calls = {"a plain host thread": ways["host"],
-                 "one entry a call, its input inside": ways["one"],
-                 "Obj.call_value, a tensor each way": ways["call_value"],
-                 "a ReplicatedObj's call": ways["replicated"],
-                 "looped inside the interpreter": lambda: ways["loop"](count)}
-        blocks: list[list[float]] = [[] for _ in calls]
-        for _ in range(rounds):  # each call in a block of its own: caches warm for it alone
-            for (label, call), each in zip(calls.items(), blocks):
-                if label.startswith("looped"):
-                    each.append(call())
-                else:
-                    each.append(_median_p95(call, count)[0])
-        medians = [statistics.median(each) for each in blocks]
-    host = medians[0]
-    for label, median in zip(calls, medians):
-        print(f"  {label:36s} {median * 1e6:7.1f} us   {host / median:5.2f}x")
+    for model, title in SMALL_MODELS.items():
+        print(f"\n{title}: the median time of a call in a block of {count}, the blocks "
+              f"taking turns, the median of {rounds} rounds; and the host thread's time over "
+              f"it (its throughput against a plain host thread's: median, [range])")
+        with tempfile.TemporaryDirectory() as directory, \
+                multipy.InterpreterManager(1, torch_threads=1, grad_enabled=False) as manager:
+            ways = simple_calls(directory, manager, model)
+            calls = {"a plain host thread": ways["host"],
+                     "no-op call_value, nothing crossing": ways["noop"],
+                     "one entry a call, its input inside": ways["one"],
+                     "Obj.call_value, a tensor each way": ways["call_value"],
+                     "a ReplicatedObj's call": ways["replicated"],
+                     "occupy_one() and hand_back() alone": ways["balancer"],
+                     "looped inside the interpreter": lambda: ways["loop"](count)}
+            blocks: list[list[float]] = [[] for _ in calls]
+            for _ in range(rounds):  # each call in a block of its own: caches warm for it alone
+                for (label, call), each in zip(calls.items(), blocks):
+                    if label.startswith("looped"):
+                        each.append(call())
+                    else:
+                        each.append(_median_p95(call, count)[0])
+        for label, each in zip(calls, blocks):
+            ratios = sorted(host / time for host, time in zip(blocks[0], each))
+            ratio = "" if label.startswith("occupy") else (
+                f"{statistics.median(ratios):5.2f}x  [{ratios[0]:.2f}-{ratios[-1]:.2f}]")
+            print(f"  {label:36s} {statistics.median(each) * 1e6:7.2f} us   {ratio}")
 
 
 def defaults(counts: list[int], seconds: float = 2.0, rounds: int = 3) -> None:

@@ -397,20 +397,16 @@ static PyObject *value_reply(struct runtime *rt, PyObject *result)
     if (!torch_api.tensor || (PyObject *)Py_TYPE(result) != torch_api.tensor)
         return PyObject_CallOneArg(fast.value_reply, result);
     struct loan loan = {PyList_New(0), Py_NewRef(rt->lent), Py_NewRef(fast.counter)};
-    PyObject *record = loan.tokens ? lend_torch(result, &loan) : NULL;
+    struct multipy_lent_tensor lent;
+    int lending = loan.tokens ? lend_torch_at(result, &loan, &lent.token, &lent.address) : -1;
     PyObject *reply = NULL;
-    if (record == Py_None) { /* not lent (a CUDA tensor, a lazy view): value_reply says how */
+    if (lending == 0) { /* not lent (a CUDA tensor, a lazy view): value_reply says how */
         reply = PyObject_CallOneArg(fast.value_reply, result);
-    } else if (record) {
-        struct multipy_lent_tensor lent = {
-            PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(record, 1)),
-            (uint64_t)(uintptr_t)PyLong_AsVoidPtr(PyTuple_GET_ITEM(record, 2))};
-        PyObject *payload = PyErr_Occurred() ? NULL
-                            : PyBytes_FromStringAndSize((const char *)&lent, sizeof lent);
+    } else if (lending > 0) {
+        PyObject *payload = PyBytes_FromStringAndSize((const char *)&lent, sizeof lent);
         reply = payload ? PyTuple_Pack(3, fast.tensor_status, fast.zero, payload) : NULL;
         Py_XDECREF(payload);
     }
-    Py_XDECREF(record);
     if (!reply && loan.tokens)
         take_back(NULL, &loan);
     loan_close(&loan);
@@ -449,31 +445,65 @@ static PyObject *call_lent(struct runtime *rt, PyObject *target, PyObject *reque
     return reply ? reply : fail(NULL);
 }
 
+/* Calls target with the one tensor a CALL_TENSOR lends, aliased here: the reply, the
+ * error reply included; NULL with an exception if even that failed. */
+static PyObject *call_tensor(struct runtime *rt, PyObject *target,
+                             const struct multipy_request *request)
+{
+    struct multipy_lent_tensor lent;
+    memcpy(&lent, request->body, sizeof lent);
+    PyObject *aliased = PyList_New(0), *reply;
+    PyObject *tensor = aliased ? alias_lent_at(lent.token, lent.address, alias_queue(0), aliased)
+                               : NULL;
+    if (!tensor) {
+        reply = aliased ? fail(aliased) : NULL;
+        Py_XDECREF(aliased);
+        return reply;
+    }
+    Py_DECREF(aliased); /* read whole: the host takes back nothing now */
+    PyObject *result = PyObject_CallOneArg(target, tensor);
+    Py_DECREF(tensor);
+    reply = result && after_call() == 0 ? value_reply(rt, result) : NULL;
+    Py_XDECREF(result);
+    return reply ? reply : fail(NULL);
+}
+
+/* Whether args is the body of a CALL_LENT as the handler reads it: (method or None,
+ * values, positions, kwargs). */
+static int lent_call_body(PyObject *args)
+{
+    PyObject *method = args && PyTuple_CheckExact(args) && PyTuple_GET_SIZE(args) == 4
+                       ? PyTuple_GET_ITEM(args, 0) : NULL;
+    return method && (method == Py_None || PyUnicode_CheckExact(method))
+           && PyTuple_CheckExact(PyTuple_GET_ITEM(args, 1))
+           && PyTuple_CheckExact(PyTuple_GET_ITEM(args, 2))
+           && PyDict_CheckExact(PyTuple_GET_ITEM(args, 3));
+}
+
 /* Runs request here, without the handler, if it is the common call: CALL_LENT of a
- * known object, by marshal, in this interpreter's epoch, on a thread that runs with its
- * torch settings (the handler's own path, step by step).  1 with *reply set as the
- * handler would set it (NULL with an exception where the handler would raise); 0,
- * having run nothing, for the handler to run it. */
+ * known object, by marshal, or CALL_TENSOR of one once torch is imported, in this
+ * interpreter's epoch, on a thread that runs with its torch settings (the handler's own
+ * path, step by step).  1 with *reply set as the handler would set it (NULL with an
+ * exception where the handler would raise); 0, having run nothing, for the handler to
+ * run it. */
 static int fast_call(struct runtime *rt, const struct multipy_request *request,
                      PyObject **reply)
 {
-    if (!fast.interpreter || request->op != MULTIPY_CALL_LENT || !request->handle
-        || !request->size || (unsigned char)request->body[0] == MULTIPY_PICKLED
+    int tensor = request->op == MULTIPY_CALL_TENSOR;
+    if (!fast.interpreter || !(tensor || request->op == MULTIPY_CALL_LENT) || !request->handle
+        || (tensor ? request->size != sizeof(struct multipy_lent_tensor) || !torch_api.from_dlpack
+                   : !request->size || (unsigned char)request->body[0] == MULTIPY_PICKLED)
         || !current_epoch(request->epoch))
         return 0;
     PyObject *key = PyLong_FromUnsignedLongLong(request->handle);
     PyObject *target = key ? PyDict_GetItemWithError(rt->objects, key) : NULL;
     PyObject *name = target ? PyDict_GetItemWithError(rt->names, key) : NULL;
     Py_XDECREF(key);
-    PyObject *args = name && PyBytes_Check(name) && settings_applied() == 1
+    int ready = name && PyBytes_Check(name) && settings_applied() == 1;
+    PyObject *args = ready && !tensor
                      ? PyMarshal_ReadObjectFromString(request->body, (Py_ssize_t)request->size)
                      : NULL;
-    PyObject *method = args && PyTuple_CheckExact(args) && PyTuple_GET_SIZE(args) == 4
-                       ? PyTuple_GET_ITEM(args, 0) : NULL;
-    if (!method || !(method == Py_None || PyUnicode_CheckExact(method))
-        || !PyTuple_CheckExact(PyTuple_GET_ITEM(args, 1))
-        || !PyTuple_CheckExact(PyTuple_GET_ITEM(args, 2))
-        || !PyDict_CheckExact(PyTuple_GET_ITEM(args, 3))) {
+    if (!ready || (!tensor && !lent_call_body(args))) {
         Py_XDECREF(args); /* the handler reads it again, and says what is wrong */
         PyErr_Clear();
         return 0;
@@ -484,10 +514,10 @@ static int fast_call(struct runtime *rt, const struct multipy_request *request,
         record->op = "call";
         record->target = PyBytes_AS_STRING(name);
     }
-    *reply = call_lent(rt, target, args);
+    *reply = tensor ? call_tensor(rt, target, request) : call_lent(rt, target, args);
     Py_DECREF(target);
     Py_DECREF(name);
-    Py_DECREF(args);
+    Py_XDECREF(args);
     return 1;
 }
 

@@ -32,7 +32,7 @@ struct multipy_lent_tensor {
 };
 
 /* The operations the C fast paths make and read (multipy/_protocol.py has them all). */
-enum { MULTIPY_CALL_VALUE = 2, MULTIPY_CALL_LENT = 7 };
+enum { MULTIPY_CALL_VALUE = 2, MULTIPY_CALL_LENT = 7, MULTIPY_CALL_TENSOR = 8 };
 #define MULTIPY_PICKLED 0x80 /* a body's first byte when it is a pickle, not a marshal */
 
 /* What a cancel raises in the call (multipy/_protocol.py has the same numbers). */

@@ -27,6 +27,7 @@
 #include "_dlpack.h"
 #include "_entry.h"
 #include "_lend.h"
+#include "_occupancy.h"
 #include "_plain.h"
 
 /* -- threads that enter interpreters -- */
@@ -429,6 +430,33 @@ static PyObject *encode_call(PyObject *method, PyObject *values, PyObject *kwarg
     return body;
 }
 
+/* The body of a CALL_TENSOR (multipy._protocol): the call of target alone with one CPU
+ * torch tensor, lent into loan (opened here; the caller closes it), its record's token
+ * and address.  None, nothing lent, for any other call or a tensor not lent; NULL with
+ * an exception, nothing lent. */
+static PyObject *encode_tensor_call(PyObject *method, PyObject *values, PyObject *kwargs,
+                                    struct loan *loan)
+{
+    if (method != Py_None || !torch_api.tensor || !PyTuple_CheckExact(values)
+        || PyTuple_GET_SIZE(values) != 1
+        || (PyObject *)Py_TYPE(PyTuple_GET_ITEM(values, 0)) != torch_api.tensor
+        || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs))
+        Py_RETURN_NONE;
+    if (!(loan->tokens = PyList_New(0)))
+        return NULL;
+    loan->objects = Py_NewRef(call_path.objects);
+    loan->counter = Py_NewRef(call_path.counter);
+    struct multipy_lent_tensor lent;
+    int lending = lend_torch_at(PyTuple_GET_ITEM(values, 0), loan, &lent.token, &lent.address);
+    PyObject *body = lending > 0 ? PyBytes_FromStringAndSize((const char *)&lent, sizeof lent)
+                     : lending == 0 ? Py_NewRef(Py_None) : NULL;
+    if (!body)
+        take_back(NULL, loan);
+    if (body == Py_None || !body)
+        loan_close(loan);
+    return body;
+}
+
 /* The value of a LENT reply's message (values, positions, single), as
  * Interpreter._finish reads it: the aliases of what the interpreter lent in their
  * places; if they cannot all be made, interpreter._give_back(payload, status, aliased). */
@@ -474,16 +502,7 @@ static PyObject *alias_lent_tensor(Entry *self, const char *data)
 {
     struct multipy_lent_tensor lent;
     memcpy(&lent, data, sizeof lent);
-    struct release_queue *queue = &queues[self->ordinal];
-    PyObject *capsule = capsule_of((DLManagedTensor *)(uintptr_t)lent.address, lent.token, 0,
-                                   queue);
-    if (!capsule) {
-        queue_push(queue, lent.token);
-        return NULL;
-    }
-    PyObject *tensor = PyObject_CallOneArg(torch_api.from_dlpack, capsule);
-    Py_DECREF(capsule); /* if no tensor took it, it gives the token back itself */
-    return tensor;
+    return alias_lent_at(lent.token, lent.address, &queues[self->ordinal], NULL);
 }
 
 /* The value of a CALL_VALUE's reply as Interpreter._finish gives it: read here when it
@@ -544,7 +563,13 @@ static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t
     if (read_number(args[2], &request.handle) < 0 || read_number(args[3], &request.epoch) < 0)
         return NULL;
     struct loan loan = {NULL, NULL, NULL}; /* what the request lends, if it does */
-    PyObject *body = encode_call(method, values, kwargs, &loan, &request.op);
+    PyObject *body = encode_tensor_call(method, values, kwargs, &loan);
+    if (body && body != Py_None) {
+        request.op = MULTIPY_CALL_TENSOR;
+    } else if (body) {
+        Py_DECREF(body);
+        body = encode_call(method, values, kwargs, &loan, &request.op);
+    }
     if (body == Py_None) {
         Py_DECREF(body);
         return PyObject_CallMethodObjArgs(interpreter, call_path.request,
@@ -859,6 +884,7 @@ PyMODINIT_FUNC PyInit__host(void)
     if (!module)
         return NULL;
     if (PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0
+        || add_occupancy(module) < 0
         || PyModule_AddIntConstant(module, "MAX_INTERPRETERS", MULTIPY_MAX_INTERPRETERS) < 0) {
         Py_DECREF(module);
         return NULL;

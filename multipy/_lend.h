@@ -93,18 +93,19 @@ static void loan_close(struct loan *loan)
     Py_CLEAR(loan->counter);
 }
 
-/* Lends tensor into loan, token noted before the capsule is kept.  The record (kind,
- * token, address), None if the tensor is not lent (a lazy conjugate or negative view,
- * which DLPack would not describe; not in host memory; one DLPack refuses), or NULL
- * with an exception.  Its storage is kept beside the capsule (which holds the tensor),
- * so that set_() on the tensor cannot free the memory that is lent. */
-static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
+/* Lends tensor into loan, token noted before the capsule is kept: 1 with its token and
+ * address (its DLManagedTensor) in *token and *address; 0 if it is not lent (a lazy
+ * conjugate or negative view, which DLPack would not describe; not in host memory; one
+ * DLPack refuses); -1 with an exception.  Its storage is kept beside the capsule (which
+ * holds the tensor), so that set_() on the tensor cannot free the memory that is lent. */
+static int lend_torch_at(PyObject *tensor, struct loan *loan, uint64_t *token,
+                         uint64_t *address)
 {
     int lazy = tensor_says(torch_api.is_conj, tensor);
     if (lazy == 0)
         lazy = tensor_says(torch_api.is_neg, tensor);
     if (lazy)
-        return lazy < 0 ? NULL : Py_NewRef(Py_None);
+        return lazy < 0 ? -1 : 0;
     PyObject *capsule = PyObject_CallOneArg(torch_api.to_dlpack, tensor);
     PyObject *storage = capsule ? PyObject_CallOneArg(torch_api.untyped_storage, tensor) : NULL;
     if (!storage) {
@@ -112,31 +113,53 @@ static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
         if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_BufferError)
             || PyErr_ExceptionMatches(PyExc_TypeError)) { /* sparse, quantized, nested... */
             PyErr_Clear();
-            Py_RETURN_NONE;
+            return 0;
         }
-        return NULL;
+        return -1;
     }
     DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
     if (!managed || managed->dl_tensor.device.device_type != MULTIPY_DL_CPU) {
         Py_DECREF(capsule);
         Py_DECREF(storage);
-        if (managed)
-            Py_RETURN_NONE;
-        return NULL;
+        return managed ? 0 : -1;
     }
-    PyObject *record = NULL, *address = PyLong_FromVoidPtr(managed);
-    PyObject *kept = address ? PyTuple_Pack(2, capsule, storage) : NULL;
-    PyObject *token = kept ? PyIter_Next(loan->counter) : NULL;
-    if (kept && !token && !PyErr_Occurred())
+    int lent = -1;
+    PyObject *kept = PyTuple_Pack(2, capsule, storage);
+    PyObject *number = kept ? PyIter_Next(loan->counter) : NULL;
+    if (kept && !number && !PyErr_Occurred())
         PyErr_SetNone(PyExc_StopIteration); /* the tokens ran out */
-    if (token && PyList_Append(loan->tokens, token) == 0
-        && PyDict_SetItem(loan->objects, token, kept) == 0)
-        record = PyTuple_Pack(3, torch_kind, token, address);
-    Py_XDECREF(token);
+    if (number && PyList_Append(loan->tokens, number) == 0
+        && PyDict_SetItem(loan->objects, number, kept) == 0) {
+        *token = PyLong_AsUnsignedLongLong(number);
+        *address = (uint64_t)(uintptr_t)managed;
+        lent = PyErr_Occurred() ? -1 : 1;
+    }
+    Py_XDECREF(number);
     Py_XDECREF(kept);
-    Py_XDECREF(address);
     Py_DECREF(capsule);
     Py_DECREF(storage);
+    return lent;
+}
+
+/* lend_torch_at's record (kind, token, address) of tensor, None if it is not lent, or
+ * NULL with an exception. */
+static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
+{
+    uint64_t token, address;
+    int lent = lend_torch_at(tensor, loan, &token, &address);
+    if (lent <= 0)
+        return lent < 0 ? NULL : Py_NewRef(Py_None);
+    PyObject *record = PyTuple_New(3), *number = PyLong_FromUnsignedLongLong(token);
+    PyObject *at = PyLong_FromUnsignedLongLong(address);
+    if (!record || !number || !at) {
+        Py_XDECREF(record);
+        Py_XDECREF(number);
+        Py_XDECREF(at);
+        return NULL; /* the loan keeps the token: its owner takes it back */
+    }
+    PyTuple_SET_ITEM(record, 0, Py_NewRef(torch_kind));
+    PyTuple_SET_ITEM(record, 1, number);
+    PyTuple_SET_ITEM(record, 2, at);
     return record;
 }
 
@@ -317,6 +340,25 @@ static PyObject *alias_torch(PyObject *record, struct release_queue *queue, PyOb
     if (capsule && (aliased == Py_None || PyList_Append(aliased, token) == 0))
         tensor = PyObject_CallOneArg(torch_api.from_dlpack, capsule);
     Py_XDECREF(capsule);
+    return tensor;
+}
+
+/* The torch tensor over what the other side lent at address under token, with no record
+ * (a CALL_TENSOR's or TENSOR reply's): as alias_torch, the token appended to aliased (a
+ * list) once the capsule holds it; without aliased (NULL), the token goes to queue even
+ * if no capsule is made.  NULL with an exception. */
+static PyObject *alias_lent_at(uint64_t token, uint64_t address, struct release_queue *queue,
+                               PyObject *aliased)
+{
+    PyObject *capsule = capsule_of((DLManagedTensor *)(uintptr_t)address, token, 0, queue);
+    if (!capsule && !aliased)
+        queue_push(queue, token); /* no one else gives it back */
+    PyObject *number = capsule && aliased ? PyLong_FromUnsignedLongLong(token) : NULL;
+    PyObject *tensor = NULL;
+    if (capsule && (!aliased || (number && PyList_Append(aliased, number) == 0)))
+        tensor = PyObject_CallOneArg(torch_api.from_dlpack, capsule);
+    Py_XDECREF(number);
+    Py_XDECREF(capsule); /* if no tensor took it, it gives the token back itself */
     return tensor;
 }
 

@@ -33,8 +33,10 @@ RESET = 6       #: args (): forget every object and registered source (a manager
 CALL_LENT = 7   #: args (method or None, args, positions, kwargs): CALL_VALUE whose args
                 #: are scalars and tensors, each tensor (at positions) sent as its record
                 #: (multipy._sharing.lend_flat); the fast path of a call with tensors
+CALL_TENSOR = 8  #: body: CALL_VALUE of target with one CPU torch tensor alone, lent: its
+                 #: record's token and address (LENT_TENSOR), no marshal; the C entry's
 
-OP_NAMES = ("import", "call", "call", "getattr", "hasattr", "deref", "reset", "call")
+OP_NAMES = ("import", "call", "call", "getattr", "hasattr", "deref", "reset", "call", "call")
 
 # -- statuses of a reply --
 OK = 0       #: payload: the value (marshal or pickle), or empty when handle names a new object
@@ -48,7 +50,8 @@ TENSOR = 6   #: payload: the value, one CPU torch tensor lent: the token and add
              #: its record, two unsigned 64-bit numbers in this machine's order
              #: (LENT_TENSOR.unpack; the C fast path's reply for a tensor result)
 
-#: How a TENSOR reply's payload is laid out (_entry.h: struct multipy_lent_tensor).
+#: How a TENSOR reply's payload, and a CALL_TENSOR's body, are laid out (_entry.h: struct
+#: multipy_lent_tensor).
 LENT_TENSOR = struct.Struct("=QQ")
 
 # -- what a cancel raises in the call --

@@ -118,11 +118,11 @@ class InterpreterManager:
         object.  Raises what acquire_one raises."""
         deadline = None
         while True:
-            # Most calls: the thread's last pick is free, taken under its own lock alone
-            # (occupy_if_idle checks and counts at once; the manager's lock orders passes)
+            # Most calls: the thread's last pick is free, taken by its occupancy alone
+            # (which checks and counts at once; the manager's lock orders passes)
             if not self._closed:
                 last = self._interpreters[self._thread.cursor % self._limit]
-                if last.occupy_if_idle():
+                if last.occupancy.take_if_idle():
                     return last
             self._lock.acquire()  # not `with`: half the cost
             try:

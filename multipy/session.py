@@ -27,6 +27,41 @@ if _C_CALL_PATH:
     _host.use_call_path(_sharing.Lent, exports, _sharing.alias)
 
 
+class _Occupancy:
+    """The Python reference of _host.Occupancy (MULTIPY_CALL_PATH=python): an
+    interpreter's users as the load balancer counts them, kept away while runtime has no
+    room or runs an abandoned call."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._runtime = runtime
+        self._lock = threading.RLock()  # a session's finaliser may hand back while held
+        self.users = 0
+        self._closed = False
+
+    def take_if_idle(self) -> bool:
+        runtime = self._runtime
+        with self._lock:
+            if self.users or self._closed or runtime.out_of_room or runtime.abandoned_calls:
+                return False
+            self.users = 1
+            return True
+
+    def take(self) -> None:
+        with self._lock:
+            self.users += 1
+
+    def give_back(self) -> None:
+        with self._lock:
+            self.users -= 1
+
+    def close(self) -> None:
+        self._closed = True
+
+
+#: An interpreter's users: counted in C, with the host's GIL held (docs/design.md)
+Occupancy = _host.Occupancy if _C_CALL_PATH else _Occupancy
+
+
 class _ThreadSettings(threading.local):
     timeout: float | None = None  # a class default: no AttributeError on every call
 
@@ -181,14 +216,17 @@ class Interpreter:
         self._entry = runtime.entry
         self._epoch = runtime.epoch  # this manager's requests carry it
         self._closed = False
-        self._sessions = 0  # open sessions: the load balancer's measure of load
+        #: open sessions and running calls of replicated objects: the load balancer's
+        #: measure of load (``occupy`` and ``hand_back`` count them; its take_if_idle
+        #: counts one if there is none, room left, no abandoned call, the manager open)
+        self.occupancy = Occupancy(runtime)
         self._lock = threading.RLock()  # a session's finaliser may close it while held
 
     @property
     def open_sessions(self) -> int:
         """Sessions open on this interpreter now, and calls of replicated objects running
         on it (see ``occupy``)."""
-        return self._sessions
+        return self.occupancy.users
 
     @property
     def running_abandoned_call(self) -> bool:
@@ -217,30 +255,12 @@ class Interpreter:
         with self._lock:
             if self._closed:
                 _pool.refuse(f"{self} belongs to a manager that was closed")
-            self._sessions += 1
+            self.occupancy.take()
         return self
-
-    def occupy_if_idle(self) -> bool:
-        """``occupy()`` if the load balancer would pick this interpreter at once (no open
-        session, room left, no abandoned call running, its manager open); whether it
-        did.  One call for the load balancer's common case."""
-        runtime = self._runtime
-        self._lock.acquire()  # not `with`: half the cost, and this runs for every call
-        try:
-            if self._sessions or self._closed or runtime.out_of_room or runtime.abandoned_calls:
-                return False
-            self._sessions = 1
-            return True
-        finally:
-            self._lock.release()
 
     def hand_back(self) -> None:
         """Ends one ``occupy()``."""
-        self._lock.acquire()  # not `with`: see occupy_if_idle
-        try:
-            self._sessions -= 1
-        finally:
-            self._lock.release()
+        self.occupancy.give_back()
 
     def global_(self, module: str, name: str) -> Obj:
         """The object ``name`` (dots allowed) of ``module``, imported in the interpreter."""
@@ -389,6 +409,7 @@ class Interpreter:
             if self._closed:
                 return
             self._closed = True  # first: nothing new can be made that the reset would miss
+            self.occupancy.close()
         _pool.give_back([self._runtime])
         _pool.reset_now(self._runtime)
 

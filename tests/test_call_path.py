@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -24,7 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #: reference path: values and tensors each way, errors, faults, Ctrl-C and timeouts,
 #: asyncio, the load balancer's layer.
 REFERENCE_RUN = ["test_call_path.py", "test_entry.py", "test_interpreters.py", "test_torch.py",
-                 "test_errors.py", "test_faults.py", "test_lifecycle.py", "test_async.py"]
+                 "test_errors.py", "test_faults.py", "test_lifecycle.py", "test_async.py",
+                 "test_manager.py"]
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +48,12 @@ def tools():
             "handled = []\n"
             "def count_handled_calls():\n"
             "    alias_flat = _sharing.alias_flat  # the handler's, not the fast path's\n"
+            "    if getattr(alias_flat, 'counted', False):\n"
+            "        return\n"
             "    def counted(*args):\n"
             "        handled.append(1)\n"
             "        return alias_flat(*args)\n"
+            "    counted.counted = True\n"
             "    _sharing.alias_flat = counted\n"
             "def handled_calls():\n"
             "    return len(handled)\n"))
@@ -142,6 +147,51 @@ def test_a_tensor_result_goes_back_however_the_host_reads_it(tools, monkeypatch)
         if calls and _protocol.TENSOR in statuses:
             break
     assert (_protocol.TENSOR in statuses) is ON_C_PATH  # a timed call's reply
+
+
+def _call_tensor(interpreter, target, x: torch.Tensor):
+    """target(x) as a CALL_TENSOR request (x lent, its record's token and address the
+    body), as the C entry makes it: the reply read by the host's Python."""
+    lent = _sharing.Lent(host_exports)
+    _, token, address = _sharing.describe(x, lent)
+    body = _protocol.LENT_TENSOR.pack(token, address)
+    reply = interpreter._runtime.call(_protocol.CALL_TENSOR, target._handle, interpreter._epoch,
+                                      body, 0, lent)
+    return interpreter._finish(reply, lent)
+
+
+def test_a_call_with_one_tensor_alone_runs_on_either_side_s_path(tools):
+    # CALL_TENSOR (the C entry's request for target(x), x a CPU tensor): run by C's fast
+    # path on a thread that has called before, by the handler on a thread's first call
+    # (and on the reference path); the alias is of the host's memory, and every token
+    # goes back
+    m, s = tools
+    scale, fail_after = (s.global_("call_path_tools", name) for name in ("scale", "fail_after"))
+    x = torch.arange(3.0)
+    scale.call_value(None, (x,))  # an object's first call names it (the handler's)
+    before = len(host_exports)
+    s.global_("call_path_tools", "count_handled_calls")()
+    handled = s.global_("call_path_tools", "handled_calls")
+    counts = [handled.call_value(None)]
+    assert torch.equal(_call_tensor(s.interpreter, scale, x), x * 2)
+    counts.append(handled.call_value(None))
+    answers = []
+    thread = threading.Thread(target=lambda: answers.append(
+        _call_tensor(s.interpreter, scale, x)))
+    thread.start()
+    thread.join()
+    assert torch.equal(answers[0], x * 2)
+    counts.append(handled.call_value(None))
+    assert counts[1] - counts[0] == (0 if ON_C_PATH else 1)  # by C, or by the handler
+    assert counts[2] - counts[1] == 1  # a thread's first call: the handler's
+    with pytest.raises(ValueError, match=r"failed with \[1.0, 2.0, 3.0\]"):
+        _call_tensor(s.interpreter, fail_after, x)
+    assert x.tolist() == [1.0, 2.0, 3.0]  # the call ran on the host's memory
+    answers.clear()  # the aliases of the results go
+    with m[0].acquire_session() as again:
+        again.global_("gc", "collect")()
+        again.global_("builtins", "abs")(-1)  # brings back the released tokens
+    assert len(host_exports) == before
 
 
 def test_an_unread_tensor_reply_names_its_token():

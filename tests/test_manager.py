@@ -6,6 +6,7 @@ import threading
 import pytest
 
 import multipy
+from multipy import _host, session
 from multipy._pool import capacity
 
 
@@ -54,15 +55,50 @@ def test_load_balancer_prefers_free_then_least_used(manager):
         assert s.interpreter.index == last
 
 
-def test_occupy_if_idle_takes_only_a_free_interpreter(manager):
+def test_take_if_idle_takes_only_a_free_interpreter(manager):
     interpreter = manager[0]
-    assert interpreter.occupy_if_idle()
+    assert interpreter.occupancy.take_if_idle()
     try:
         assert interpreter.open_sessions == 1
-        assert not interpreter.occupy_if_idle()  # busy: left to the full pick
+        assert not interpreter.occupancy.take_if_idle()  # busy: left to the full pick
     finally:
         interpreter.hand_back()
     assert interpreter.open_sessions == 0
+
+
+class _Runtime:
+    """What an occupancy reads of its runtime."""
+    out_of_room: str | None = None
+
+    def __init__(self) -> None:
+        self.abandoned_calls: set = set()
+
+
+@pytest.mark.parametrize("occupancy", [_host.Occupancy, session._Occupancy],
+                         ids=["C", "reference"])
+def test_an_occupancy_counts_users_and_is_taken_only_when_free(occupancy):
+    runtime = _Runtime()
+    seat = occupancy(runtime)
+    assert seat.take_if_idle() and seat.users == 1
+    assert not seat.take_if_idle() and seat.users == 1  # busy
+    seat.take()  # a session opens anyway
+    assert seat.users == 2
+    seat.give_back()
+    seat.give_back()
+    assert seat.users == 0
+    runtime.abandoned_calls.add("a call its caller gave up on")
+    assert not seat.take_if_idle()
+    runtime.abandoned_calls.clear()
+    runtime.out_of_room = "no room (a test)"
+    assert not seat.take_if_idle()
+    runtime.out_of_room = None
+    seat.close()
+    assert not seat.take_if_idle() and seat.users == 0
+
+
+def test_the_interpreters_count_users_as_the_call_path_says(manager):
+    expected = _host.Occupancy if session._C_CALL_PATH else session._Occupancy
+    assert all(type(i.occupancy) is expected for i in manager.all_instances())
 
 
 def test_the_last_pick_is_passed_by_once_it_has_no_room(manager):
@@ -70,7 +106,7 @@ def test_the_last_pick_is_passed_by_once_it_has_no_room(manager):
         last = s.interpreter
     last._runtime.out_of_room = "no room (a test)"
     try:
-        assert not last.occupy_if_idle()
+        assert not last.occupancy.take_if_idle()
         chosen = manager.occupy_one()
         chosen.hand_back()
         assert chosen is not last

@@ -28,8 +28,8 @@ from typing import Any
 import _multipy_bootstrap
 
 from .. import _protocol, _sharing
-from .._protocol import (CALL, CALL_LENT, CALL_VALUE, CLOSED, DEREF, ERROR, GETATTR, GLOBAL,
-                         HASATTR, LENT, OK, RESET)
+from .._protocol import (CALL, CALL_LENT, CALL_TENSOR, CALL_VALUE, CLOSED, DEREF, ERROR,
+                         GETATTR, GLOBAL, HASATTR, LENT, LENT_TENSOR, OK, RESET)
 
 _NEW_OBJECT = frozenset({GLOBAL, CALL, GETATTR})  #: operations whose result stays inside
 _NONE = _sharing.plain(None)  #: the most common value's payload
@@ -273,7 +273,12 @@ class _Interpreter:
         exception loses neither."""
         aliased: list[int] | None = []  # the host's tokens aliased until the request is read
         try:
-            if body[0] != _sharing.PICKLED:
+            if op == CALL_TENSOR:  # the target's call with one lent tensor, its record
+                token, address = LENT_TENSOR.unpack(body)
+                args = (None, tuple(_sharing.alias_flat(((_sharing.TORCH, token, address),),
+                                                        (0,), 0, aliased)), {})
+                op = CALL_VALUE
+            elif body[0] != _sharing.PICKLED:
                 args = marshal.loads(body)
                 if op == CALL_LENT:
                     method, values, positions, kwargs = args

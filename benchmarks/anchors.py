@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -45,6 +43,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from provenance import provenance, run_line  # noqa: E402
 from serve_load import (HERE, ROOT, _medians, ensure_peer_venv, free_port,  # noqa: E402
                         run_server)
 
@@ -243,21 +242,11 @@ def plot(figures: dict, path: str) -> None:
     ax.set_xticks(list(spots), labels)
     ax.set_ylabel("multipy / anchor")
     ax.legend(loc="upper right")
-    ax.set_title(f"multipy serve / each anchor, same model code, 2N closed-loop clients\n"
-                 f"{figures['machine']}, {figures['date']}, commit {figures['commit']}",
+    ax.set_title("multipy serve / each anchor, same model code, 2N closed-loop clients\n"
+                 + run_line(figures),
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def _commit() -> str:
-    """The checkout's commit, short, with "+" if its tracked files have changes."""
-    def git(*words: str) -> str:
-        return subprocess.run(["git", "-C", ROOT, *words], capture_output=True,
-                              text=True).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain",
-                                                               "--untracked-files=no") else "")
 
 
 def main() -> None:
@@ -296,10 +285,7 @@ def main() -> None:
         if "kserve" in anchors and not os.path.exists(args.kserve_multipy_python):
             parser.error(f"--kserve-multipy-python: no {args.kserve_multipy_python} "
                          f"(`make test-kserve` makes .venv/3.11-kserve)")
-        figures = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, shared",
-                   "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-                       "%Y-%m-%d %H:%M UTC"),
-                   "commit": _commit(), "command": " ".join(sys.argv),
+        figures = {**provenance(),
                    "setting": f"N workers or interpreters, 2N closed-loop client processes, "
                               f"{args.seconds:g} s after {args.warm_up:g} s of warm-up; the "
                               f"median of {args.rounds} round(s), the servers taking turns; "

@@ -1,7 +1,7 @@
 """Instructions per call of the `simple` model (a 3x10 input), or of `Linear(8, 8)` on a
 (1, 8) input (`--model linear`), by each way of calling it,
 and of the steps between them, against a plain host thread's call: counts that a busy,
-shared machine does not skew, where times do (docs/benchmarks.md, "The call path,
+shared machine does not skew, where times do (docs/log/call-path.md, "The call path,
 2026-11-26").
 
 Each way runs in a process of its own under callgrind with instrumentation off until its

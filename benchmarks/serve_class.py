@@ -1,5 +1,5 @@
 """The same model served as a torch.package archive and as a class
-(`multipy serve FILE.py:CLASS`, docs/serving.md, "Models written as classes"), measured
+(`multipy serve FILE.py:CLASS`, docs/serve/classes.md), measured
 in one run: requests/s, p50/p99 and the PSS of the server with 2N closed-loop HTTP
 clients (benchmarks/serve_load.py's), the two taking turns for --rounds rounds, and the
 time from start to ready; with several --counts of interpreters, the PSS that each

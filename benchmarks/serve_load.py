@@ -37,7 +37,12 @@ device memory in use while each server ran, less what was in use before it start
     multipy run benchmarks/serve_load.py [--counts 2,4] [--clients 2] [--seconds 10] [--rounds 3]
         [--models simple,python_heavy,text_classifier] [--transports http,grpc,json]
         [--peers kserve,floor | --peers none | --no-peer] [--peer-python PYTHON] [--json FILE]
-        [--device cuda]
+        [--device cuda] [--plot FILE.png]
+    multipy run benchmarks/serve_load.py --replot FILE.json --plot FILE.png
+
+--json keeps the figures with the machine, the date and the commit; --plot draws, for
+each model, requests/s, p50 and p99 latency and memory against N, a line per server and
+transport, with those three in its title.
 """
 from __future__ import annotations
 
@@ -53,6 +58,8 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+
+from provenance import provenance, run_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -502,7 +509,15 @@ def main() -> None:
     parser.add_argument("--device", default="cpu",
                         help="where every server runs the model: cpu, or cuda (the GPU's "
                              "memory measured too) (cpu)")
+    parser.add_argument("--plot", help="also plot the figures into this PNG")
+    parser.add_argument("--replot", help="plot (--plot) this --json file's figures; run nothing")
     args = parser.parse_args()
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot")
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot)
+        return
     counts = [int(n) for n in args.counts.split(",")]
     transports = tuple(args.transports.split(","))
     if not transports or set(transports) - set(TRANSPORTS):
@@ -545,10 +560,57 @@ def main() -> None:
                                  "rounds": {name: rounds[name, transport] for name in here},
                                  **{name: _medians(rounds[name, transport]) for name in here}})
     report(rows, transports, args)
+    figures = {**provenance(), "models": args.models, "transports": args.transports,
+               "peers": list(peers), "seconds": args.seconds,
+               "setting": f"N interpreters or workers, {args.clients}N closed-loop client "
+                          f"processes, {args.seconds:g} s after {args.warm_up:g} s of warm-up; "
+                          f"the median of {args.rounds} round(s), the servers taking turns",
+               "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"models": args.models, "transports": args.transports,
-                       "peers": list(peers), "seconds": args.seconds, "rows": rows}, f, indent=1)
+            json.dump(figures, f, indent=1)
+    if args.plot:
+        plot(figures, args.plot)
+
+
+def plot(figures: dict, path: str) -> None:
+    """A PNG at path: for each model, a row of three panels against N (requests/s; p50,
+    solid, and p99, dashed, latency; PSS), a line per server and transport, titled with
+    the setting, the machine, the date and the commit (figures, as --json writes them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = figures["rows"]
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    fig, axes = plt.subplots(len(models), 3, figsize=(13, 3.8 * len(models)), squeeze=False)
+    for line, model in zip(axes, models):
+        mine = [row for row in rows if row["model"] == model]
+        lines = dict.fromkeys((name, row["transport"]) for row in mine for name in row["servers"])
+        for index, (name, transport) in enumerate(lines):
+            points = [(row["n"], row[name]) for row in mine
+                      if row["transport"] == transport and name in row["servers"]]
+            ns = [n for n, _ in points]
+            style = {"color": f"C{index}", "marker": "o", "label": f"{NAMES[name]}, {transport}"}
+            line[0].plot(ns, [f["requests_per_second"] for _, f in points], **style)
+            line[1].plot(ns, [f["p50_ms"] for _, f in points], **style)
+            line[1].plot(ns, [f["p99_ms"] for _, f in points], linestyle="--",
+                         color=style["color"], marker="x")
+            line[2].plot(ns, [f["pss_mib"] for _, f in points], **style)
+        for ax, label in zip(line, ("requests/s", "latency, ms (p50 solid, p99 dashed)",
+                                    "memory, PSS MiB")):
+            ax.set_xlabel("N (interpreters or workers)")
+            ax.set_ylabel(label)
+            ax.set_xticks(sorted({row["n"] for row in mine}))
+            ax.set_ylim(bottom=0)
+            ax.set_title(model, fontsize=9)
+        line[0].legend(fontsize=8)
+    fig.suptitle(f"multipy serve and its peers: {figures['setting']}\n" + run_line(figures),
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def _ratios(ours: dict, theirs: dict) -> tuple[float, float]:

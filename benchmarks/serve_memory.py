@@ -15,11 +15,16 @@ count then).
     HF_CLASSIFIER_DIR=/tmp/hf multipy run benchmarks/serve_memory.py --request classifier \\
         '{"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]}' \\
         -- examples/hf_classifier.py:Classifier
+    multipy run benchmarks/serve_memory.py --replot FILE.json --plot FILE.png
+
+--json keeps the figures with the machine, the date and the commit; --plot draws PSS and
+the seconds to ready against N, with those three in its title.
 """
 from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import os
 import statistics
 import subprocess
@@ -29,6 +34,7 @@ from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from provenance import provenance, run_line  # noqa: E402
 from serve_load import _stop, _wait_ready, free_port, pss_tree  # noqa: E402
 
 
@@ -89,25 +95,83 @@ def main() -> None:
                         help="an inference request that every interpreter answers before the "
                              "PSS is read (the pages a model touches only when it runs count "
                              "then); default: none, the PSS once ready")
-    parser.add_argument("arguments", nargs="+", metavar="ARGUMENTS",
+    parser.add_argument("--json", help="also write the figures to this file")
+    parser.add_argument("--plot", help="also plot the figures into this PNG")
+    parser.add_argument("--replot", help="plot (--plot) and print this --json file's figures; "
+                                         "run nothing")
+    parser.add_argument("arguments", nargs="*", metavar="ARGUMENTS",
                         help="what `multipy serve` serves (after --)")
     args = parser.parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            figures = json.load(f)
+    elif not args.arguments:
+        parser.error("what to serve is missing: -- ARGUMENTS")
+    else:
+        figures = measured(args)
+    report(figures)
+    if args.json and not args.replot:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    if args.plot:
+        plot(figures, args.plot)
+
+
+def measured(args: argparse.Namespace) -> dict:
+    """The figures of a run: per N, the median PSS (MiB) and seconds to ready over the
+    rounds, each round's too, with where and when it ran."""
     counts = [int(count) for count in args.counts.split(",")]
     runs: dict[int, list[tuple[float, float]]] = {n: [] for n in counts}
     for round_ in range(args.rounds):
         for n in (counts if round_ % 2 == 0 else counts[::-1]):
             runs[n].append(measure(args.arguments, n, args.request))
-    print(f"\nmultipy serve {' '.join(args.arguments)}: median of {args.rounds} round(s); "
-          f"{os.cpu_count()} cores")
+    return {**provenance(), "served": " ".join(args.arguments),
+            "setting": f"median of {args.rounds} round(s)"
+                       + (", after a request on each interpreter" if args.request else
+                          ", once ready"),
+            "rows": [{"n": n, "pss_mib": statistics.median(pss for pss, _ in runs[n]),
+                      "ready_s": statistics.median(ready for _, ready in runs[n]),
+                      "rounds": runs[n]} for n in counts]}
+
+
+def report(figures: dict) -> None:
+    """Prints the figures: PSS and start per N, and what each interpreter more adds."""
+    print(f"\nmultipy serve {figures['served']}: {figures['setting']}; {figures['machine']}")
     print(f"{'N':>2s} {'PSS MiB':>8s} {'start s':>8s}")
-    medians = {n: (statistics.median(pss for pss, _ in runs[n]),
-                   statistics.median(ready for _, ready in runs[n])) for n in counts}
-    for n, (pss, ready) in medians.items():
-        print(f"{n:2d} {pss:8.1f} {ready:8.1f}")
-    if len(counts) > 1:
-        low, high = min(counts), max(counts)
+    rows = sorted(figures["rows"], key=lambda row: row["n"])
+    for row in rows:
+        print(f"{row['n']:2d} {row['pss_mib']:8.1f} {row['ready_s']:8.1f}")
+    if len(rows) > 1:
+        low, high = rows[0], rows[-1]
         print(f"each interpreter more adds "
-              f"{(medians[high][0] - medians[low][0]) / (high - low):.1f} MiB")
+              f"{(high['pss_mib'] - low['pss_mib']) / (high['n'] - low['n']):.1f} MiB")
+
+
+def plot(figures: dict, path: str) -> None:
+    """A PNG at path: PSS (MiB) and seconds to ready against N, titled with what was
+    served, the machine, the date and the commit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(figures["rows"], key=lambda row: row["n"])
+    ns = [row["n"] for row in rows]
+    fig, (memory, start) = plt.subplots(1, 2, figsize=(10, 4))
+    memory.plot(ns, [row["pss_mib"] for row in rows], marker="o")
+    memory.set_ylabel("PSS of the server, MiB")
+    start.plot(ns, [row["ready_s"] for row in rows], marker="o", color="C1")
+    start.set_ylabel("seconds from start to ready")
+    for ax in (memory, start):
+        ax.set_xlabel("N (interpreters)")
+        ax.set_xticks(ns)
+        ax.set_ylim(bottom=0)
+    served = figures["served"] if len(figures["served"]) < 70 else figures["served"][:67] + "..."
+    fig.suptitle(f"multipy serve {served}: {figures['setting']}\n" + run_line(figures),
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

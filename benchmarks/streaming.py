@@ -35,10 +35,8 @@ busy spell on a shared machine skews one round, not the ratio.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -47,7 +45,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from anchors import _commit  # noqa: E402
+from provenance import provenance, run_line  # noqa: E402
 from serve_load import (HERE, ROOT, _medians, _stop, _wait_ready, cpu_seconds,  # noqa: E402
                         ensure_peer_venv, free_port, pss_tree)
 
@@ -320,8 +318,7 @@ def plot(figures: dict, path: str) -> None:
     fig.legend(handles, names, loc="lower center", ncol=len(servers), fontsize=8)
     fig.suptitle(f"Streaming {figures['tokens']} tokens a request from a small GPT-2 (random "
                  f"weights), N workers or interpreters, 2N closed-loop clients; in brackets: "
-                 f"multipy / that server\n{figures['machine']}, {figures['date']}, commit "
-                 f"{figures['commit']}", fontsize=9)
+                 "multipy / that server\n" + run_line(figures), fontsize=9)
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=110)
 
@@ -357,10 +354,7 @@ def main() -> None:
             args.peer_venv, PEER_PACKAGES, "kserve, torch, transformers")
             if "kserve" in servers else None)
         expected = expected_tokens(args.tokens)
-        figures = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, shared",
-                   "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-                       "%Y-%m-%d %H:%M UTC"),
-                   "commit": _commit(), "command": " ".join(sys.argv), "tokens": args.tokens,
+        figures = {**provenance(), "tokens": args.tokens,
                    "setting": f"{args.tokens} new tokens a request; N workers or "
                               f"interpreters, 2N closed-loop client processes, "
                               f"{args.seconds:g} s after {args.warm_up:g} s of warm-up; the "

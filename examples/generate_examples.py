@@ -5,7 +5,7 @@ Each package holds the model at ("model", "model.pkl"), its example input tuple 
 ("model", "example.pkl") and the output of running it directly at ("model",
 "expected.pkl").  The simple example also holds extra files ("extra", "hello.txt") and
 ("extra", "hello.bin").  The Python-heavy one declares its input for `multipy serve`
-(("model", "config.json"): x, FP32, [-1, -1, 16]; docs/serving.md, "Declared inputs").  The text classifier's tokenizer (a WordPiece tokenizer of Hugging
+(("model", "config.json"): x, FP32, [-1, -1, 16]; docs/call/index.md, "Declared inputs").  The text classifier's tokenizer (a WordPiece tokenizer of Hugging
 Face ``tokenizers``) is trained here, in memory, on a small corpus of labelled sentences
 that the model is then trained on for a few seconds; its example input is a numpy array
 of ``bytes``.  Used by the tests and the benchmarks.

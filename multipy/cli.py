@@ -110,7 +110,7 @@ def _info() -> None:
 
 
 #: Private memory of one more interpreter importing torch and numpy, by torch build, as
-#: benchmarks/interpreter_memory.py measured it (docs/benchmarks.md, "Memory of one more
+#: benchmarks/interpreter_memory.py measured it (docs/log/micro.md, "Memory of one more
 #: interpreter"): CPython 3.11, torch 2.13.0 (CPU wheel) and 2.14.1 (PyPI's CUDA build),
 #: the latter with its cuBLASLt, NVRTC and nvJitLink kept once per process (docs/design.md,
 #: "One copy per process") and with a copy of each in each interpreter.
@@ -149,7 +149,9 @@ def _cmake_prefix() -> None:
     print(f"{Path(__file__).resolve().parent / 'cpp'};{torch_prefix}")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``multipy`` command's parser, and its ``run`` command's (whose options come
+    before the program's own); the reference of the documentation is made from them."""
     parser = argparse.ArgumentParser(
         prog="multipy", description="Many isolated CPython interpreters in one process.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     commands.add_parser("cmake-prefix", help="print the CMake prefixes of multipy's C++ API "
                                              "and of torch, ';'-separated, for "
                                              "-DCMAKE_PREFIX_PATH (docs/cpp.md)")
+    return parser, run
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser, run = parsers()
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["run"]:
         environment, program = _run_options(run, argv[1:])

@@ -36,7 +36,8 @@ _DEFAULT_MODULE, _DEFAULT_RESOURCE = "model", "model.pkl"
 _VALUED = ("--interpreters", "--module", "--resource")
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """The options of ``multipy shell``."""
     parser = argparse.ArgumentParser(
         prog="multipy shell", allow_abbrev=False,
         usage="multipy shell [-h] [-q] [--interpreters N] [--module M] [--resource R] "
@@ -94,7 +95,7 @@ def is_archive(name: str) -> bool:
 def parse_arguments(argv: list[str]) -> Arguments:
     """The shell's arguments.  Options come first; a first positional that is a zip file
     is PATH; then ``-c CODE`` or FILE, after which everything is the program's."""
-    parser = _parser()
+    parse = parser()
     options: list[str] = []
     positionals: list[str] = []
     program: list[str] | None = None  # [-c, CODE, *args] or [FILE, *args]
@@ -109,7 +110,7 @@ def parse_arguments(argv: list[str]) -> Arguments:
             break
         if arg == "-c" or (arg.startswith("-c") and not arg.startswith("--")):
             if arg == "-c" and i + 1 >= len(argv):
-                parser.error("argument -c: expected one argument")
+                parse.error("argument -c: expected one argument")
             program = (["-c", arg[2:], *argv[i + 1:]] if arg != "-c"
                        else ["-c", *argv[i + 1:]])
             break
@@ -117,7 +118,7 @@ def parse_arguments(argv: list[str]) -> Arguments:
             options.append(arg)
             if arg in _VALUED:
                 if i + 1 >= len(argv):
-                    parser.error(f"argument {arg}: expected one argument")
+                    parse.error(f"argument {arg}: expected one argument")
                 options.append(argv[i + 1])
                 i += 1
         elif not positionals and is_archive(arg):
@@ -126,13 +127,13 @@ def parse_arguments(argv: list[str]) -> Arguments:
             program = argv[i:]
             break
         i += 1
-    parsed = parser.parse_args(options + positionals)
+    parsed = parse.parse_args(options + positionals)
     result = Arguments(interpreters=parsed.interpreters, path=parsed.path, module=parsed.module,
                        resource=parsed.resource, quiet=parsed.quiet)
     if result.interpreters < 1:
-        parser.error(f"--interpreters must be at least 1, not {result.interpreters}")
+        parse.error(f"--interpreters must be at least 1, not {result.interpreters}")
     if result.path is None and (result.module or result.resource):
-        parser.error("--module and --resource need PATH, a torch.package archive")
+        parse.error("--module and --resource need PATH, a torch.package archive")
     if program and program[0] == "-c":
         result.code, result.args = program[1], program[2:]
     elif program:

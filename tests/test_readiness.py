@@ -1,4 +1,4 @@
-"""Readiness as Triton's ``--strict-readiness`` says it (docs/serving.md, "The API"): by
+"""Readiness as Triton's ``--strict-readiness`` says it (docs/call/index.md, "The API"): by
 default a server is ready only while every model that was not unloaded is ready, one
 at least; ``--strict-readiness false`` asks nothing of the models once they have
 loaded.  Over HTTP and gRPC, with two servers (subprocesses) that start with one model

@@ -71,7 +71,7 @@ def test_models_unload_and_load_while_the_others_serve(repository_served, packag
         assert (index["python_heavy"]["state"], index["python_heavy"]["reason"]) == (
             "UNAVAILABLE", "unloaded")
         assert not client.is_model_ready("python_heavy") and client.is_model_ready("pair")
-        # the server stays ready: it answers its other models (docs/serving.md)
+        # the server stays ready: it answers its other models (docs/operate/repository.md)
         for _ in range(4):  # new connections: every interpreter's front end
             assert server.client().is_server_ready()
         status, message = _client_error(

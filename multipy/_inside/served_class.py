@@ -1,7 +1,7 @@
 """A model written as a Python class, inside one interpreter: what ``multipy serve
 MODULE:CLASS`` (or ``FILE.py:CLASS``) runs here.
 
-The contract (docs/serving.md, "Models written as classes"): the class is made with no
+The contract (docs/serve/classes.md): the class is made with no
 arguments; its ``load()``, if it has one, runs once, before the server is ready;
 ``predict(inputs)`` gets a dict of input name -> numpy array (BYTES: an array of dtype
 object holding bytes) and returns the outputs: a dict of name -> array (or tensor), a

@@ -19,7 +19,7 @@ deployment, and its driver; imported only then), ``command`` (the command line) 
 an inference request itself (in Ray Serve's replicas, or while every interpreter is
 stuck); the code inside the interpreters is ``multipy._inside.serving`` and
 ``multipy._inside.front_end``.  Needs the ``serve`` extra: ``pip install
-'multipy-interpreters[serve]'`` (``--ray``: the ``ray`` extra).  docs/serving.md is the guide.
+'multipy-interpreters[serve]'`` (``--ray``: the ``ray`` extra).  docs/serve/ and docs/operate/ are the guides.
 """
 from __future__ import annotations
 

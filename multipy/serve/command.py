@@ -30,10 +30,9 @@ the Open Inference Protocol (KServe's v2 protocol, which Triton speaks too): eve
 interpreter runs every model, requests go to free interpreters, and the host process
 never imports torch.  Each PATH's object at (--module, --resource) is served as a model
 named after the file's stem; each FILE.py:CLASS or MODULE:CLASS, as one named after the
-class, in lower case (docs/serving.md, "Models written as classes"); each Triton Python
+class, in lower case (docs/serve/classes.md); each Triton Python
 model's folder (config.pbtxt, N/model.py), as one named after the folder, and with no
-PATH, every model folder of --model-repository (docs/serving.md, "Coming from Triton's
-Python backend")."""
+PATH, every model folder of --model-repository (docs/serve/triton.md)."""
 
 
 #: What --strict-readiness takes for true and for false, as Triton's booleans.
@@ -92,7 +91,7 @@ def _add_processes(parse: argparse.ArgumentParser) -> None:
                        help="server processes, each of --interpreters interpreters, on one "
                             "port: a crash ends one process, which is replaced, and P "
                             "processes hold up to 15 P interpreters (default: 1, one "
-                            "process; docs/serving.md, \"Several processes\")")
+                            "process; docs/operate/processes.md)")
     group.add_argument("--health-timeout", type=float, metavar="S",
                        help=f"with --processes: kill and replace a process that has not "
                             f"answered the supervisor's health check (every second, from "
@@ -184,8 +183,7 @@ def _add_ray(parse: argparse.ArgumentParser) -> None:
         "Ray Serve", "With --ray, the models are served by replicas of a Ray Serve "
                      "deployment, each a process of --interpreters interpreters answering "
                      "the same routes, behind Ray Serve's HTTP proxy on --host and --port; "
-                     "needs the 'ray' extra (docs/serving.md, \"Scaling out with Ray "
-                     "Serve\")")
+                     "needs the 'ray' extra (docs/operate/ray.md)")
     ray.add_argument("--ray", action="store_true",
                      help="serve through Ray Serve, on a Ray cluster")
     ray.add_argument("--replicas", type=int, metavar="R",

@@ -1,6 +1,5 @@
 """``multipy serve --ray``: the server as a Ray Serve deployment, for more interpreters
-than one process holds and for many machines (docs/serving.md, "Scaling out with Ray
-Serve").
+than one process holds and for many machines (docs/operate/ray.md).
 
 Each replica of the deployment (``Replica``) is a Ray actor process that is what a
 ``multipy serve`` process is, built from the same Options: a Service (an

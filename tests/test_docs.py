@@ -1,0 +1,89 @@
+"""The documentation site's reference is made from the code (docs/hooks/reference.py, the
+MkDocs hook that ``make docs-build`` runs): every option of the commands' parsers and every
+metric the server renders is in what it makes; and the user-facing text names no issue
+numbers, and the README stays a first screen."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def hook():
+    spec = importlib.util.spec_from_file_location(
+        "docs_reference", os.path.join(ROOT, "docs", "hooks", "reference.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _options(parser) -> set[str]:
+    return {option for action in parser._actions for option in action.option_strings
+            if action.help != "==SUPPRESS=="}
+
+
+def test_the_cli_reference_has_every_option_of_each_parser(hook):
+    pytest.importorskip("uvicorn")
+    from multipy.cli import parsers
+    from multipy.serve.command import parser as serve_parser
+    from multipy.shell import parser as shell_parser
+
+    main, run = parsers()
+    for command, parser in (("multipy", main), ("run", run), ("serve", serve_parser()),
+                            ("shell", shell_parser())):
+        page = hook.on_page_markdown(f"# x\n\n<!-- generated: cli {command} -->\n")
+        assert "generated:" not in page
+        missing = [option for option in _options(parser) if f"`{option}" not in page]
+        assert not missing, f"{command}: {missing}"
+    assert "--processes" in hook.on_page_markdown("<!-- generated: cli serve -->")
+
+
+def test_the_metrics_reference_has_every_metric_the_server_renders(hook):
+    pytest.importorskip("prometheus_client")
+    from multipy.serve.request.board import STATUSES
+    from multipy.serve.request.metrics import Metrics
+
+    text = Metrics(["m"], 1).render()[0].decode()
+    rendered = {name.removesuffix("_total")
+                for name in re.findall(r"^# TYPE (\w+) ", text, re.MULTILINE)}
+    page = hook.on_page_markdown("<!-- generated: metrics -->")
+    documented = {name.removesuffix("_total")  # counters: with or without it, by version
+                  for name in re.findall(r"^\| `(\w+)` \|", page, re.MULTILINE)}
+    assert len(rendered) > 5
+    assert documented == rendered
+    assert ", ".join(map(str, STATUSES)) in page
+
+
+def test_the_python_reference_documents_every_public_name(hook):
+    import multipy
+
+    page = hook.on_page_markdown("<!-- generated: python-api -->")
+    for name in multipy.__all__:
+        assert re.search(rf"^::: multipy\.[\w.]+\.{name}$", page, re.MULTILINE), name
+
+
+def test_an_unknown_generated_part_fails_the_build(hook):
+    with pytest.raises(ValueError, match="nothing generates 'nothing'"):
+        hook.on_page_markdown("<!-- generated: nothing -->")
+
+
+def test_no_issue_numbers_in_user_facing_text():
+    pages = [os.path.join(ROOT, "README.md")] + [
+        os.path.join(folder, name) for folder, _, names in os.walk(os.path.join(ROOT, "docs"))
+        for name in names if name.endswith(".md")]
+    found = [f"{os.path.relpath(path, ROOT)}: {match.group(0)}" for path in pages
+             for match in re.finditer(r"\b[Ii]ssues? #?\d+", open(path).read())]
+    assert not found
+
+
+def test_the_readme_is_a_first_screen_with_the_two_commands():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert readme.count("\n") < 150
+    assert "make serve   # " in readme and "make test    # " in readme
+    assert "multipy-interpreters" in readme

@@ -87,16 +87,16 @@ class Served:
         return answer["outputs"][1]["data"][0]
 
     def pids_at_once(self) -> set[int]:
-        """The processes that answer two connections open at once: each process's one
-        interpreter takes one (a front end that serves a connection leaves the next to
-        one that serves none, of either process)."""
+        """The processes that answer three connections open at once: each process's one
+        interpreter takes one or two (a front end that serves two connections leaves
+        the next to one of another process that serves none)."""
         connections = [http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-                       for _ in range(2)]
+                       for _ in range(3)]
         body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
                                        "data": [1]}]}).encode()
         try:
             answered = set()
-            for connection in connections:  # (the second once the first is served)
+            for connection in connections:  # (each once the one before is served)
                 connection.request("POST", "/v2/models/echo/infer", body)
                 answer = connection.getresponse()
                 assert answer.status == 200

@@ -222,12 +222,17 @@ class Metrics:
         self._values[WATCHING] = float(on)
 
     def freer_front_end(self, busy: bool) -> bool:
-        """Whether another front end, of any process, accepts on the listening socket,
-        runs no call and serves fewer connections than this writer's (a front end's;
-        that is, two fewer once this one takes a new one), or, if this one is busy, any
-        number."""
+        """Whether another front end that accepts on the listening socket and runs no
+        call serves fewer connections than this writer's (a front end's): of its
+        process, any fewer (two fewer once this one takes a new one); of another
+        process, two fewer (a connection this one has answered may not be counted
+        closed yet, and a hand-over between processes costs more); if this one is busy,
+        any number."""
         mine = self.open_connections(self.row)
-        return self._least_open(self.first + self.row, busy) < mine
+        this, first, last = self.first + self.row, self.first + 1, self.first + self.interpreters
+        if self._least_open(this, busy, range(first, last + 1)) < mine:
+            return True
+        return self._least_open(None, busy, self._elsewhere()) < mine - 1
 
     def watching_now(self, row: int) -> bool:
         """Whether the writer of row (of this process's rows) accepts on the listening
@@ -237,24 +242,26 @@ class Metrics:
     def least_open_elsewhere(self) -> float:
         """The fewest connections that a front end of another process that accepts and
         runs no call serves (inf: none)."""
-        per = self.interpreters + 1
-        others = [at for at in range(self.board.rows) if at % per
-                  and not self.first <= at <= self.first + self.interpreters]
-        return self._least_open(None, False, others)
+        return self._least_open(None, False, self._elsewhere())
 
-    def _least_open(self, this: int | None, any_free: bool,
-                    rows: Iterable[int] | None = None) -> float:
-        """The fewest connections that a front end of rows (every front end's of the
-        board) but this one serves, of those that accept and run no call (or, with
-        any_free, -1 if there is one); inf if none."""
-        board, per = self.board, self.interpreters + 1
+    def _elsewhere(self) -> list[int]:
+        """The front ends' rows of the other processes."""
+        per = self.interpreters + 1
+        return [at for at in range(self.board.rows)
+                if at % per and not self.first <= at <= self.first + self.interpreters]
+
+    def _least_open(self, this: int | None, any_free: bool, rows: Iterable[int]) -> float:
+        """The fewest connections that a front end of rows but this one serves, of those
+        that accept and run no call (or, with any_free, -inf if there is one); inf if
+        none."""
+        board = self.board
         least = math.inf
-        for at in (range(board.rows) if rows is None else rows):
+        for at in rows:
             values = board.row(at)
-            if at % per and at != this and values[WATCHING] and not board.busy(at, 1) \
+            if at != this and values[WATCHING] and not board.busy(at, 1) \
                     and not values[DECODING]:
                 if any_free:
-                    return -1
+                    return -math.inf
                 least = min(least, values[OPENED] - values[CLOSED])
         return least
 

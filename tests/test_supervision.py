@@ -87,11 +87,11 @@ class Served:
         return answer["outputs"][1]["data"][0]
 
     def pids_at_once(self) -> set[int]:
-        """The processes that answer three connections open at once: each process's one
-        interpreter takes one or two (a front end that serves two connections leaves
-        the next to one of another process that serves none)."""
+        """The processes that answer two connections open at once: each process's one
+        interpreter takes one (a front end that serves a connection leaves the next to
+        one that serves none, of either process)."""
         connections = [http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-                       for _ in range(3)]
+                       for _ in range(2)]
         body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
                                        "data": [1]}]}).encode()
         try:

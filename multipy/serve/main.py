@@ -151,12 +151,12 @@ class _Server(Server):
 
     def _given_back(self) -> None:
         """Connections that front ends gave back: to the supervisor, for another
-        process, when a front end of one serves two fewer than every one here; else
+        process, when a front end of one serves fewer than every one here; else
         handed."""
         for fd in receive(self._fronts.given_back):
             connection = socket.socket(fileno=fd)
             if self._supervised is None or not (
-                    self._metrics.least_open_elsewhere() < self._fronts.least_open() - 1
+                    self._metrics.least_open_elsewhere() < self._fronts.least_open()
                     and self._supervised.give_back(connection)):
                 self._hand(connection)
 

@@ -66,6 +66,7 @@ class _Guarded:
         super().connection_made(transport)
         self.transport = Coalescing(transport)  # (flow control: the real one)
         self.received = 0
+        self._counted_lost = False  # (on_lost called)
         self.progress: asyncio.Event | None = None
         self._heading = True  # bytes that come now belong to a request's head
         self._head = 0
@@ -87,8 +88,19 @@ class _Guarded:
         try:
             super().connection_lost(exc)
         finally:
-            if self._on_lost is not None:
-                self._on_lost()
+            self._lost()
+
+    def eof_received(self) -> bool | None:
+        """The client has closed its side: the connection closes (as uvicorn's does),
+        and counts as closed now, not once the loop gets to ``connection_lost``: a new
+        connection of the same client, accepted meanwhile, is not taken for a second."""
+        self._lost()
+        return super().eof_received()
+
+    def _lost(self) -> None:
+        if self._on_lost is not None and not self._counted_lost:
+            self._counted_lost = True
+            self._on_lost()
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)

@@ -222,17 +222,14 @@ class Metrics:
         self._values[WATCHING] = float(on)
 
     def freer_front_end(self, busy: bool) -> bool:
-        """Whether another front end that accepts on the listening socket and runs no
-        call serves fewer connections than this writer's (a front end's): of its
-        process, any fewer (two fewer once this one takes a new one); of another
-        process, two fewer (a connection this one has answered may not be counted
-        closed yet, and a hand-over between processes costs more); if this one is busy,
-        any number."""
+        """Whether another front end, of any process, that accepts on the listening
+        socket and runs no call serves fewer connections than this writer's (a front
+        end's; two fewer once this one takes a new one), or, if this one is busy, any
+        number."""
         mine = self.open_connections(self.row)
         this, first, last = self.first + self.row, self.first + 1, self.first + self.interpreters
-        if self._least_open(this, busy, range(first, last + 1)) < mine:
-            return True
-        return self._least_open(None, busy, self._elsewhere()) < mine - 1
+        return min(self._least_open(this, busy, range(first, last + 1)),
+                   self._least_open(None, busy, self._elsewhere())) < mine
 
     def watching_now(self, row: int) -> bool:
         """Whether the writer of row (of this process's rows) accepts on the listening

@@ -87,24 +87,9 @@ class Served:
         return answer["outputs"][1]["data"][0]
 
     def pids_at_once(self) -> set[int]:
-        """The processes that answer two connections open at once: each process's one
-        interpreter takes one (a front end that serves a connection leaves the next to
-        one that serves none, of either process)."""
-        connections = [http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-                       for _ in range(2)]
-        body = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
-                                       "data": [1]}]}).encode()
-        try:
-            answered = set()
-            for connection in connections:  # (each once the one before is served)
-                connection.request("POST", "/v2/models/echo/infer", body)
-                answer = connection.getresponse()
-                assert answer.status == 200
-                answered.add(json.loads(answer.read())["outputs"][1]["data"][0])
-            return answered
-        finally:
-            for connection in connections:
-                connection.close()
+        """The processes that answer 20 new connections, one after another (the kernel
+        wakes the front ends of both: each takes some)."""
+        return {self.pid() for _ in range(20)}
 
     def pids(self) -> set[int]:
         return {int(p) for p in re.findall(r"server process \d \(pid (\d+)\) ready",

@@ -150,15 +150,9 @@ class _Server(Server):
         self._loop.call_soon_threadsafe(overdue)
 
     def _given_back(self) -> None:
-        """Connections that front ends gave back: to the supervisor, for another
-        process, when a front end of one serves fewer than every one here; else
-        handed."""
+        """Connections that front ends gave back, handed on."""
         for fd in receive(self._fronts.given_back):
-            connection = socket.socket(fileno=fd)
-            if self._supervised is None or not (
-                    self._metrics.least_open_elsewhere() < self._fronts.least_open()
-                    and self._supervised.give_back(connection)):
-                self._hand(connection)
+            self._hand(socket.socket(fileno=fd))
 
     def _accepted(self, connection: socket.socket) -> None:
         self._metrics.accepted_connection()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import os
 import socket
 import threading
@@ -167,17 +166,6 @@ class FrontEnds:
                 return True
             self._handed[k] += 1
         return True
-
-    def least_open(self) -> float:
-        """The fewest connections that a front end that accepts and runs no call serves,
-        or will once it has taken those handed to it (inf: none)."""
-        with self._lock:
-            metrics = self._metrics
-            if metrics is None:
-                return math.inf
-            return min((metrics.open_connections(k + 1, self._handed[k])
-                        for k in self._open() if metrics.watching_now(k + 1)
-                        and not metrics.busy(k + 1)), default=math.inf)
 
     def accepting(self, on: bool) -> None:
         """Has every front end accept on the listening socket (while free), or not."""

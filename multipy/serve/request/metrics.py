@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import math
 import time
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .board import (ABANDONED, ACCEPTED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board,
                     CALLS, CLOSED, CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT,
@@ -222,45 +221,23 @@ class Metrics:
         self._values[WATCHING] = float(on)
 
     def freer_front_end(self, busy: bool) -> bool:
-        """Whether another front end, of any process, that accepts on the listening
-        socket and runs no call serves fewer connections than this writer's (a front
-        end's; two fewer once this one takes a new one), or, if this one is busy, any
+        """Whether another front end of this writer's process (a front end's) that
+        accepts on the listening socket and runs no call serves fewer connections than
+        this one (two fewer once this one takes a new one), or, if this one is busy, any
         number."""
-        mine = self.open_connections(self.row)
-        this, first, last = self.first + self.row, self.first + 1, self.first + self.interpreters
-        return min(self._least_open(this, busy, range(first, last + 1)),
-                   self._least_open(None, busy, self._elsewhere())) < mine
+        board, this, mine = self.board, self.first + self.row, self.open_connections(self.row)
+        for at in range(self.first + 1, self.first + self.interpreters + 1):
+            values = board.row(at)
+            if at != this and values[WATCHING] and not board.busy(at, 1) \
+                    and not values[DECODING] \
+                    and (busy or values[OPENED] - values[CLOSED] < mine):
+                return True
+        return False
 
     def watching_now(self, row: int) -> bool:
         """Whether the writer of row (of this process's rows) accepts on the listening
         socket."""
         return bool(self.board.row(self.first + row)[WATCHING])
-
-    def least_open_elsewhere(self) -> float:
-        """The fewest connections that a front end of another process that accepts and
-        runs no call serves (inf: none)."""
-        return self._least_open(None, False, self._elsewhere())
-
-    def _elsewhere(self) -> list[int]:
-        """The front ends' rows of the other processes."""
-        per = self.interpreters + 1
-        return [at for at in range(self.board.rows)
-                if at % per and not self.first <= at <= self.first + self.interpreters]
-
-    def _least_open(self, this: int | None, any_free: bool, rows: Iterable[int]) -> float:
-        """The fewest connections that a front end of rows but this one serves, of those
-        that accept and run no call (or, with any_free, -inf if there is one); inf if
-        none."""
-        board = self.board
-        least = math.inf
-        for at in rows:
-            values = board.row(at)
-            if at != this and values[WATCHING] and not board.busy(at, 1) \
-                    and not values[DECODING]:
-                if any_free:
-                    return -math.inf
-                least = min(least, values[OPENED] - values[CLOSED])
-        return least
 
     def accepted_connections(self) -> int:
         """How many connections every writer of the board (of every process) has accepted

@@ -150,9 +150,15 @@ class _Server(Server):
         self._loop.call_soon_threadsafe(overdue)
 
     def _given_back(self) -> None:
-        """Connections that front ends gave back, handed on."""
+        """Connections that front ends gave back: handed on; with --processes, to the
+        supervisor, for another process, while every front end here runs a call and one
+        there runs none."""
         for fd in receive(self._fronts.given_back):
-            self._hand(socket.socket(fileno=fd))
+            connection = socket.socket(fileno=fd)
+            if self._supervised is None or self._fronts.can_take_free() \
+                    or not self._metrics.free_elsewhere_now() \
+                    or not self._supervised.give_back(connection):
+                self._hand(connection)
 
     def _accepted(self, connection: socket.socket) -> None:
         self._metrics.accepted_connection()

@@ -139,6 +139,11 @@ class FrontEnds:
         (multipy._inside.accepting): ``receive`` them, and ``hand`` each on."""
         return self._given[0]
 
+    def can_take_free(self) -> bool:
+        """Whether a front end runs that is not stuck, nor busy."""
+        with self._lock:
+            return any(not self._metrics.busy(k + 1) for k in self._open())
+
     def can_take(self) -> bool:
         """Whether a front end runs that is not stuck."""
         with self._lock:

@@ -171,13 +171,14 @@ async def accept_overdue(listener: socket.socket, hand: Callable[[socket.socket]
     theirs.  It looks at the queue at most once every after seconds: while the queue is
     empty it sleeps until a connection comes."""
     loop = asyncio.get_running_loop()
+    fd = listener.fileno()  # (its owner may close it once this is cancelled)
     while True:
         readable = loop.create_future()
-        loop.add_reader(listener.fileno(), lambda: readable.done() or readable.set_result(None))
+        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
         try:
             await readable
         finally:
-            loop.remove_reader(listener.fileno())
+            loop.remove_reader(fd)
         queued, taken = waiting(listener), accepted()
         await asyncio.sleep(after)
         # (the queue is first in, first out: the first `overdue` are those seen before)

@@ -106,14 +106,14 @@ class Handover:
             for connection in held:
                 self.hand(connection)
 
-    def hand(self, connection: socket.socket) -> None:
-        """Gives connection to the next process that takes it, keeping a copy until that
-        one has taken it; holds it while none takes connections (closes it once
-        stopped)."""
+    def hand(self, connection: socket.socket, besides: ServerProcess | None = None) -> None:
+        """Gives connection to the next process that takes it (another than besides,
+        where there is another), keeping a copy until that one has taken it; holds it
+        while none takes connections (closes it once stopped)."""
         if self._stopped:
             connection.close()
             return
-        takers = self._takers
+        takers = [p for p in self._takers if p is not besides] or self._takers
         turn = next(self._turn)
         for k in range(len(takers)):
             record = takers[(turn + k) % len(takers)]

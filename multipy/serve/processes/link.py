@@ -15,7 +15,9 @@ Each message is one of the frozen dataclasses below, written as a JSON object wh
 - process to supervisor: ``Prepared`` (its models are checked as a single server
   checks them before it listens: it takes connections), ``Ready`` (its models are
   loaded: it takes requests), ``Ask`` (a repository request that one of its front ends
-  received, for every process), ``Done`` (a ``Do`` done), ``Pong`` (a ``Ping`` answered
+  received, for every process), ``Returned`` (carries a connection that its front ends
+  accepted while every one ran a call, for another process), ``Done`` (a ``Do``
+  done), ``Pong`` (a ``Ping`` answered
   from its event loop: its ``stuck`` and ``busy`` interpreters, of ``interpreters``).
 
 No message exceeds LARGEST bytes: ``send`` refuses one that would (the caller says so
@@ -141,6 +143,12 @@ class Pong:
 
 
 @dataclass(frozen=True)
+class Returned:
+    """Process to supervisor: a connection (carried) that its front ends accepted while
+    every one of them ran a call, for another process."""
+
+
+@dataclass(frozen=True)
 class Prepared:
     """Process to supervisor: its models are checked; it takes connections."""
 
@@ -150,8 +158,8 @@ class Ready:
     """Process to supervisor: its models are loaded."""
 
 
-Message = Union[Start, Accepting, Connection, Do, Ask, Done, Answer, Ping, Pong, Prepared,
-                Ready]
+Message = Union[Start, Accepting, Connection, Do, Ask, Done, Answer, Ping, Pong, Returned,
+                Prepared, Ready]
 
 _KINDS: dict[str, type] = {kind.__name__.lower(): kind for kind in typing.get_args(Message)}
 

@@ -25,7 +25,7 @@ from ..host.control import Watcher, do
 from ..host.service import Service
 from ..request.messages import ProtocolError
 from .link import (Accepting, Answer, Ask, Connection, Do, Done, Link, Message, Ping, Pong,
-                   Prepared, Ready, RepositoryRequest, TooLarge)
+                   Prepared, Ready, RepositoryRequest, Returned, TooLarge)
 from .tasks import Tasks
 
 logger = logging.getLogger("multipy.serve")
@@ -70,6 +70,15 @@ class Supervised:
         """Tells the supervisor that this process's models are loaded."""
         self._tell(Ready())
 
+    def give_back(self, connection: socket.socket) -> bool:
+        """Gives connection (not read from) to the supervisor, for another process;
+        False if it could not (it is gone: the caller serves it)."""
+        try:
+            self._link.send(Returned(), (connection.fileno(),))
+        except OSError:
+            return False
+        connection.close()
+        return True
 
     def _tell(self, message: Message) -> None:
         try:

@@ -38,7 +38,7 @@ from ..http.connection import accept_overdue, bind, listen
 from ..request.board import ACCEPTED, Board, board_width
 from ..request.poison import Crashes, Table
 from .handover import Handover, ServerProcess
-from .link import Ask, Done, Ping, Pong, Prepared, Ready, Start, pair
+from .link import Ask, Done, Ping, Pong, Prepared, Ready, Returned, Start, pair
 from .policy import decide, ended_how
 from .replication import Replication
 from .rolling import Rolling
@@ -275,6 +275,8 @@ class Supervisor:
             asyncio.get_running_loop().remove_reader(record.link.fileno())
             return
         for message, fds in messages:
+            if isinstance(message, Returned) and fds:  # (to another process than record)
+                self._handover.hand(socket.socket(fileno=fds.pop(0)), besides=record)
             for fd in fds:
                 os.close(fd)
             match message:

@@ -221,18 +221,26 @@ class Metrics:
         self._values[WATCHING] = float(on)
 
     def freer_front_end(self, busy: bool) -> bool:
-        """Whether another front end of this writer's process (a front end's) that
-        accepts on the listening socket and runs no call serves fewer connections than
-        this one (two fewer once this one takes a new one), or, if this one is busy, any
-        number."""
+        """Whether another front end that accepts on the listening socket and runs no
+        call serves fewer connections than this writer's (a front end's; two fewer once
+        this one takes a new one), of its process; or, if this one is busy, whether
+        another, of any process, runs no call."""
         board, this, mine = self.board, self.first + self.row, self.open_connections(self.row)
         for at in range(self.first + 1, self.first + self.interpreters + 1):
-            values = board.row(at)
-            if at != this and values[WATCHING] and not board.busy(at, 1) \
-                    and not values[DECODING] \
-                    and (busy or values[OPENED] - values[CLOSED] < mine):
+            if at != this and self._free(at) and (
+                    busy or board.row(at)[OPENED] - board.row(at)[CLOSED] < mine):
                 return True
-        return False
+        return busy and self.free_elsewhere_now()
+
+    def free_elsewhere_now(self) -> bool:
+        """Whether a front end of another process accepts and runs no call."""
+        per = self.interpreters + 1
+        return any(self._free(at) for at in range(self.board.rows)
+                   if at % per and not self.first <= at <= self.first + self.interpreters)
+
+    def _free(self, at: int) -> bool:
+        values = self.board.row(at)
+        return bool(values[WATCHING]) and not self.board.busy(at, 1) and not values[DECODING]
 
     def watching_now(self, row: int) -> bool:
         """Whether the writer of row (of this process's rows) accepts on the listening

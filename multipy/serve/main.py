@@ -156,7 +156,7 @@ class _Server(Server):
         for fd in receive(self._fronts.given_back):
             connection = socket.socket(fileno=fd)
             if self._supervised is None or self._fronts.can_take_free() \
-                    or not self._metrics.free_elsewhere_now() \
+                    or not self._metrics.idle_elsewhere() \
                     or not self._supervised.give_back(connection):
                 self._hand(connection)
 

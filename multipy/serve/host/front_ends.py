@@ -142,7 +142,12 @@ class FrontEnds:
     def can_take_free(self) -> bool:
         """Whether a front end runs that is not stuck, nor busy."""
         with self._lock:
-            return any(not self._metrics.busy(k + 1) for k in self._open())
+            return bool(self._takers(busy_ones=False))
+
+    def _takers(self, busy_ones: bool) -> list[int]:
+        """Under the lock: the front ends that run and are not stuck, and, unless
+        busy_ones, not busy (Metrics.busy)."""
+        return [k for k in self._open() if busy_ones or not self._metrics.busy(k + 1)]
 
     def can_take(self) -> bool:
         """Whether a front end runs that is not stuck."""
@@ -156,7 +161,7 @@ class FrontEnds:
         is none (the caller serves it)."""
         with self._lock:
             metrics = self._metrics
-            running = [k for k in self._open() if busy_ones or not metrics.busy(k + 1)]
+            running = self._takers(busy_ones)
             if not running:
                 return False
             k = min(running, key=lambda k: (

@@ -225,14 +225,14 @@ class Metrics:
         call serves fewer connections than this writer's (a front end's; two fewer once
         this one takes a new one), of its process; or, if this one is busy, whether
         another, of any process, runs no call."""
-        board, this, mine = self.board, self.first + self.row, self.open_connections(self.row)
-        for at in range(self.first + 1, self.first + self.interpreters + 1):
-            if at != this and self._free(at) and (
-                    busy or board.row(at)[OPENED] - board.row(at)[CLOSED] < mine):
+        mine = self.open_connections(self.row)
+        for row in range(1, self.interpreters + 1):
+            if row != self.row and self._free(self.first + row) and (
+                    busy or self.open_connections(row) < mine):
                 return True
-        return busy and self.free_elsewhere_now()
+        return busy and self.idle_elsewhere()
 
-    def free_elsewhere_now(self) -> bool:
+    def idle_elsewhere(self) -> bool:
         """Whether a front end of another process accepts and runs no call."""
         per = self.interpreters + 1
         return any(self._free(at) for at in range(self.board.rows)
@@ -241,11 +241,6 @@ class Metrics:
     def _free(self, at: int) -> bool:
         values = self.board.row(at)
         return bool(values[WATCHING]) and not self.board.busy(at, 1) and not values[DECODING]
-
-    def watching_now(self, row: int) -> bool:
-        """Whether the writer of row (of this process's rows) accepts on the listening
-        socket."""
-        return bool(self.board.row(self.first + row)[WATCHING])
 
     def accepted_connections(self) -> int:
         """How many connections every writer of the board (of every process) has accepted

@@ -320,3 +320,46 @@ def test_accepting_goes_on_after_an_error(caplog):
     with caplog.at_level(logging.ERROR, logger="multipy.serve"):
         assert asyncio.run(serve()) == (200, b"answered")
     assert listener.failed and "Too many open files" in caplog.text
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_accept_loop_cancelled_at_any_turn_loses_no_connection(loop):
+    """The host cancels its accept loop when the front ends take over accepting: a
+    connection it had taken from the queue at that moment must still be handed on, and
+    one it had not must stay queued for the next to accept.  Cancelled after each number
+    of the event loop's turns since a client connected, it has lost none."""
+    from multipy.serve.http.connection import accept, bind, listen
+
+    new_loop = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" \
+        else asyncio.new_event_loop
+
+    async def cancelled_after(turns: int) -> bool:
+        listener = listen(bind("127.0.0.1", 0))
+        handed: list[socket.socket] = []
+        accepting = asyncio.create_task(accept(listener, handed.append))
+        await asyncio.sleep(0)  # (it waits for a connection)
+        client = socket.create_connection(listener.getsockname()[:2], timeout=10)
+        try:
+            time.sleep(0.05)  # (the loop stands still while the connection is queued)
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await accepting
+            try:
+                handed.append(listener.accept()[0])  # still queued, for the next one
+            except BlockingIOError:
+                pass
+            return len(handed) == 1
+        finally:
+            for connection in handed:
+                connection.close()
+            client.close()
+            listener.close()
+
+    for turns in range(6):
+        runner = new_loop()
+        try:
+            assert runner.run_until_complete(cancelled_after(turns)), turns
+        finally:
+            runner.close()

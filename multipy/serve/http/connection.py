@@ -38,6 +38,8 @@ READ_TIMEOUT = 60.0
 BACKLOG = 2048
 #: Seconds between a failed accept and the next try.
 _ACCEPT_PAUSE = 0.1
+#: The most connections accept takes from the queue between two turns of the event loop.
+_ACCEPT_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,33 @@ def waiting(listener: socket.socket) -> int:
 _TCP_INFO = struct.Struct("8xIIIII")
 
 
+async def _readable(fd: int) -> None:
+    """Returns once fd is readable (a connection waits in a listener's queue)."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
+    try:
+        await readable
+    finally:
+        loop.remove_reader(fd)
+
+
+def _accept_queued(listener: socket.socket, hand: Callable[[socket.socket], None],
+                   most: int) -> OSError | None:
+    """Accepts up to most connections waiting in listener's queue, giving each to hand
+    as it is accepted (so that a cancellation between two awaits loses none); the error
+    that stopped it, if one did, or None."""
+    for _ in range(most):
+        try:
+            connection, _ = listener.accept()
+        except BlockingIOError:
+            return None
+        except OSError as error:  # too many open files, say
+            return error
+        hand(connection)
+    return None
+
+
 async def accept_overdue(listener: socket.socket, hand: Callable[[socket.socket], None],
                          accepted: Callable[[], int], after: float) -> None:
     """Accepts, until cancelled, the connections that have waited in listener's queue for
@@ -170,41 +199,27 @@ async def accept_overdue(listener: socket.socket, hand: Callable[[socket.socket]
     counts what they have taken, ever), giving each to hand; those they take in time are
     theirs.  It looks at the queue at most once every after seconds: while the queue is
     empty it sleeps until a connection comes."""
-    loop = asyncio.get_running_loop()
     fd = listener.fileno()  # (its owner may close it once this is cancelled)
     while True:
-        readable = loop.create_future()
-        loop.add_reader(fd, lambda: readable.done() or readable.set_result(None))
-        try:
-            await readable
-        finally:
-            loop.remove_reader(fd)
+        await _readable(fd)
         queued, taken = waiting(listener), accepted()
         await asyncio.sleep(after)
         # (the queue is first in, first out: the first `overdue` are those seen before)
-        overdue = queued - (accepted() - taken)
-        for _ in range(overdue):
-            try:
-                connection, _ = listener.accept()
-            except BlockingIOError:
-                break
-            except OSError as error:
-                logger.error("accepting a connection failed: %s", error)
-                break
-            hand(connection)
+        error = _accept_queued(listener, hand, queued - (accepted() - taken))
+        if error is not None:
+            logger.error("accepting a connection failed: %s", error)
 
 
 async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:
-    """Accepts connections on listener until cancelled, giving each to hand.  An error
-    accepting one (too many open files, say) is logged, and accepting goes on after a
-    pause."""
-    loop = asyncio.get_running_loop()
+    """Accepts connections on listener until cancelled, giving each to hand as it is
+    accepted: cancelled, it has lost none (a connection is accepted only where no await
+    separates it from hand).  An error accepting one (too many open files, say) is
+    logged, and accepting goes on after a pause."""
+    fd = listener.fileno()
     while True:
-        try:
-            connection, _ = await loop.sock_accept(listener)
-        except OSError as error:
+        await _readable(fd)
+        error = _accept_queued(listener, hand, _ACCEPT_BATCH)
+        if error is not None:
             logger.error("accepting a connection failed, trying again in %s s: %s",
                          _ACCEPT_PAUSE, error)
             await asyncio.sleep(_ACCEPT_PAUSE)
-            continue
-        hand(connection)

@@ -61,10 +61,13 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 bench: $(VENV)/.installed-bench
 	$(VENV)/bin/multipy bench
 
-# The test suite, run with room for 15 interpreters: a line per test file, with the
-# share of the suite done at its end.
+# The test suite, run with room for 15 interpreters, its files spread over TEST_WORKERS
+# processes (pytest-xdist, each with that room; a file's tests run in one, in order, with
+# its fixtures): much of the suite waits on servers and subprocesses, so 2 workers on 2
+# cores take about half the time of one process.  TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed
-	$(VENV)/bin/multipy run -m pytest
+	$(VENV)/bin/multipy run -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The tests that a torch build can change, for a second build (CI: TORCH=cuda): torch
 # imported in every interpreter (its libraries, CUDA's forwarded, the static TLS room it
@@ -82,12 +85,12 @@ TORCH_TESTS = tests/test_call_path.py tests/test_cpp.py tests/test_cuda.py \
 	tests/test_forwarded_libraries.py tests/test_gpu.py tests/test_process_state.py \
 	tests/test_room.py tests/test_thread_stacks.py tests/test_torch.py \
 	tests/test_torch_settings.py
+# TEST_WORKERS modules run at once; each one's output is printed whole when it ends.
 test-torch: $(VENV)/.installed
-	@failed=""; for module in $(TORCH_TESTS); do \
-		$(VENV)/bin/multipy run -m pytest -q -o timeout_method=thread $$module \
-			|| failed="$$failed $$module"; \
-	done; \
-	if [ -n "$$failed" ]; then echo "test-torch: failed:$$failed"; exit 1; fi
+	@printf '%s\n' $(TORCH_TESTS) | xargs -P $(or $(filter-out 0,$(TEST_WORKERS)),1) -I MODULE \
+		sh -c 'output=$$($(VENV)/bin/multipy run -m pytest -q -o timeout_method=thread MODULE 2>&1); \
+			status=$$?; printf "== MODULE\n%s\n" "$$output"; \
+			[ $$status -eq 0 ] || { echo "test-torch: failed: MODULE"; exit 1; }'
 
 # Seconds, before the suite: the request path, the protocol and the layers in this
 # process (the interpreters of one test only, no server, no torch).

@@ -16,6 +16,22 @@ import time
 import pytest
 
 import multipy
+from multipy._launch import launch_environment, restore_environment
+
+
+# With pytest-xdist (`make test` runs the suite on several worker processes), the
+# workers are started by the controller with the environment `multipy run` restored to
+# the user's, so pytest_xdist_setupnodes gives them the launch's tunables: glibc reads
+# them as a worker starts, and the worker restores the user's environment at once, as
+# `multipy run` does, so that what it starts inherits the user's.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    restore_environment()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_setupnodes(config, specs):
+    """Before the controller starts its workers: room for 15 interpreters in each."""
+    os.environ.update(launch_environment())
 
 
 # Started in the background (`nohup make test &`), the suite inherits SIGINT ignored, and

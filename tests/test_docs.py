@@ -1,9 +1,11 @@
 """The documentation site's reference is made from the code (docs/hooks/reference.py, the
 MkDocs hook that ``make docs-build`` runs): every option of the commands' parsers and every
-metric the server renders is in what it makes; and the user-facing text names no issue
-numbers, and the README stays a first screen."""
+metric the server renders is in what it makes, and the table of errors names every status
+the server's code answers, and no other; and the user-facing text names no issue numbers,
+and the README stays a first screen."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -57,6 +59,73 @@ def test_the_metrics_reference_has_every_metric_the_server_renders(hook):
     assert len(rendered) > 5
     assert documented == rendered
     assert ", ".join(map(str, STATUSES)) in page
+
+
+#: The code that answers HTTP requests: its statuses are its int literals 400-599 (it has
+#: no other such numbers; generated protobuf code apart).
+_SERVING_CODE = ("multipy/serve", "multipy/_inside")
+#: Statuses that the server answers through a library, with no number in its code:
+#: Starlette's router's 405 (tests/test_serve_errors.py has the server answer it).
+_BY_LIBRARIES = {405}
+
+
+def _statuses(source: str) -> set[int]:
+    """The statuses that Python source writes: its int literals 400-599 (not its strings
+    or comments)."""
+    return {node.value for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Constant) and type(node.value) is int
+            and 400 <= node.value < 600}
+
+
+def _answered() -> dict[int, list[str]]:
+    """Each status of the serving code, with the files that write it."""
+    found: dict[int, list[str]] = {}
+    for folder in _SERVING_CODE:
+        for directory, _, names in os.walk(os.path.join(ROOT, folder)):
+            for name in names:
+                if name.endswith(".py") and not name.endswith("_pb2.py"):
+                    path = os.path.join(directory, name)
+                    with open(path) as f:
+                        for status in _statuses(f.read()):
+                            found.setdefault(status, []).append(os.path.relpath(path, ROOT))
+    return found
+
+
+def _drift(answered: dict[int, list[str]], table: dict[int, str]) -> tuple[dict, set]:
+    """(the statuses answered that the table does not name, with where; those it names
+    that nothing answers)."""
+    return ({status: where for status, where in answered.items() if status not in table},
+            set(table) - set(answered) - _BY_LIBRARIES)
+
+
+def test_the_error_table_names_every_status_the_server_answers_and_no_other(hook):
+    pytest.importorskip("grpc")
+    from multipy.serve.request.messages import ANSWERS
+    from multipy.serve.rpc.server import CODES
+
+    assert _drift(_answered(), ANSWERS) == ({}, set())
+    page = hook.on_page_markdown("<!-- generated: errors -->")
+    assert {int(status) for status in re.findall(r"^\| (\d+) \|", page, re.MULTILINE)} \
+        == set(ANSWERS)
+    assert set(CODES) <= set(ANSWERS)
+    for status, code in CODES.items():  # each gRPC code beside its status
+        assert f"| {status} | {code.name} |" in page
+    with open(os.path.join(ROOT, "docs", "call", "index.md")) as f:
+        assert "<!-- generated: errors -->" in f.read()
+
+
+def test_a_status_in_the_code_that_the_table_lacks_fails():
+    from multipy.serve.request.messages import ANSWERS
+
+    source = ("def answer(request):\n"
+              "    note = 'answered 410'  # 411 in a comment\n"
+              "    if request.teapot:\n"
+              "        raise ProtocolError('a teapot', 418)\n"
+              "    return _error(404, 'unknown')\n")
+    assert _statuses(source) == {404, 418}
+    assert _drift({404: ["a.py"], 418: ["a.py"]}, ANSWERS)[0] == {418: ["a.py"]}
+    # and a status the table names that no code answers
+    assert _drift({}, {**ANSWERS, 418: "never"})[1] >= {418}
 
 
 def test_the_python_reference_documents_every_public_name(hook):

@@ -74,7 +74,8 @@ ANSWERS: dict[int, str] = {
          "is not ready",
     403: "an endpoint of an API that `--http-restricted-api` restricts, without its "
          "header and value",
-    404: "unknown model, version or route; a Triton model's `NOT_FOUND`",
+    404: "unknown model, version or route; a model repository load of an archive that "
+         "the repository does not have; a Triton model's `NOT_FOUND`",
     405: "a method that the route does not take (the answer's `Allow` header names "
          "those it does)",
     408: "a request that did not arrive whole within `--read-timeout` of its first byte",
@@ -95,8 +96,8 @@ ANSWERS: dict[int, str] = {
     501: "a `Transfer-Encoding` other than `chunked` alone; a Triton model's "
          "`UNSUPPORTED`",
     503: "the model is still loading, or was unloaded; every interpreter that could take "
-         "the call still runs one that its request gave up on; the server is stopping, "
-         "or too many model repository requests wait",
+         "the call still runs one that its request gave up on; the server is starting or "
+         "stopping, or too many model repository requests wait",
 }
 
 class ProtocolError(Exception):

@@ -10,7 +10,9 @@ A page line ``<!-- generated: WHAT -->`` is replaced by:
   (multipy.__all__), under the module that defines it;
 - ``metrics``: the Prometheus metrics that ``GET /metrics`` gives, rendered by
   multipy.serve.request.metrics.Metrics for one model that has failed once (so that
-  every label shows), and the statuses a failure is counted under.
+  every label shows), and the statuses a failure is counted under;
+- ``errors``: every status the server answers a request with but 200, when, and its gRPC
+  code (multipy.serve.request.messages.ANSWERS, multipy.serve.rpc.server.CODES).
 
 An unknown WHAT fails the build.
 """
@@ -119,7 +121,20 @@ def _metrics() -> str:
               f"under its class's: a 4xx as 400, the rest as 500.")
 
 
-_GENERATORS: dict[str, Callable[[], str]] = {"python-api": _python_api, "metrics": _metrics}
+def _errors() -> str:
+    from multipy.serve.request.messages import ANSWERS
+    from multipy.serve.rpc.server import CODES
+
+    def code(status: int) -> str:
+        return CODES[status].name if status in CODES else "– (HTTP only)"
+
+    rows = "\n".join(f"| {status} | {code(status)} | {_cell(when)} |"
+                     for status, when in sorted(ANSWERS.items()))
+    return "| status | gRPC code | when |\n|---|---|---|\n" + rows
+
+
+_GENERATORS: dict[str, Callable[[], str]] = {"python-api": _python_api, "metrics": _metrics,
+                                             "errors": _errors}
 
 
 def _generated(match: re.Match[str]) -> str:

@@ -55,6 +55,51 @@ def bounded(text: str, limit: int = MESSAGE_LIMIT) -> str:
     return f"{text[:limit]}... [{len(text) - limit} more characters cut]"
 
 
+#: Every status other than 200 that ``multipy serve`` answers a request with over HTTP,
+#: and when (a gRPC call's code is its status's: multipy.serve.rpc.server.CODES).  The
+#: documentation's table of errors is made from it, and a test fails where the code
+#: answers a status that it does not name.  Markdown.
+ANSWERS: dict[int, str] = {
+    400: "malformed JSON; not an inference request; unknown datatype, or one that is not "
+         "a string; values that do not fit the datatype (BYTES: strings that are not "
+         "Unicode text); a shape that does not match the data (or `binary_data_size`), or "
+         "past the limits; binary data that no input claims or that is missing; BYTES "
+         "binary data whose lengths do not match it (an element or its length cut short "
+         "by `binary_data_size`, or more or fewer elements than the shape); an output the "
+         "model does not give, or one asked for twice; a model's own refusal "
+         "(`InvalidInput`, or a Triton model's `INVALID_ARG`, `UNKNOWN`, "
+         "`ALREADY_EXISTS` or `CANCELLED`); a model repository request the server does "
+         "not take (`--model-control none`, a bad name or parameter); a request that "
+         "the server cannot parse as HTTP/1.1; `GET /v2/health/ready` while the server "
+         "is not ready",
+    403: "an endpoint of an API that `--http-restricted-api` restricts, without its "
+         "header and value",
+    404: "unknown model, version or route; a model repository load of an archive that "
+         "the repository does not have; a Triton model's `NOT_FOUND`",
+    405: "a method that the route does not take (the answer's `Allow` header names "
+         "those it does)",
+    408: "a request that did not arrive whole within `--read-timeout` of its first byte",
+    413: "a body, or a compressed body expanded, of more than `--max-request-size` bytes "
+         "(64 MiB)",
+    422: "(LitServe APIs) a body that the API's pydantic request model refuses",
+    431: "a request's head of more than `--max-header-size` bytes, or with more than "
+         "`--max-headers` header fields",
+    499: "never sent: the client went away (closed its connection; a gRPC deadline "
+         "passed, or the call was cancelled); its call is cancelled, and the metrics "
+         "count the request under this status",
+    500: "the model raised, any `BaseException` included (`SystemExit`, "
+         "`KeyboardInterrupt`, `GeneratorExit`): the answer names the exception and its "
+         "message, cut at 4,096 characters; the log has its traceback from inside the "
+         "interpreter; a batch's outputs cannot be split; a model that crashed its "
+         "process on an identical request within the hour; no answer within `--timeout`; "
+         "a model's load that failed",
+    501: "a `Transfer-Encoding` other than `chunked` alone; a Triton model's "
+         "`UNSUPPORTED`",
+    503: "the model is still loading, or was unloaded; every interpreter that could take "
+         "the call still runs one that its request gave up on; the server is starting or "
+         "stopping, or too many model repository requests wait",
+}
+
 class ProtocolError(Exception):
     """A request that the protocol refuses: answered with {"error": message} and status
     (400, the client's fault, unless said otherwise); message bounded (``bounded``).

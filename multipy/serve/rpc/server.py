@@ -42,11 +42,12 @@ from . import inference_pb2 as messages
 #: What grpcio gives a servicer's method with each call.
 Context = grpc.aio.ServicerContext
 
-#: The gRPC code of each HTTP status that a ProtocolError can have here.
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
-          404: grpc.StatusCode.NOT_FOUND,
-          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 499: grpc.StatusCode.CANCELLED,
-          500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
+#: The gRPC code of each HTTP status that a ProtocolError can have here (INTERNAL for
+#: another, unless the error names its own code).
+CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 403: grpc.StatusCode.PERMISSION_DENIED,
+         404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+         499: grpc.StatusCode.CANCELLED, 500: grpc.StatusCode.INTERNAL,
+         501: grpc.StatusCode.UNIMPLEMENTED, 503: grpc.StatusCode.UNAVAILABLE}
 
 #: The protocol's service, as its clients call it.
 SERVICE = "inference.GRPCInferenceService"
@@ -316,7 +317,7 @@ def _answering(method: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
             return await method(request, context)
         except ProtocolError as error:
             context.set_code(grpc.StatusCode[error.code] if error.code else
-                             _CODES.get(error.status, grpc.StatusCode.INTERNAL))
+                             CODES.get(error.status, grpc.StatusCode.INTERNAL))
             context.set_details(str(error))
             return None  # (grpcio sends no message with a status that is not OK)
     return answer

@@ -14,9 +14,15 @@ for them alone).  Needs valgrind or strace.
 With --keep FILE, callgrind's profile of those requests is kept there, for
 `callgrind_annotate FILE` (where the instructions went, by function).
 
+What a server runs by the clock (timers, watching threads) goes into a request's count
+for as long as the request takes, and under callgrind, on a busy machine, that is
+fifty times as long as it would be or more: so callgrind first counts --idle seconds
+without requests, and the count of each request is also given net of that rate over
+the time the requests took.
+
     python benchmarks/serve_instructions.py [--server multipy|floor] [--tool callgrind|strace]
         [--model simple|python_heavy] [--requests 1000] [--warm-up 20] [--keep FILE]
-        [--new-connections]
+        [--new-connections] [--idle 5]
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -66,6 +73,32 @@ def requests(port: int, count: int | None = None, seconds: float = 0.0,
     connection.close()
 
 
+def count(pid: int, out: str, dump: int, work: Callable[[], None],
+          poke: Callable[[], None]) -> tuple[int, float]:
+    """The instructions that server pid ran while work() ran, and the seconds it took,
+    from its dump number dump (callgrind's output out.dump; poke() makes the server run
+    meanwhile, and take the dump command sooner).  RuntimeError if callgrind dumped none."""
+    subprocess.run(["callgrind_control", "-i", "on", str(pid)], check=True,
+                   capture_output=True)
+    began = time.monotonic()
+    work()
+    took = time.monotonic() - began
+    for command in (["-i", "off"], ["-d"]):
+        subprocess.run(["callgrind_control", *command, str(pid)], check=True,
+                       capture_output=True)
+    dumped = f"{out}.{dump}"
+    deadline = time.monotonic() + 120
+    while not os.path.exists(dumped) and time.monotonic() < deadline:
+        poke()
+        time.sleep(0.5)
+    time.sleep(1)  # written whole
+    totals = re.findall(r"^totals: (\d+)", open(dumped).read() if os.path.exists(dumped)
+                        else "", re.MULTILINE)
+    if not totals:
+        raise RuntimeError("callgrind dumped no count")
+    return int(totals[0]), took
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", choices=("multipy", "floor"), default="multipy")
@@ -76,6 +109,8 @@ def main() -> None:
     parser.add_argument("--keep", metavar="FILE", help="where to keep callgrind's profile")
     parser.add_argument("--new-connections", action="store_true",
                         help="a new connection per request (default: one keep-alive connection)")
+    parser.add_argument("--idle", type=float, default=5, metavar="SECONDS",
+                        help="seconds without requests counted first (callgrind)")
     args = parser.parse_args()
     sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
     from generate_examples import generate
@@ -103,18 +138,13 @@ def main() -> None:
             new = args.new_connections
             requests(port, seconds=args.warm_up, model=args.model, new=new)
             if args.tool == "callgrind":
-                subprocess.run(["callgrind_control", "-i", "on", str(server.pid)],
-                               check=True, capture_output=True)
-                requests(port, args.requests, model=args.model, new=new)
-                for command in (["-i", "off"], ["-d"]):  # the count, dumped to out.1
-                    subprocess.run(["callgrind_control", *command, str(server.pid)],
-                                   check=True, capture_output=True)
-                deadline = time.monotonic() + 120
-                while not os.path.exists(out + ".1") and time.monotonic() < deadline:
-                    # (a busy server takes the dump command sooner)
+                def poke() -> None:
                     requests(port, 1, model=args.model)
-                    time.sleep(0.5)
-                time.sleep(1)  # written whole
+
+                idle = count(server.pid, out, 1, lambda: time.sleep(args.idle), poke) \
+                    if args.idle else (0, 1.0)
+                counted = count(server.pid, out, 2 if args.idle else 1, lambda: requests(
+                    port, args.requests, model=args.model, new=new), poke)
             else:
                 summary = os.path.join(folder, "strace.txt")
                 tracer = subprocess.Popen(["strace", "-f", "-c", "-o", summary, "-p",
@@ -123,20 +153,21 @@ def main() -> None:
                 requests(port, args.requests, model=args.model, new=new)
                 tracer.send_signal(signal.SIGINT)
                 tracer.wait(60)
+        except RuntimeError as error:
+            log.seek(0)
+            sys.exit(f"{error}; the server's log:\n" + log.read()[-2000:])
         finally:
             _stop(server)
         log.seek(0)
         if args.tool == "callgrind":
-            dumped = out + ".1"
-            totals = re.findall(r"^totals: (\d+)", open(dumped).read() if os.path.exists(dumped)
-                                else "", re.MULTILINE)
-            if not totals:
-                sys.exit("callgrind dumped no count; the server's log:\n" + log.read()[-2000:])
             if args.keep:
-                shutil.copyfile(dumped, args.keep)
-            print(f"{args.server}: {int(totals[0]) / args.requests:,.0f} instructions per "
-                  f"request ({args.requests} requests of {args.model}"
-                  f"{', each on a new connection' if new else ''})")
+                shutil.copyfile(f"{out}.{2 if args.idle else 1}", args.keep)
+            (total, took), rate = counted, idle[0] / idle[1]
+            print(f"{args.server}: {total / args.requests:,.0f} instructions per request "
+                  f"({args.requests} requests of {args.model}"
+                  f"{', each on a new connection' if new else ''}, in {took:.1f} s); "
+                  f"{(total - rate * took) / args.requests:,.0f} net of what it runs "
+                  f"while idle ({rate:,.0f} a second)")
         else:
             calls = {}
             for line in open(summary):

@@ -196,8 +196,11 @@ class _Guarded:
         self._watch_by(self._idle + self.timeout_keep_alive)
 
     def _arm(self) -> None:
+        # (by the keep-alive timeout at the latest, which the idle time after a short
+        # request's answer will want: one timer per connection, not one made and one
+        # made again; a longer request's comes again)
         self._since = self.loop.time()
-        self._watch_by(self._since + self._limits.read_timeout)
+        self._watch_by(self._since + min(self._limits.read_timeout, self.timeout_keep_alive))
 
     def _watch_by(self, deadline: float) -> None:
         """Makes the watch come at deadline, unless it comes before."""

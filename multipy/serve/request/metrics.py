@@ -225,10 +225,12 @@ class Metrics:
         call serves fewer connections than this writer's (a front end's; two fewer once
         this one takes a new one), of its process; or, if this one is busy, whether
         another, of any process, runs no call."""
-        mine = self.open_connections(self.row)
+        mine = int(self._values[OPENED] - self._values[CLOSED])  # (this writer's open ones)
+        if not busy and mine == 0:  # (none serves fewer: a client's new connection)
+            return False
         for row in range(1, self.interpreters + 1):
-            if row != self.row and self._free(self.first + row) and (
-                    busy or self.open_connections(row) < mine):
+            if row != self.row and (busy or self.open_connections(row) < mine) \
+                    and self._free(self.first + row):
                 return True
         return busy and self.idle_elsewhere()
 

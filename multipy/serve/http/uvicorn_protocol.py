@@ -6,6 +6,8 @@ beyond its public API.
 
 A connection served by ``guarded``'s protocol:
 
+- is set up without looking up the addresses of its two ends (the ASGI scope's
+  ``server`` and ``client`` are None) or TLS (multipy serve speaks none);
 - has its request's head counted as it comes (431 past --max-header-size or
   --max-headers), and its request timed from its first byte (408 past --read-timeout);
   a body that httptools reads as chunked though its Transfer-Encoding is not chunked
@@ -28,6 +30,7 @@ from typing import Any, Callable
 import httptools
 
 from .connection import Coalescing, Limits
+from .uvicorn_server import FlowControl
 
 __all__ = ["guarded"]
 
@@ -63,8 +66,14 @@ class _Guarded:
     _base_on_header: Callable[[Any, bytes, bytes], None]
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        super().connection_made(transport)
-        self.transport = Coalescing(transport)  # (flow control: the real one)
+        # uvicorn's, less what nothing here reads, which costs a connection two system
+        # calls and four objects: the addresses of its two ends (the ASGI scope's
+        # "server" and "client" are None, as the specification allows), and TLS (none)
+        self.connections.add(self)
+        self.transport = Coalescing(transport)
+        self.flow = FlowControl(transport)  # (flow control: the real one)
+        self.server = self.client = None
+        self.scheme = "http"
         self.received = 0
         self._counted_lost = False  # (on_lost called)
         self.progress: asyncio.Event | None = None

@@ -65,8 +65,9 @@ _uvicorn.Config, _uvicorn.Server = Config, Server  # as its __init__ sets them
 
 # (the HTTP protocol that Config picks, httptools's: its status lines and request cycle)
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle  # noqa: E402
+from uvicorn.protocols.http.flow_control import FlowControl  # noqa: E402
 
-__all__ = ["Config", "LOGGING_CONFIG", "RELIED_ON", "Server", "connection_of", "write_answer"]
+__all__ = ["Config", "FlowControl", "LOGGING_CONFIG", "RELIED_ON", "Server", "connection_of", "write_answer"]
 
 _PROTOCOL = "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol"
 _CYCLE = "uvicorn.protocols.http.httptools_impl.RequestResponseCycle"
@@ -102,6 +103,10 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     (_PROTOCOL, "logger", "attribute"),
     (_PROTOCOL, "server_state", "attribute"),
     (_PROTOCOL, "timeout_keep_alive", "attribute"),
+    (_PROTOCOL, "connections", "attribute"),
+    (_PROTOCOL, "server", "attribute"),
+    (_PROTOCOL, "client", "attribute"),
+    (_PROTOCOL, "scheme", "attribute"),
     (_CYCLE, "on_response", "attribute"),
     (_CYCLE, "transport", "attribute"),
     (_CYCLE, "flow", "attribute"),
@@ -118,6 +123,7 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     (_FLOW, "read_paused", "attribute"),
     (_FLOW, "write_paused", "attribute"),
     (_FLOW, "resume_reading()", "method"),
+    (_FLOW, "__init__(transport)", "method"),
     ("uvicorn.server.ServerState", "total_requests", "attribute"),
     ("uvicorn.server.ServerState", "connections", "attribute"),
     ("uvicorn.config.Config", "http_protocol_class", "attribute"),

@@ -198,16 +198,52 @@ async def accept_overdue(listener: socket.socket, hand: Callable[[socket.socket]
     more than after seconds while others accept on it too (the front ends: accepted()
     counts what they have taken, ever), giving each to hand; those they take in time are
     theirs.  It looks at the queue at most once every after seconds: while the queue is
-    empty it sleeps until a connection comes."""
-    fd = listener.fileno()  # (its owner may close it once this is cancelled)
-    while True:
-        await _readable(fd)
-        queued, taken = waiting(listener), accepted()
-        await asyncio.sleep(after)
-        # (the queue is first in, first out: the first `overdue` are those seen before)
-        error = _accept_queued(listener, hand, queued - (accepted() - taken))
-        if error is not None:
-            logger.error("accepting a connection failed: %s", error)
+    empty it sleeps until a connection comes.  (Each look is two callbacks of the loop's,
+    with no task step, future or sleep of its own: at low rates it looks once a
+    connection.)"""
+    watch = _Overdue(listener, hand, accepted, after)
+    try:
+        await asyncio.get_running_loop().create_future()  # (until cancelled)
+    finally:
+        watch.stop()
+
+
+class _Overdue:
+    """accept_overdue's watch, from its making until ``stop()``: a connection in the
+    queue wakes it (``_came``), which notes the queue and what the others have taken, and
+    after seconds later (``_look``) accepts those of them not taken meanwhile."""
+
+    def __init__(self, listener: socket.socket, hand: Callable[[socket.socket], None],
+                 accepted: Callable[[], int], after: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._listener, self._hand, self._accepted, self._after = \
+            listener, hand, accepted, after
+        self._fd = listener.fileno()  # (its owner may close it once this stops)
+        self._seen = (0, 0)  # (queued, taken) when a connection came
+        self._look_at: asyncio.TimerHandle | None = None
+        self._loop.add_reader(self._fd, self._came)
+
+    def stop(self) -> None:
+        self._loop.remove_reader(self._fd)
+        if self._look_at is not None:
+            self._look_at.cancel()
+
+    def _came(self) -> None:
+        self._loop.remove_reader(self._fd)
+        self._seen = (waiting(self._listener), self._accepted())
+        self._look_at = self._loop.call_later(self._after, self._look)
+
+    def _look(self) -> None:
+        self._look_at = None
+        queued, taken = self._seen
+        try:
+            # (the queue is first in, first out: the first `overdue` are those seen before)
+            error = _accept_queued(self._listener, self._hand,
+                                   queued - (self._accepted() - taken))
+            if error is not None:
+                logger.error("accepting a connection failed: %s", error)
+        finally:
+            self._loop.add_reader(self._fd, self._came)
 
 
 async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import array
 import asyncio
 import fcntl
+import functools
 import itertools
 import logging.config
 import queue
@@ -132,7 +133,7 @@ class FrontEnd:
         self._may_accept = settings.accepting  # (ACCEPT and PAUSE from its inbox)
         self._serving = threading.Event()  # set once it serves, or has ended
         self._running = False
-        self._protocol: Any = None
+        self._protocol: Callable[[], asyncio.Protocol] | None = None
         self._stopping = False
 
     # -- what the application asks (see multipy.serve.http.app.create_app) --
@@ -283,8 +284,12 @@ class FrontEnd:
     # -- on the loop --
 
     async def _started(self, server: Server) -> None:
-        self._protocol = guarded(server.config.http_protocol_class, self._limits,
-                                 self.metrics.closed_connection)
+        # (each connection's protocol, made by one C call)
+        self._protocol = functools.partial(
+            guarded(server.config.http_protocol_class, self._limits,
+                    self.metrics.closed_connection),
+            config=server.config, server_state=server.server_state,
+            app_state=server.lifespan.state)
         if self._grpc_address is not None:
             await self._serve_grpc()
         loop = self._loop = asyncio.get_running_loop()
@@ -342,9 +347,7 @@ class FrontEnd:
     def _accepted(self) -> Any:
         """The protocol of a connection it accepted itself, and serves."""
         self.metrics.opened_connection(received=False)
-        server = self._server
-        return self._protocol(config=server.config, server_state=server.server_state,
-                              app_state=server.lifespan.state)
+        return self._protocol()
 
     def _freer(self) -> bool:
         """Counts a connection it has just accepted, and says whether another front end
@@ -361,11 +364,9 @@ class FrontEnd:
             socket.socket(fileno=fd).close()
 
     async def _serve(self, connection: socket.socket) -> None:
-        server = self._server
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(
-                lambda: self._protocol(config=server.config, server_state=server.server_state,
-                                       app_state=server.lifespan.state), connection)
+            await asyncio.get_running_loop().connect_accepted_socket(self._protocol,
+                                                                     connection)
         except OSError:  # closed by the client meanwhile
             connection.close()
             self.metrics.closed_connection()

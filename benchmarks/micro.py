@@ -390,6 +390,9 @@ def hold(model, x):
     held["model"], held["x"] = model, x.clone()
 def one():
     held["model"](held["x"])
+def twice():
+    held["model"](held["x"])
+    held["model"](held["x"])
 def noop(*args):
     pass
 def loop(count):
@@ -431,7 +434,8 @@ def simple_calls(directory: str, manager: multipy.InterpreterManager,
     benchmarks compare (also benchmarks/call_instructions.py): way -> a function that
     makes one call.  "host": a plain host thread; on manager's interpreter 0, "noop" and
     "tensor_in": a no-op call_value with nothing, or the input, crossing; "one": one
-    entry a call, its input inside; "call_value": Obj.call_value, a tensor each way;
+    entry a call, its input inside; "twice": the same entry calling it twice (what a
+    call after the first costs inside); "call_value": Obj.call_value, a tensor each way;
     "replicated": a ReplicatedObj's call; "balancer": occupy_one() and hand_back()
     alone; and "loop" (count): the median of count calls looped inside."""
     import torch
@@ -445,12 +449,14 @@ def simple_calls(directory: str, manager: multipy.InterpreterManager,
     manager.register_module_source("micro_small", _SMALL)
     with replicated.acquire_session(manager[0]) as s:
         s.global_("micro_small", "hold")(s.self, inputs[0])
-        loop, one, noop = (s.global_("micro_small", name) for name in ("loop", "one", "noop"))
+        loop, one, twice, noop = (s.global_("micro_small", name)
+                                  for name in ("loop", "one", "twice", "noop"))
         instance = s.self
     return {"host": lambda: host_model(*inputs),
             "noop": lambda: noop.call_value(None),
             "tensor_in": lambda: noop.call_value(None, inputs),
             "one": lambda: one.call_value(None),
+            "twice": lambda: twice.call_value(None),
             "call_value": lambda: instance.call_value(None, inputs),
             "replicated": lambda: replicated(*inputs),
             "balancer": lambda: manager.occupy_one().hand_back(),
@@ -475,6 +481,7 @@ def small(count: int, rounds: int = 5) -> None:
             calls = {"a plain host thread": ways["host"],
                      "no-op call_value, nothing crossing": ways["noop"],
                      "one entry a call, its input inside": ways["one"],
+                     "one entry, the model called twice": ways["twice"],
                      "Obj.call_value, a tensor each way": ways["call_value"],
                      "a ReplicatedObj's call": ways["replicated"],
                      "occupy_one() and hand_back() alone": ways["balancer"],

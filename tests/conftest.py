@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -83,6 +84,13 @@ def until(condition, seconds: float = 60) -> None:
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.02)
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that was free a moment ago (for a server to listen on)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def write_one(fifo) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from conftest import export, until
+from conftest import export, free_port, until
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -252,12 +252,6 @@ def make_packages(folder) -> dict[str, str]:
     return paths
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Server:
     process: subprocess.Popen
@@ -282,7 +276,7 @@ def _start(tmp_path, paths: list[str], *options: str) -> Server:
     logged (just after it is ready)."""
     wrapper = tmp_path / "serve_wrapper.py"
     wrapper.write_text(WRAPPER)
-    port = _free_port()
+    port = free_port()
     log = str(tmp_path / "server.log")
     report = str(tmp_path / "report.json")
     env = {**{k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},

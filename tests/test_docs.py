@@ -11,12 +11,13 @@ import importlib.util
 import http.client
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from conftest import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,12 +165,6 @@ def test_the_readme_is_a_first_screen_with_the_two_commands():
     assert "multipy-interpreters" in readme
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(port: int, path: str) -> int:
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
     try:
@@ -207,9 +202,9 @@ def test_the_kubernetes_manifest_runs_and_its_probes_are_answered(tmp_path):
     model = tmp_path / "echo.py"
     model.write_text("class Echo:\n    def predict(self, inputs):\n"
                      "        return {'y': inputs['x']}\n")
-    port = _free_port()
+    port = free_port()
     given = {"/models/model.pt": f"{model}:Echo", "0.0.0.0": "127.0.0.1",
-             str(options.port): str(port), str(options.grpc_port): str(_free_port()),
+             str(options.port): str(port), str(options.grpc_port): str(free_port()),
              str(options.interpreters): "1"}
     log = tmp_path / "server.log"
     with open(log, "w") as out:

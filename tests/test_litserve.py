@@ -15,11 +15,13 @@ import time
 
 import pytest
 
+from conftest import free_port
+
 litserve = pytest.importorskip("litserve")
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 
-from serving import (Server, _free_port, _infer_json, _metrics, _request,  # noqa: E402
+from serving import (Server, _infer_json, _metrics, _request,  # noqa: E402
                      _start, _stop)
 
 pytestmark = pytest.mark.timeout(300)
@@ -414,7 +416,7 @@ def test_two_apis_on_one_path_are_refused(models):
     run = subprocess.run([sys.executable, "-m", "multipy", "serve",
                           f"{models}/lit_models.py:SimpleLitAPI",
                           f"{models}/lit_models.py:Batched", "--interpreters", "1",
-                          "--port", str(_free_port())], capture_output=True, text=True,
+                          "--port", str(free_port())], capture_output=True, text=True,
                          timeout=120)
     assert run.returncode == 2, run.stderr
     assert "both answer on /predict" in run.stderr
@@ -473,7 +475,7 @@ def test_batch_and_unbatch_under_max_batch_size(models, tmp_path):
 def test_while_the_apis_load_predict_and_health_are_503(models, tmp_path):
     """The host answers while the second interpreter sets Slow up (4 s): its path is not
     known yet, and the server is not ready."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "server.log"
     with open(log, "w") as out:
         process = subprocess.Popen([sys.executable, "-m", "multipy", "serve",

@@ -15,12 +15,14 @@ import time
 
 import pytest
 
+from conftest import free_port
+
 pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
 
-from serving import (_free_port, _grpc_port, _infer_json, _infer_together, _request,  # noqa: E402
+from serving import (_grpc_port, _infer_json, _infer_together, _request,  # noqa: E402
                      _start, _stop)
 
 pytestmark = pytest.mark.timeout(300)
@@ -262,7 +264,7 @@ def test_a_declared_input_left_out_before_one_given_is_a_400(class_served):
 
 
 def test_an_nn_module_that_needs_arguments_is_refused_with_its_wrapper(classes):
-    port = _free_port()
+    port = free_port()
     run = subprocess.run([sys.executable, "-m", "multipy", "serve",
                           f"{classes}/models.py:NeedsSize", "--interpreters", "1",
                           "--port", str(port)], capture_output=True, text=True, timeout=120)
@@ -308,7 +310,7 @@ def _refused(target: str, *options: str) -> tuple[subprocess.CompletedProcess, b
     """Runs ``multipy serve target`` on a free port, as a server that should refuse to
     start: (how it ended, whether a connection to its port ever succeeded while it ran,
     tried every 20 ms)."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "multipy", "serve", target, "--interpreters", "1",
          "--port", str(port), *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

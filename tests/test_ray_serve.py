@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import time
 
 import pytest
 
-from conftest import export
+from conftest import export, free_port
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -34,12 +33,6 @@ httpclient = pytest.importorskip("tritonclient.http")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "ray_serve.py")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -158,7 +151,7 @@ def _serve(ray_dir: str, log, path: str | list[str], *options: str,
            env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
     """`multipy serve PATH... --ray OPTIONS` on a free port, once ready (its driver said
     so and the proxy answers ready), its output in log; and the port."""
-    port = _free_port()
+    port = free_port()
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "multipy", "serve",
@@ -293,7 +286,7 @@ def test_cli_exits_1_when_the_replicas_cannot_load(ray_dir, tmp_path):
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "multipy", "serve", path, "--ray", "--interpreters", "1",
-             "--port", str(_free_port())],
+             "--port", str(free_port())],
             stdout=out, stderr=subprocess.STDOUT, env=_env(ray_dir), start_new_session=True)
     try:
         assert process.wait(timeout=500) == 1, log.read_text()

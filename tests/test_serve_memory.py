@@ -17,12 +17,12 @@ from typing import Any
 
 import pytest
 
-from conftest import until
+from conftest import free_port, until
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
 from serving import (TEXT, WRAPPER, Server, _all_read, _answer_while_sending,  # noqa: E402
-                     _as_bytes, _free_port, _grpc, _grpc_input, _grpc_port,
+                     _as_bytes, _grpc, _grpc_input, _grpc_port,
                      _infer_json, _input, _metrics, _request, _rss, _start, _stop,
                      _unary)
 
@@ -109,7 +109,7 @@ def test_a_host_whose_front_ends_answer_imports_none_of_what_it_never_uses(packa
     the front ends every request once they are ready: it never decodes a request, so it
     never imports numpy (nor torch, uvicorn's command line or rich: HOST_NEVER_IMPORTS)."""
     (tmp_path / "serve_wrapper.py").write_text(WRAPPER)
-    port, report = _free_port(), str(tmp_path / "report.json")
+    port, report = free_port(), str(tmp_path / "report.json")
     env = {**{k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
            "PYTHONUNBUFFERED": "1", "SERVE_TEST_REPORT": report}
     with open(tmp_path / "server.log", "w") as out:

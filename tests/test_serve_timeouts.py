@@ -365,6 +365,31 @@ def cancelled_before_it_starts():
     except _multipy_bootstrap.CallCancelled:
         return found, ran
     raise AssertionError("not cancelled")
+
+
+class _Protocol:
+    def __init__(self, sock):
+        self.received, self.pipeline = 10, []
+        self.transport = type("Transport", (), {"get_extra_info": lambda _, key: sock})()
+
+
+def waiting_with_a_closed_connection():
+    """FrontEnd._waiting over three connections: one closed meanwhile (its socket's
+    fileno is -1), one with 5 bytes unread, one with none: the bytes each will have read."""
+    import socket, time, types
+    closed, (unread, peer), (idle, idle_peer) = socket.socket(), socket.socketpair(), \
+        socket.socketpair()
+    closed.close()
+    peer.sendall(b"12345")
+    time.sleep(0.1)
+    protocols = [_Protocol(closed), _Protocol(unread), _Protocol(idle)]
+    front = types.SimpleNamespace(_server=types.SimpleNamespace(
+        server_state=types.SimpleNamespace(connections=set(protocols))))
+    try:
+        return [front_end.FrontEnd._waiting(front).get(p) for p in protocols]
+    finally:
+        for each in (unread, peer, idle, idle_peer):
+            each.close()
 '''
 
 
@@ -378,6 +403,17 @@ def test_a_timeout_as_the_call_ends_leaves_the_worker_serving(manager):
     assert answered == (True, "next", 3, 3)
     assert interpreter.global_("serve_worker", "cancelled_before_it_starts")().deref() == (
         False, [])
+
+
+def test_a_model_change_is_told_past_a_connection_closed_meanwhile(manager):
+    """What a front end waits for before a model leaves (its connections' unread and
+    pipelined requests) passes over a connection closed meanwhile: its socket's fileno
+    is -1, which made the front end fail to be told of the change, and serve the model
+    on as if it were loaded."""
+    manager.register_module_source("serve_worker", WORKER)
+    interpreter = manager.all_instances()[0]
+    waiting = interpreter.global_("serve_worker", "waiting_with_a_closed_connection")().deref()
+    assert waiting == [None, 15, None]
 
 
 def test_a_crash_report_names_the_model_and_the_request(packages, tmp_path):

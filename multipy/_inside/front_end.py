@@ -242,7 +242,7 @@ class FrontEnd:
             sock = protocol.transport.get_extra_info("socket")
             try:
                 fcntl.ioctl(sock.fileno(), termios.FIONREAD, count, True)
-            except (OSError, AttributeError):  # closed meanwhile
+            except (OSError, ValueError, AttributeError):  # closed meanwhile (fileno -1)
                 continue
             if count[0] or protocol.pipeline:
                 waiting[protocol] = protocol.received + count[0]

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from conftest import until
+from conftest import free_port, until
 
 np = pytest.importorskip("numpy")
 pytest.importorskip("uvicorn")
@@ -105,9 +104,7 @@ def _serve(folder, *options: str) -> Served:
     """multipy serve of folder/models.py:Echo with options, once every process is ready."""
     models = folder / "models.py"
     models.write_text(MODELS)
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     log = str(folder / "server.log")
     env = {**{k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
            "PYTHONUNBUFFERED": "1"}

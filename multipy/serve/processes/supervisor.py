@@ -33,6 +33,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
+import uvloop
+
 from ..._launch import launch_environment
 from ..http.connection import accept_overdue, bind, listen
 from ..request.board import ACCEPTED, Board, board_width
@@ -107,8 +109,10 @@ class Supervisor:
 
     def run(self) -> int:
         """Serves until SIGTERM or SIGINT (exit status 0), or until replacements keep
-        dying (1).  SystemExit(2) if it cannot listen."""
-        return asyncio.run(self._main())
+        dying (1).  SystemExit(2) if it cannot listen.  On uvloop's event loop, as
+        uvicorn runs the server processes: its watch of the listening socket (which
+        wakes at each connection that comes, under load) runs in C."""
+        return uvloop.run(self._main())
 
     async def _main(self) -> int:
         loop = asyncio.get_running_loop()

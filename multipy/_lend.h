@@ -93,35 +93,44 @@ static void loan_close(struct loan *loan)
     Py_CLEAR(loan->counter);
 }
 
+/* 0, the exception cleared, if torch refused a tensor as it refuses sparse, quantized or
+ * nested ones (its DLPack or its storage); -1 with any other exception. */
+static int refused(void)
+{
+    if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_BufferError)
+        || PyErr_ExceptionMatches(PyExc_TypeError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+/* DLPack's type code of complex numbers: the only tensors that torch marks conjugate. */
+#define MULTIPY_DL_COMPLEX 5
+
 /* Lends tensor into loan, token noted before the capsule is kept: 1 with its token and
  * address (its DLManagedTensor) in *token and *address; 0 if it is not lent (a lazy
- * conjugate or negative view, which DLPack would not describe; not in host memory; one
- * DLPack refuses); -1 with an exception.  Its storage is kept beside the capsule (which
- * holds the tensor), so that set_() on the tensor cannot free the memory that is lent. */
+ * conjugate or negative view, which DLPack would export without saying so; not in host
+ * memory; one DLPack refuses); -1 with an exception.  Its storage is kept beside the
+ * capsule (which holds the tensor), so that set_() on the tensor cannot free the memory
+ * that is lent.  (The capsule first: its type code spares a real tensor the question of
+ * its conjugate bit, a torch call of its own.) */
 static int lend_torch_at(PyObject *tensor, struct loan *loan, uint64_t *token,
                          uint64_t *address)
 {
-    int lazy = tensor_says(torch_api.is_conj, tensor);
+    PyObject *capsule = PyObject_CallOneArg(torch_api.to_dlpack, tensor);
+    if (!capsule)
+        return refused();
+    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
+    int lazy = !managed ? -1 : managed->dl_tensor.device.device_type != MULTIPY_DL_CPU;
+    if (lazy == 0 && managed->dl_tensor.dtype.code == MULTIPY_DL_COMPLEX)
+        lazy = tensor_says(torch_api.is_conj, tensor);
     if (lazy == 0)
         lazy = tensor_says(torch_api.is_neg, tensor);
-    if (lazy)
-        return lazy < 0 ? -1 : 0;
-    PyObject *capsule = PyObject_CallOneArg(torch_api.to_dlpack, tensor);
-    PyObject *storage = capsule ? PyObject_CallOneArg(torch_api.untyped_storage, tensor) : NULL;
+    PyObject *storage = lazy == 0 ? PyObject_CallOneArg(torch_api.untyped_storage, tensor) : NULL;
     if (!storage) {
-        Py_XDECREF(capsule);
-        if (PyErr_ExceptionMatches(PyExc_RuntimeError) || PyErr_ExceptionMatches(PyExc_BufferError)
-            || PyErr_ExceptionMatches(PyExc_TypeError)) { /* sparse, quantized, nested... */
-            PyErr_Clear();
-            return 0;
-        }
-        return -1;
-    }
-    DLManagedTensor *managed = PyCapsule_GetPointer(capsule, "dltensor");
-    if (!managed || managed->dl_tensor.device.device_type != MULTIPY_DL_CPU) {
         Py_DECREF(capsule);
-        Py_DECREF(storage);
-        return managed ? 0 : -1;
+        return lazy ? (lazy < 0 ? -1 : 0) : refused();
     }
     int lent = -1;
     PyObject *kept = PyTuple_Pack(2, capsule, storage);

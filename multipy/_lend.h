@@ -127,10 +127,14 @@ static int lend_torch_at(PyObject *tensor, struct loan *loan, uint64_t *token,
         lazy = tensor_says(torch_api.is_conj, tensor);
     if (lazy == 0)
         lazy = tensor_says(torch_api.is_neg, tensor);
-    PyObject *storage = lazy == 0 ? PyObject_CallOneArg(torch_api.untyped_storage, tensor) : NULL;
+    if (lazy) {
+        Py_DECREF(capsule);
+        return lazy < 0 ? -1 : 0;
+    }
+    PyObject *storage = PyObject_CallOneArg(torch_api.untyped_storage, tensor);
     if (!storage) {
         Py_DECREF(capsule);
-        return lazy ? (lazy < 0 ? -1 : 0) : refused();
+        return refused();
     }
     int lent = -1;
     PyObject *kept = PyTuple_Pack(2, capsule, storage);

@@ -80,13 +80,13 @@ async def _ok(scope, receive, send):
 
 
 @contextlib.asynccontextmanager
-async def _serving(limits: Limits, app):
-    """While it runs, a server of guarded uvicorn protocol (limits) serves app on a port
-    of loopback, which it yields."""
+async def _serving(limits: Limits, app, **callbacks):
+    """While it runs, a server of guarded uvicorn protocol (limits, and guarded's
+    callbacks) serves app on a port of loopback, which it yields."""
     config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False)
     config.load()
     state = uvicorn.server.ServerState()
-    protocol = guarded(config.http_protocol_class, limits)
+    protocol = guarded(config.http_protocol_class, limits, **callbacks)
     server = await asyncio.get_running_loop().create_server(
         lambda: protocol(config=config, server_state=state, app_state={}), "127.0.0.1", 0)
     try:
@@ -221,6 +221,60 @@ def test_http_1_0_keep_alive_answers_every_request_or_closes():
         first, rest = asyncio.run(exchange(together))
         assert first.startswith(b"HTTP/1.1 200 ")
         assert rest == b"" or (rest.startswith(b"HTTP/1.1 200 ") and rest.endswith(b"ok"))
+
+
+def test_a_connection_lingers_from_its_first_answer_until_a_second_request():
+    """A connection that has answered its first request and waits for a second lingers
+    (on_linger(1)) until the second begins (-1); answered again, it does not linger
+    again; one that ends while it lingers stops lingering before it counts as lost."""
+    said = []
+    request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def until(what: list) -> None:
+        for _ in range(500):
+            if said[-len(what):] == what:
+                return
+            await asyncio.sleep(0.01)
+
+    async def exchange(requests: int) -> list:
+        said.clear()
+        async with _serving(Limits(), _ok, on_lost=lambda: said.append("lost"),
+                            on_linger=said.append) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            seen = []
+            for _ in range(requests):
+                writer.write(request)
+                await asyncio.wait_for(reader.readuntil(b"ok"), 10)
+                await asyncio.sleep(0.05)  # (the server's turn after its answer)
+                seen.append(list(said))
+            writer.close()
+            await until(["lost"])
+            return seen + [list(said)]
+
+    assert asyncio.run(exchange(1)) == [[1], [1, -1, "lost"]]
+    assert asyncio.run(exchange(3)) == [[1], [1, -1], [1, -1], [1, -1, "lost"]]
+
+
+def test_a_front_end_s_lingering_connections_do_not_make_another_freer():
+    """A front end that has just accepted a connection gives it to another that accepts,
+    runs no call and serves fewer, counting its own open connections but the lingering
+    ones (most are closing: their client's next connection is this one)."""
+    metrics = Metrics(["m"], 2, rows=3)
+    this, other = (Metrics(["m"], 2, rows=3, row=row, address=metrics.board.address)
+                   for row in (1, 2))
+    this.watching(True)
+    other.watching(True)
+    this.opened_connection(received=False)
+    assert this.freer_front_end(busy=False)  # one open here, none there
+    this.lingering(1)
+    assert not this.freer_front_end(busy=False)  # the one here lingers
+    other.opened_connection(received=False)
+    this.opened_connection(received=False)
+    assert not this.freer_front_end(busy=False)  # one each, the lingering aside
+    this.opened_connection(received=False)
+    assert this.freer_front_end(busy=False)  # two here
+    other.watching(False)
+    assert not this.freer_front_end(busy=False)  # the other does not accept
 
 
 def test_a_request_that_does_not_arrive_in_time_is_408():

@@ -13,6 +13,10 @@ A connection served by ``guarded``'s protocol:
   a body that httptools reads as chunked though its Transfer-Encoding is not chunked
   alone (``gzip, chunked``: the model would get it still encoded) is a 501, checked at
   its first chunk (httptools refuses the other codings: 400);
+- once it has answered its first request and waits, idle, for a second, is said to
+  linger (``on_linger(1)``, and ``on_linger(-1)`` when a second begins or it ends): most
+  such connections are closing (their client sends one request a connection), which the
+  server has not read yet;
 - is closed once idle for uvicorn's keep-alive timeout, by one timer per connection that
   watches both, made again only when it would come too late (uvicorn's own makes and
   cancels one an answer);
@@ -44,14 +48,18 @@ class _Refused(Exception):
 
 
 def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = None,
-            one_request: bool = False) -> type:
+            one_request: bool = False,
+            on_linger: Callable[[int], None] | None = None) -> type:
     """A subclass of uvicorn's httptools protocol ``base`` that enforces limits (see the
-    module's docstring), calls on_lost() when a connection ends, and with one_request
-    closes each connection once it has answered one request.  Its ``received`` counts
-    the bytes read from the connection; its ``progress``, an asyncio.Event or None, is
-    set when it reads bytes, answers a request or ends (for one who waits on that)."""
+    module's docstring), calls on_lost() when a connection ends, on_linger(1) when one
+    begins to linger and on_linger(-1) when it stops (see the module's docstring), and
+    with one_request closes each connection once it has answered one request.  Its
+    ``received`` counts the bytes read from the connection; its ``progress``, an
+    asyncio.Event or None, is set when it reads bytes, answers a request or ends (for
+    one who waits on that)."""
     return type("Guarded", (_Guarded, base), {
         "_limits": limits, "_on_lost": None if on_lost is None else staticmethod(on_lost),
+        "_on_linger": None if on_linger is None else staticmethod(on_linger),
         "_one_request": one_request,
         # (called as it is, without super(): once per header field)
         "_base_on_header": base.on_header})
@@ -62,6 +70,7 @@ class _Guarded:
 
     _limits: Limits
     _on_lost: Callable[[], None] | None
+    _on_linger: Callable[[int], None] | None
     _one_request: bool
     _base_on_header: Callable[[Any, bytes, bytes], None]
 
@@ -76,6 +85,8 @@ class _Guarded:
         self.scheme = "http"
         self.received = 0
         self._counted_lost = False  # (on_lost called)
+        self._idled = 0  # (times it went idle, up to 2: whether it may linger)
+        self._lingers = False
         self.progress: asyncio.Event | None = None
         self._heading = True  # bytes that come now belong to a request's head
         self._head = 0
@@ -107,9 +118,15 @@ class _Guarded:
         return super().eof_received()
 
     def _lost(self) -> None:
+        if self._lingers:
+            self._linger(False)
         if self._on_lost is not None and not self._counted_lost:
             self._counted_lost = True
             self._on_lost()
+
+    def _linger(self, on: bool) -> None:
+        self._lingers = on
+        self._on_linger(1 if on else -1)
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
@@ -150,6 +167,8 @@ class _Guarded:
 
     def on_message_begin(self) -> None:
         self._idle = None  # (begun in the piece that ended the one before, maybe)
+        if self._lingers:  # (its second request: a kept-alive connection)
+            self._linger(False)
         if self._since is None:
             self._arm()
         super().on_message_begin()
@@ -203,6 +222,10 @@ class _Guarded:
     def _go_idle(self) -> None:
         self._idle = self.loop.time()
         self._watch_by(self._idle + self.timeout_keep_alive)
+        if self._idled < 2:
+            self._idled += 1
+            if self._idled == 1 and self._on_linger is not None:
+                self._linger(True)
 
     def _arm(self) -> None:
         # (by the keep-alive timeout at the latest, which the idle time after a short

@@ -166,6 +166,7 @@ class Metrics:
         self._opened = Count(values, OPENED)
         self._received = Count(values, RECEIVED)
         self._decoding = Count(values, DECODING)
+        self._lingering = 0  # (this writer's: see ``lingering``)
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
         for name in models:
@@ -209,6 +210,12 @@ class Metrics:
     def closed_connection(self) -> None:
         self._closed.inc()
 
+    def lingering(self, delta: int) -> None:
+        """One more (delta 1) or one fewer (-1) of this writer's connections has
+        answered its first request and waits, idle, for a second: one its client is
+        closing, most likely (multipy.serve.http.uvicorn_protocol.guarded)."""
+        self._lingering += delta
+
     def open_connections(self, row: int, handed: int | None = None) -> int:
         """How many connections the writer of row (of this process's rows) serves now,
         or, given how many the host has handed it, will once it has taken them."""
@@ -224,8 +231,11 @@ class Metrics:
         """Whether another front end that accepts on the listening socket and runs no
         call serves fewer connections than this writer's (a front end's; two fewer once
         this one takes a new one), of its process; or, if this one is busy, whether
-        another, of any process, runs no call."""
-        mine = int(self._values[OPENED] - self._values[CLOSED])  # (this writer's open ones)
+        another, of any process, runs no call.  This writer's lingering connections
+        (``lingering``) do not count: a client that sends one request a connection has
+        closed the one before, most likely, by the time its next one is accepted."""
+        # (this writer's open ones, less the lingering)
+        mine = int(self._values[OPENED] - self._values[CLOSED]) - self._lingering
         if not busy and mine == 0:  # (none serves fewer: a client's new connection)
             return False
         for row in range(1, self.interpreters + 1):

@@ -85,7 +85,7 @@ class _Guarded:
         self.scheme = "http"
         self.received = 0
         self._counted_lost = False  # (on_lost called)
-        self._idled = 0  # (times it went idle, up to 2: whether it may linger)
+        self._idled = False  # (it has gone idle before: it lingers only the first time)
         self._lingers = False
         self.progress: asyncio.Event | None = None
         self._heading = True  # bytes that come now belong to a request's head
@@ -222,9 +222,9 @@ class _Guarded:
     def _go_idle(self) -> None:
         self._idle = self.loop.time()
         self._watch_by(self._idle + self.timeout_keep_alive)
-        if self._idled < 2:
-            self._idled += 1
-            if self._idled == 1 and self._on_linger is not None:
+        if not self._idled:
+            self._idled = True
+            if self._on_linger is not None:
                 self._linger(True)
 
     def _arm(self) -> None:

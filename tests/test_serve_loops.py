@@ -15,6 +15,8 @@ import logging
 import os
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Iterator
@@ -363,3 +365,37 @@ def test_an_accept_loop_cancelled_at_any_turn_loses_no_connection(loop):
             assert runner.run_until_complete(cancelled_after(turns)), turns
         finally:
             runner.close()
+
+
+_STOP_ACCEPTING = """
+import asyncio, socket, uvloop
+from multipy.serve.http.connection import accept, accept_overdue, bind, listen, stop_accepting
+
+async def stopped(overdue: bool, turns: int) -> None:
+    listener = listen(bind("127.0.0.1", 0))
+    hand = socket.socket.close
+    accepting = asyncio.create_task(accept_overdue(listener, hand, lambda: 0, 0.01) if overdue
+                                    else accept(listener, hand))
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    await stop_accepting(accepting, listener)
+    await asyncio.sleep(0.02)  # (the loop polls again)
+
+async def main() -> None:
+    for overdue in (False, True):
+        for turns in range(4):
+            await stopped(overdue, turns)
+    print("stopped")
+
+uvloop.run(main())
+"""
+
+
+def test_a_listener_closed_once_accepting_stops_never_aborts_the_process():
+    """stop_accepting closes a listener only once the task accepting on it has ended: on
+    uvloop, closing it while the loop has yet to register the task's watch aborts the
+    whole process (as the supervisor did once, stopping).  Stopped at each of the first
+    turns of either accept loop, the process goes on."""
+    done = subprocess.run([sys.executable, "-c", _STOP_ACCEPTING], capture_output=True,
+                          text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (0, "stopped"), done.stderr

@@ -49,7 +49,8 @@ from .host import model_class
 from .host.front_ends import FrontEnds
 from .host.service import Place, Service
 from .http.app import create_app, logging_config
-from .http.connection import Limits, accept, accept_overdue, bind, listen, request_line
+from .http.connection import (Limits, accept, accept_overdue, bind, listen, request_line,
+                              stop_accepting)
 from .http.inbox import receive
 from .http.uvicorn_protocol import guarded
 from .http.uvicorn_server import Config, Server
@@ -201,10 +202,7 @@ class _Server(Server):
         if self._accepting is not None or self._supervised is not None:
             # stop accepting, then answer what was received
             if self._accepting is not None:
-                self._accepting.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._accepting
-                self.listener.close()
+                await stop_accepting(self._accepting, self.listener)
             else:
                 self._supervised.stop_listening()
             await asyncio.to_thread(self._fronts.stop)

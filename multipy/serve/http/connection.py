@@ -3,7 +3,8 @@ a server on the open network needs (``Limits``: enforced by the protocol of
 multipy.serve.http.uvicorn_server, the same wherever a connection is served, in an
 interpreter's front end or on the host while the models load), binding and listening
 (``bind``, ``listen``), accepting (``accept``; ``accept_overdue``, for the connections
-that the front ends, which accept on the same socket, have left waiting), and peeking
+that the front ends, which accept on the same socket, have left waiting; ``stop_accepting``
+before the listening socket closes), and peeking
 at a new connection until its request line is whole (``request_line``: the host chooses
 by it where the connection goes).
 
@@ -244,6 +245,17 @@ class _Overdue:
                 logger.error("accepting a connection failed: %s", error)
         finally:
             self._loop.add_reader(self._fd, self._came)
+
+
+async def stop_accepting(accepting: asyncio.Task, listener: socket.socket) -> None:
+    """Cancels accepting (the task of ``accept`` or ``accept_overdue`` on listener), waits
+    for it to end, then closes listener.  In that order: a listener closed while the event
+    loop still watches it, a watch begun since the loop's last poll, aborts the process
+    (uvloop's libuv cannot register the closed descriptor, and calls abort())."""
+    accepting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await accepting
+    listener.close()
 
 
 async def accept(listener: socket.socket, hand: Callable[[socket.socket], None]) -> None:

@@ -36,7 +36,7 @@ from typing import Iterable
 import uvloop
 
 from ..._launch import launch_environment
-from ..http.connection import accept_overdue, bind, listen
+from ..http.connection import accept_overdue, bind, listen, stop_accepting
 from ..request.board import ACCEPTED, Board, board_width
 from ..request.poison import Crashes, Table
 from .handover import Handover, ServerProcess
@@ -151,8 +151,7 @@ class Supervisor:
         try:
             await self._finished
         finally:
-            accepting.cancel()
-            listener.close()
+            await stop_accepting(accepting, listener)
             self._handover.stop()
 
     # -- the processes --

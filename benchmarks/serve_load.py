@@ -10,8 +10,12 @@ and each transport: HTTP (tritonclient.http, binary tensors, its default), gRPC
 (tritonclient.grpc; `multipy serve --grpc-port`, KServe's gRPC server, which KServe 0.21
 runs in its parent process alone, whatever the workers) and JSON (one keep-alive
 http.client connection per client POSTing the protocol's JSON form, BYTES as strings,
-Content-Type application/json).  Each server is measured over the transports it speaks
-(the floor: JSON only).  Prints requests/s, p50 and p99 latency, the memory (PSS) of
+Content-Type application/json); ``json-new`` is the same with a new connection per request.
+``wrk`` and ``wrk-new`` send the same JSON through wrk, a load generator in C (Debian's
+and most distributions' package ``wrk``), keep-alive or with ``Connection: close`` on each
+request: the Python clients take about as much CPU per request as a server does, so on a
+small machine they bound every server's figures alike, where wrk takes a tenth of that.
+Each server is measured over the transports it speaks (the floor: JSON only).  Prints requests/s, p50 and p99 latency, the memory (PSS) of
 each server's whole process tree, and the cores each server (and the clients) kept busy
 while timed, measured in one run, and the ratios multipy / each peer (requests/s and
 memory); every answer is checked against the model run eagerly here.  Each server
@@ -49,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -64,17 +69,20 @@ from provenance import provenance, run_line
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEER_PACKAGES = ["kserve==0.21.0", "torch==2.13.0", "numpy==2.4.6", "tokenizers==0.23.3"]
-TRANSPORTS = ("http", "grpc", "json", "json-new")
+TRANSPORTS = ("http", "grpc", "json", "json-new", "wrk", "wrk-new")
 #: each transport's clients, as the tables name them
 CLIENTS = {"http": "tritonclient.http, binary", "grpc": "tritonclient.grpc",
            "json": "http.client, keep-alive, the protocol's JSON form",
            "json-new": "http.client, a new connection per request, the protocol's JSON form",
+           "wrk": "wrk, keep-alive, the protocol's JSON form",
+           "wrk-new": "wrk, Connection: close on each request, the protocol's JSON form",
            "litserve": "http.client, keep-alive, LitServe's JSON body"}
 #: the servers measured beside `multipy serve --interpreters N`: peers, and multipy's own
 #: --processes N --interpreters 1 ("processes")
 PEERS = ("kserve", "floor", "processes")
 #: the transports each server speaks: it is measured over those of --transports only
-SPEAKS = {"multipy": TRANSPORTS, "kserve": TRANSPORTS, "floor": ("json", "json-new"),
+SPEAKS = {"multipy": TRANSPORTS, "kserve": TRANSPORTS,
+          "floor": ("json", "json-new", "wrk", "wrk-new"),
           "processes": TRANSPORTS}
 LABELS = {"multipy": "multipy serve, {n} interp.", "kserve": "kserve.ModelServer, {n} workers",
           "floor": "floor (uvicorn), {n} workers",
@@ -200,7 +208,11 @@ def load(port: int, transport: str, model: str, clients: int, seconds: float, wa
     requests/s, latencies,
     and the count of wrong or failed answers, and (with probe) probe()'s values as the
     timed part begins and ends, as "probed".  Processes, not threads: the clients' own
-    Python (one GIL) must not be what limits the servers."""
+    Python (one GIL) must not be what limits the servers.  For "wrk" and "wrk-new", one
+    wrk process with clients connections instead (``_wrk``)."""
+    if transport.startswith("wrk"):
+        return _wrk(port, model, clients, seconds, warm_up, inputs, expected, probe,
+                    keep_alive=transport == "wrk")
     import multiprocessing
 
     context = multiprocessing.get_context("spawn")
@@ -232,6 +244,82 @@ def load(port: int, transport: str, model: str, clients: int, seconds: float, wa
             "requests": len(every), "wrong": sum(wrong for _, wrong in answers),
             "client_cores": clients_used / elapsed,
             **({"probed": probed} if probe is not None else {})}
+
+
+def _wrk(port: int, model: str, clients: int, seconds: float, warm_up: float, inputs,
+         expected, probe=None, keep_alive: bool = True) -> dict:
+    """load() through wrk (a load generator in C, one thread, epoll): clients
+    connections, each POSTing the protocol's JSON form of inputs, one request at a time,
+    for warm_up seconds (not counted), then for seconds; unless keep_alive, each request
+    says ``Connection: close`` (the server closes the connection once it has answered,
+    and wrk opens a new one).  Its clients cost a fraction of the Python clients' CPU,
+    so that the server, not its clients, is what the figures measure.  wrk reads answers'
+    statuses only: "wrong" counts the answers other than 200 and the connections that
+    failed (wrk's socket errors), and one answer, fetched here over http.client before
+    the timed part, is checked against the eager model.  Needs wrk on PATH."""
+    if not isinstance(expected, dict):
+        expected = {f"output{index}": array for index, array in enumerate(expected)}
+    infer, close = _connect(port, "json" if keep_alive else "json-new", model, inputs,
+                            list(expected))
+    try:
+        checked = all(_matches(answer, array) for answer, array in zip(infer(), expected.values()))
+    finally:
+        close()
+    body = json.dumps({"inputs": [
+        {"name": name, "shape": list(array.shape), "datatype": datatype,
+         "data": ([each.decode() if isinstance(each, bytes) else str(each)
+                   for each in array.reshape(-1)] if datatype == "BYTES"
+                  else array.reshape(-1).tolist())}
+        for name, datatype, array in inputs]})
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
+        script.write(f"wrk.method = \"POST\"\nwrk.body = {json.dumps(body)}\n"
+                     "wrk.headers[\"Content-Type\"] = \"application/json\"\n"
+                     + ("" if keep_alive else "wrk.headers[\"Connection\"] = \"close\"\n"))
+        script.flush()
+
+        def run(duration: float) -> tuple[str, float]:
+            command = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(duration))}s",
+                       "--latency", "-s", script.name,
+                       f"http://127.0.0.1:{port}/v2/models/{model}/infer"]
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+            used = 0.0
+            while process.poll() is None:  # (its CPU, read before it ends)
+                used = sum(cpu_seconds(process.pid).values()) or used
+                time.sleep(0.2)
+            out = process.stdout.read()
+            if process.returncode != 0:
+                raise RuntimeError(f"wrk failed ({process.returncode}): {out[-500:]}")
+            return out, used
+
+        if warm_up > 0:
+            run(warm_up)
+        probed = [probe()] if probe is not None else []
+        begun = time.perf_counter()
+        out, used = run(seconds)
+        elapsed = time.perf_counter() - begun
+        probed += [probe()] if probe is not None else []
+    figures = _wrk_figures(out)
+    figures["wrong"] += 0 if checked else 1
+    figures["client_cores"] = used / elapsed
+    return {**figures, **({"probed": probed} if probe is not None else {})}
+
+
+def _wrk_figures(out: str) -> dict:
+    """requests/s, p50 and p99 latency (ms), requests and failures from wrk --latency's
+    report."""
+    import re
+
+    def ms(text: str) -> float:
+        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()
+        return float(number) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
+
+    latency = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+    requests = int(re.search(r"(\d+) requests in", out).group(1))
+    failed = sum(int(n) for n in re.findall(r"(?:connect|read|write|timeout) (\d+)", out))
+    bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {"requests_per_second": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+            "p50_ms": ms(latency["50"]), "p99_ms": ms(latency["99"]), "requests": requests,
+            "wrong": failed + (int(bad.group(1)) if bad else 0)}
 
 
 def _matches(answer, expected) -> bool:
@@ -493,8 +581,10 @@ def main() -> None:
     parser.add_argument("--transports", default="http,grpc,json",
                         help="http (tritonclient.http, binary), grpc (tritonclient.grpc), json "
                              "(http.client, keep-alive, the protocol's JSON form), json-new "
-                             "(the same, a new connection per request), each measured in every "
-                             "run of a server that speaks it (http,grpc,json)")
+                             "(the same, a new connection per request), wrk and wrk-new (the "
+                             "JSON through wrk, keep-alive or Connection: close; wrk on PATH), "
+                             "each measured in every run of a server that speaks it "
+                             "(http,grpc,json)")
     parser.add_argument("--peers", default="kserve,floor",
                         help="the servers multipy is measured beside: kserve "
                              "(kserve.ModelServer), floor (benchmarks/floor_app.py, json "
@@ -522,6 +612,8 @@ def main() -> None:
     transports = tuple(args.transports.split(","))
     if not transports or set(transports) - set(TRANSPORTS):
         parser.error(f"--transports: from {', '.join(TRANSPORTS)}")
+    if any(t.startswith("wrk") for t in transports) and shutil.which("wrk") is None:
+        parser.error("--transports wrk and wrk-new need wrk on PATH (its package: wrk)")
     peers = () if args.no_peer or args.peers == "none" else tuple(args.peers.split(","))
     if set(peers) - set(PEERS):
         parser.error(f"--peers: from {', '.join(PEERS)}, or none")

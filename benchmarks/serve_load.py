@@ -654,8 +654,8 @@ def main() -> None:
     report(rows, transports, args)
     figures = {**provenance(), "models": args.models, "transports": args.transports,
                "peers": list(peers), "seconds": args.seconds,
-               "setting": f"N interpreters or workers, {args.clients}N closed-loop client "
-                          f"processes, {args.seconds:g} s after {args.warm_up:g} s of warm-up; "
+               "setting": f"N interpreters or workers, {args.clients}N closed-loop clients "
+                          f"(processes; wrk's: connections), {args.seconds:g} s after {args.warm_up:g} s of warm-up; "
                           f"the median of {args.rounds} round(s), the servers taking turns",
                "rows": rows}
     if args.json:
@@ -715,7 +715,8 @@ def report(rows: list[dict], transports: tuple, args) -> None:
     """Prints a table per transport, with on each peer's row the ratios multipy / that
     peer, then each ratio with each round's requests/s, and multipy's growth from the
     first N to the last."""
-    print(f"\nN interpreters or workers, {args.clients}N client processes, {args.seconds:g} s "
+    print(f"\nN interpreters or workers, {args.clients}N client processes (wrk: connections), "
+          f"{args.seconds:g} s "
           f"after {args.warm_up:g} s of warm-up; the median of {args.rounds} round(s), the "
           f"servers taking turns; {os.cpu_count()} cores")
     for transport in transports:

@@ -265,12 +265,7 @@ def _wrk(port: int, model: str, clients: int, seconds: float, warm_up: float, in
         checked = all(_matches(answer, array) for answer, array in zip(infer(), expected.values()))
     finally:
         close()
-    body = json.dumps({"inputs": [
-        {"name": name, "shape": list(array.shape), "datatype": datatype,
-         "data": ([each.decode() if isinstance(each, bytes) else str(each)
-                   for each in array.reshape(-1)] if datatype == "BYTES"
-                  else array.reshape(-1).tolist())}
-        for name, datatype, array in inputs]})
+    body = json.dumps(_json_body(inputs))
     with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
         script.write(f"wrk.method = \"POST\"\nwrk.body = {json.dumps(body)}\n"
                      "wrk.headers[\"Content-Type\"] = \"application/json\"\n"
@@ -375,12 +370,7 @@ def _json_connection(port: int, model: str, inputs, names: list[str], keep_alive
     for "json-new" (not keep_alive), a new connection for each request."""
     import numpy as np
 
-    body = {"inputs": [
-        {"name": name, "shape": list(array.shape), "datatype": datatype,
-         "data": ([each.decode() if isinstance(each, bytes) else str(each)
-                   for each in array.reshape(-1)] if datatype == "BYTES"
-                  else array.reshape(-1).tolist())}
-        for name, datatype, array in inputs]}
+    body = _json_body(inputs)
 
     def outputs(answer: dict) -> list:
         given = {each["name"]: each for each in answer["outputs"]}
@@ -390,6 +380,17 @@ def _json_connection(port: int, model: str, inputs, names: list[str], keep_alive
                 for name in names]
 
     return _post_json(port, f"/v2/models/{model}/infer", body, outputs, keep_alive)
+
+
+def _json_body(inputs) -> dict:
+    """The protocol's JSON form of an inference of inputs ((name, datatype, array)
+    triples): flat data, BYTES as strings."""
+    return {"inputs": [
+        {"name": name, "shape": list(array.shape), "datatype": datatype,
+         "data": ([each.decode() if isinstance(each, bytes) else str(each)
+                   for each in array.reshape(-1)] if datatype == "BYTES"
+                  else array.reshape(-1).tolist())}
+        for name, datatype, array in inputs]}
 
 
 def _litserve_connection(port: int, path: str, inputs, names: list[str]):

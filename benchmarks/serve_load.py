@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -250,19 +251,25 @@ def _wrk(port: int, model: str, clients: int, seconds: float, warm_up: float, in
          expected, probe=None, keep_alive: bool = True) -> dict:
     """load() through wrk (a load generator in C, one thread, epoll): clients
     connections, each POSTing the protocol's JSON form of inputs, one request at a time,
-    for warm_up seconds (not counted), then for seconds; unless keep_alive, each request
-    says ``Connection: close`` (the server closes the connection once it has answered,
-    and wrk opens a new one).  Its clients cost a fraction of the Python clients' CPU,
+    for warm_up seconds (not counted), then for seconds (each rounded to whole seconds,
+    wrk's unit); unless keep_alive, each request says ``Connection: close`` (the server
+    closes the connection once it has answered, and wrk opens a new one; wrk's latency
+    starts at the request's first write, after the connection is made, where json-new's
+    includes the connecting).  Its clients cost a fraction of the Python clients' CPU,
     so that the server, not its clients, is what the figures measure.  wrk reads answers'
-    statuses only: "wrong" counts the answers other than 200 and the connections that
-    failed (wrk's socket errors), and one answer, fetched here over http.client before
-    the timed part, is checked against the eager model.  Needs wrk on PATH."""
+    statuses only: "wrong" counts the answers with an error status (400 and above), the
+    connections that failed and the answers not received within 60 s (wrk's socket
+    errors, timeouts included), and one answer, fetched here over http.client before the
+    timed part, is checked against the eager model.  Needs wrk on PATH."""
     if not isinstance(expected, dict):
         expected = {f"output{index}": array for index, array in enumerate(expected)}
     infer, close = _connect(port, "json" if keep_alive else "json-new", model, inputs,
                             list(expected))
     try:
-        checked = all(_matches(answer, array) for answer, array in zip(infer(), expected.values()))
+        checked = all(_matches(answer, array)
+                      for answer, array in zip(infer(), expected.values()))
+    except Exception:  # (an answer that fails counts as wrong, as load()'s clients count it)
+        checked = False
     finally:
         close()
     body = json.dumps(_json_body(inputs))
@@ -272,30 +279,30 @@ def _wrk(port: int, model: str, clients: int, seconds: float, warm_up: float, in
                      + ("" if keep_alive else "wrk.headers[\"Connection\"] = \"close\"\n"))
         script.flush()
 
-        def run(duration: float) -> tuple[str, float]:
+        def run(duration: float) -> tuple[str, float, float]:
+            """wrk's report, its CPU seconds and the seconds it ran."""
             command = ["wrk", "-t1", f"-c{clients}", f"-d{max(1, round(duration))}s",
-                       "--latency", "-s", script.name,
+                       "--timeout", "60s", "--latency", "-s", script.name,
                        f"http://127.0.0.1:{port}/v2/models/{model}/infer"]
-            process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-            used = 0.0
-            while process.poll() is None:  # (its CPU, read before it ends)
-                used = sum(cpu_seconds(process.pid).values()) or used
-                time.sleep(0.2)
-            out = process.stdout.read()
-            if process.returncode != 0:
-                raise RuntimeError(f"wrk failed ({process.returncode}): {out[-500:]}")
-            return out, used
+            before = resource.getrusage(resource.RUSAGE_CHILDREN)
+            begun = time.perf_counter()
+            done = subprocess.run(command, capture_output=True, text=True)
+            ran = time.perf_counter() - begun
+            after = resource.getrusage(resource.RUSAGE_CHILDREN)  # (wrk is the one reaped)
+            if done.returncode != 0:
+                raise RuntimeError(f"wrk failed ({done.returncode}): "
+                                   f"{(done.stdout + done.stderr)[-500:]}")
+            used = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+            return done.stdout, used, ran
 
         if warm_up > 0:
             run(warm_up)
         probed = [probe()] if probe is not None else []
-        begun = time.perf_counter()
-        out, used = run(seconds)
-        elapsed = time.perf_counter() - begun
+        out, used, ran = run(seconds)
         probed += [probe()] if probe is not None else []
     figures = _wrk_figures(out)
     figures["wrong"] += 0 if checked else 1
-    figures["client_cores"] = used / elapsed
+    figures["client_cores"] = used / ran
     return {**figures, **({"probed": probed} if probe is not None else {})}
 
 
@@ -305,8 +312,8 @@ def _wrk_figures(out: str) -> dict:
     import re
 
     def ms(text: str) -> float:
-        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()
-        return float(number) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
+        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m|h)", text).groups()
+        return float(number) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4, "h": 3.6e6}[unit]
 
     latency = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
     requests = int(re.search(r"(\d+) requests in", out).group(1))

@@ -249,12 +249,12 @@ class _Overdue:
 
 async def stop_accepting(accepting: asyncio.Task, listener: socket.socket) -> None:
     """Cancels accepting (the task of ``accept`` or ``accept_overdue`` on listener), waits
-    for it to end, then closes listener.  In that order: a listener closed while the event
-    loop still watches it, a watch begun since the loop's last poll, aborts the process
-    (uvloop's libuv cannot register the closed descriptor, and calls abort())."""
+    for it to end, however it ends (an error it ended with is the task's, logged by the
+    loop, not raised here), then closes listener.  In that order: a listener closed while
+    the event loop still watches it, a watch begun since the loop's last poll, aborts the
+    process (uvloop's libuv cannot register the closed descriptor, and calls abort())."""
     accepting.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await accepting
+    await asyncio.wait([accepting])
     listener.close()
 
 

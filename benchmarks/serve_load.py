@@ -15,14 +15,15 @@ Content-Type application/json); ``json-new`` is the same with a new connection p
 and most distributions' package ``wrk``), keep-alive or with ``Connection: close`` on each
 request: the Python clients take about as much CPU per request as a server does, so on a
 small machine they bound every server's figures alike, where wrk takes a tenth of that.
-Each server is measured over the transports it speaks (the floor: JSON only).  Prints requests/s, p50 and p99 latency, the memory (PSS) of
-each server's whole process tree, and the cores each server (and the clients) kept busy
-while timed, measured in one run, and the ratios multipy / each peer (requests/s and
-memory); every answer is checked against the model run eagerly here.  Each server
-started serves every transport asked for, measured one after the other.  With --rounds R
-each server runs R times, the servers taking turns (who goes first rotates, and which
-transport goes first alternates), and the figures are the medians: a busy spell on a
-shared machine then skews one round, not the ratio.
+Each server is measured over the transports it speaks (the floor: JSON only).  Prints
+requests/s, p50 and p99 latency, the memory (PSS) of each server's whole process tree,
+and the cores each server (and the clients) kept busy while timed, measured in one run,
+and the ratios multipy / each peer (requests/s and memory); every answer is checked
+against the model run eagerly here.  Each server started serves every transport asked
+for, measured one after the other.  With --rounds R each server runs R times, the servers
+taking turns (who goes first rotates, and which transport goes first alternates), and
+the figures are the medians: a busy spell on a shared machine then skews one round, not
+the ratio.
 
 KServe 0.21 pins protobuf<7 and psutil<6, so that peer gets a virtual environment of its
 own, made here on first use (--peer-venv): kserve==0.21.0, torch==2.13.0, numpy==2.4.6
@@ -261,15 +262,10 @@ def _wrk(port: int, model: str, clients: int, seconds: float, warm_up: float, in
     connections that failed and the answers not received within 60 s (wrk's socket
     errors, timeouts included), and one answer, fetched here over http.client before the
     timed part, is checked against the eager model.  Needs wrk on PATH."""
-    if not isinstance(expected, dict):
-        expected = {f"output{index}": array for index, array in enumerate(expected)}
-    infer, close = _connect(port, "json" if keep_alive else "json-new", model, inputs,
-                            list(expected))
+    right, close = _checked_connection(port, "json" if keep_alive else "json-new", model,
+                                       inputs, expected)
     try:
-        checked = all(_matches(answer, array)
-                      for answer, array in zip(infer(), expected.values()))
-    except Exception:  # (an answer that fails counts as wrong, as load()'s clients count it)
-        checked = False
+        checked = right()
     finally:
         close()
     body = json.dumps(_json_body(inputs))
@@ -335,6 +331,25 @@ def _matches(answer, expected) -> bool:
         return [each.encode() if isinstance(each, str) else each
                 for each in answer.reshape(-1)] == list(expected.reshape(-1))
     return bool(np.allclose(answer, expected, rtol=1e-4, atol=1e-5))
+
+
+def _checked_connection(port: int, transport: str, model: str, inputs, expected):
+    """_connect()'s connection, whose function sends one inference and says whether its
+    answer was right: every output as expected (the arrays of output0, output1, ... or a
+    dict of arrays by output name), and no error on the way; and the function that closes
+    the connection."""
+    if not isinstance(expected, dict):
+        expected = {f"output{index}": array for index, array in enumerate(expected)}
+    infer, close = _connect(port, transport, model, inputs, list(expected))
+
+    def right() -> bool:
+        try:
+            return all(_matches(answer, array)
+                       for answer, array in zip(infer(), expected.values()))
+        except Exception:  # (an answer that fails is a wrong one)
+            return False
+
+    return right, close
 
 
 def _connect(port: int, transport: str, model: str, inputs, names: list[str]):
@@ -446,20 +461,13 @@ def _client(port: int, transport: str, model: str, seconds: float, warm_up: floa
     requests for seconds; puts (latencies, wrong answers) on results.  inputs are
     (name, datatype, array) triples, expected the arrays of output0, output1, ... (or a
     dict of arrays by output name)."""
-    if not isinstance(expected, dict):
-        expected = {f"output{index}": array for index, array in enumerate(expected)}
-    infer, close = _connect(port, transport, model, inputs, list(expected))
+    right, close = _checked_connection(port, transport, model, inputs, expected)
     wrong = 0
 
     def one() -> float:
         nonlocal wrong
         begin = time.perf_counter()
-        try:
-            if not all(_matches(answer, array)
-                       for answer, array in zip(infer(), expected.values())):
-                wrong += 1
-        except Exception:
-            wrong += 1
+        wrong += not right()
         return time.perf_counter() - begin
 
     until = time.perf_counter() + warm_up
@@ -663,8 +671,9 @@ def main() -> None:
     figures = {**provenance(), "models": args.models, "transports": args.transports,
                "peers": list(peers), "seconds": args.seconds,
                "setting": f"N interpreters or workers, {args.clients}N closed-loop clients "
-                          f"(processes; wrk's: connections), {args.seconds:g} s after {args.warm_up:g} s of warm-up; "
-                          f"the median of {args.rounds} round(s), the servers taking turns",
+                          f"(processes; wrk's: connections), {args.seconds:g} s after "
+                          f"{args.warm_up:g} s of warm-up; the median of {args.rounds} "
+                          f"round(s), the servers taking turns",
                "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
@@ -724,9 +733,8 @@ def report(rows: list[dict], transports: tuple, args) -> None:
     peer, then each ratio with each round's requests/s, and multipy's growth from the
     first N to the last."""
     print(f"\nN interpreters or workers, {args.clients}N client processes (wrk: connections), "
-          f"{args.seconds:g} s "
-          f"after {args.warm_up:g} s of warm-up; the median of {args.rounds} round(s), the "
-          f"servers taking turns; {os.cpu_count()} cores")
+          f"{args.seconds:g} s after {args.warm_up:g} s of warm-up; the median of "
+          f"{args.rounds} round(s), the servers taking turns; {os.cpu_count()} cores")
     for transport in transports:
         print(f"\n{transport} ({CLIENTS[transport]})")
         gpu = args.device != "cpu"

@@ -45,7 +45,8 @@ device memory in use while each server ran, less what was in use before it start
         [--device cuda] [--plot FILE.png]
     multipy run benchmarks/serve_load.py --replot FILE.json --plot FILE.png
 
---json keeps the figures with the machine, the date and the commit; --plot draws, for
+--json keeps the figures with the machine, the date and the commit, written again after
+each model and N, so that a run stopped part-way keeps what it measured; --plot draws, for
 each model, requests/s, p50 and p99 latency and memory against N, a line per server and
 transport, with those three in its title.
 """
@@ -160,11 +161,16 @@ def pss_tree(pid: int) -> int:
     return total
 
 
+def _gpu(query: str) -> str:
+    """nvidia-smi's answer to --query-gpu=query for GPU 0."""
+    return subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits",
+                           "--id=0"], capture_output=True, text=True, check=True,
+                          timeout=60).stdout.strip()
+
+
 def device_memory_mib() -> float:
     """The memory in use on GPU 0, as nvidia-smi reports it, in MiB."""
-    answer = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                             "--id=0"], capture_output=True, text=True, check=True, timeout=60)
-    return float(answer.stdout.split()[0])
+    return float(_gpu("memory.used"))
 
 
 def _wait_ready(port: int, process: subprocess.Popen, grpc_port: int | None = None,
@@ -616,13 +622,16 @@ def main() -> None:
                         help="where every server runs the model: cpu, or cuda (the GPU's "
                              "memory measured too) (cpu)")
     parser.add_argument("--plot", help="also plot the figures into this PNG")
-    parser.add_argument("--replot", help="plot (--plot) this --json file's figures; run nothing")
+    parser.add_argument("--replot", help="plot (--plot) this --json file's figures, and print "
+                             "their tables; run nothing")
     args = parser.parse_args()
     if args.replot:
         if not args.plot:
             parser.error("--replot needs --plot")
         with open(args.replot) as f:
-            plot(json.load(f), args.plot)
+            figures = json.load(f)
+        report(figures)
+        plot(figures, args.plot)
         return
     counts = [int(n) for n in args.counts.split(",")]
     transports = tuple(args.transports.split(","))
@@ -667,25 +676,42 @@ def main() -> None:
                                  "clients": args.clients * n, "servers": here,
                                  "rounds": {name: rounds[name, transport] for name in here},
                                  **{name: _medians(rounds[name, transport]) for name in here}})
-    report(rows, transports, args)
-    figures = {**provenance(), "models": args.models, "transports": args.transports,
-               "peers": list(peers), "seconds": args.seconds,
-               "setting": f"N interpreters or workers, {args.clients}N closed-loop clients "
-                          f"(processes; wrk's: connections), {args.seconds:g} s after "
-                          f"{args.warm_up:g} s of warm-up; the median of {args.rounds} "
-                          f"round(s), the servers taking turns",
-               "rows": rows}
+                if args.json:  # so far: a run stopped part-way keeps what it measured
+                    _write(args.json, _figures(rows, peers, args))
+    figures = _figures(rows, peers, args)
+    report(figures)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=1)
+        _write(args.json, figures)
     if args.plot:
         plot(figures, args.plot)
 
 
+def _figures(rows: list[dict], peers: tuple, args) -> dict:
+    """What --json keeps: the rows measured, with the setting, the machine, the date and
+    the commit."""
+    return {**provenance(), "models": args.models, "transports": args.transports,
+            "peers": list(peers), "seconds": args.seconds, "device": args.device,
+            **({"gpu": _gpu("name")} if args.device != "cpu" else {}),
+            "setting": f"N interpreters or workers, {args.clients}N closed-loop clients "
+                       f"(processes; wrk's: connections), {args.seconds:g} s after "
+                       f"{args.warm_up:g} s of warm-up; the median of {args.rounds} "
+                       f"round(s), the servers taking turns",
+            "rows": rows}
+
+
+def _write(path: str, figures: dict) -> None:
+    """figures into the JSON file at path, whole or not at all (a new file renamed over
+    it)."""
+    with open(path + ".new", "w") as f:
+        json.dump(figures, f, indent=1)
+    os.replace(path + ".new", path)
+
+
 def plot(figures: dict, path: str) -> None:
-    """A PNG at path: for each model, a row of three panels against N (requests/s; p50,
-    solid, and p99, dashed, latency; PSS), a line per server and transport, titled with
-    the setting, the machine, the date and the commit (figures, as --json writes them)."""
+    """A PNG at path: for each model, a row of panels against N (requests/s; p50, solid,
+    and p99, dashed, latency; PSS; on a GPU, the device memory each server added), a line
+    per server and transport, titled with the setting, the machine, the date and the
+    commit (figures, as --json writes them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -693,7 +719,11 @@ def plot(figures: dict, path: str) -> None:
 
     rows = figures["rows"]
     models = list(dict.fromkeys(row["model"] for row in rows))
-    fig, axes = plt.subplots(len(models), 3, figsize=(13, 3.8 * len(models)), squeeze=False)
+    panels = ["requests/s", "latency, ms (p50 solid, p99 dashed)", "memory, PSS MiB"]
+    if figures.get("device", "cpu") != "cpu":
+        panels.append("device memory added, MiB")
+    fig, axes = plt.subplots(len(models), len(panels), squeeze=False,
+                             figsize=(4.4 * len(panels), 3.8 * len(models)))
     for line, model in zip(axes, models):
         mine = [row for row in rows if row["model"] == model]
         lines = dict.fromkeys((name, row["transport"]) for row in mine for name in row["servers"])
@@ -707,19 +737,25 @@ def plot(figures: dict, path: str) -> None:
             line[1].plot(ns, [f["p99_ms"] for _, f in points], linestyle="--",
                          color=style["color"], marker="x")
             line[2].plot(ns, [f["pss_mib"] for _, f in points], **style)
-        for ax, label in zip(line, ("requests/s", "latency, ms (p50 solid, p99 dashed)",
-                                    "memory, PSS MiB")):
+            if len(panels) > 3:
+                line[3].plot(ns, [f["device_mib"] for _, f in points], **style)
+        for ax, label in zip(line, panels):
             ax.set_xlabel("N (interpreters or workers)")
             ax.set_ylabel(label)
             ax.set_xticks(sorted({row["n"] for row in mine}))
             ax.set_ylim(bottom=0)
             ax.set_title(model, fontsize=9)
         line[0].legend(fontsize=8)
-    fig.suptitle(f"multipy serve and its peers: {figures['setting']}\n" + run_line(figures),
+    fig.suptitle(f"multipy serve and its peers: {figures['setting']}\n" + _run_line(figures),
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _run_line(figures: dict) -> str:
+    """run_line(figures), with the GPU's name where the models ran on one."""
+    return run_line(figures) + (f", {figures['gpu']}" if "gpu" in figures else "")
 
 
 def _ratios(ours: dict, theirs: dict) -> tuple[float, float]:
@@ -728,16 +764,15 @@ def _ratios(ours: dict, theirs: dict) -> tuple[float, float]:
             ours["pss_mib"] / theirs["pss_mib"])
 
 
-def report(rows: list[dict], transports: tuple, args) -> None:
-    """Prints a table per transport, with on each peer's row the ratios multipy / that
-    peer, then each ratio with each round's requests/s, and multipy's growth from the
-    first N to the last."""
-    print(f"\nN interpreters or workers, {args.clients}N client processes (wrk: connections), "
-          f"{args.seconds:g} s after {args.warm_up:g} s of warm-up; the median of "
-          f"{args.rounds} round(s), the servers taking turns; {os.cpu_count()} cores")
+def report(figures: dict) -> None:
+    """Prints, from figures (as --json writes them), a table per transport, with on each
+    peer's row the ratios multipy / that peer, then each ratio with each round's
+    requests/s, and multipy's growth from the first N to the last."""
+    rows, transports = figures["rows"], figures["transports"].split(",")
+    gpu = figures.get("device", "cpu") != "cpu"
+    print(f"\n{figures['setting']}; {_run_line(figures)}")
     for transport in transports:
         print(f"\n{transport} ({CLIENTS[transport]})")
-        gpu = args.device != "cpu"
         print(f"{'model':15s} {'server':28s} {'N':>2s} {'req/s':>8s} {'p50 ms':>8s} "
               f"{'p99 ms':>8s} {'PSS MiB':>8s} " + (f"{'GPU MiB':>8s} " if gpu else "")
               + f"{'cores':>6s} {'clients':>7s} {'wrong':>6s} {'ratio':>12s}")
@@ -762,11 +797,11 @@ def report(rows: list[dict], transports: tuple, args) -> None:
             each = ", ".join(f"{a['requests_per_second']:.0f}/{b['requests_per_second']:.0f}"
                              for a, b in zip(row["rounds"][ours], row["rounds"][peer]))
             device = (f", GPU memory {row[ours]['device_mib'] / row[peer]['device_mib']:.2f}x"
-                      if args.device != "cpu" else "")
+                      if gpu else "")
             print(f"  {row['model']}, {row['transport']}, N={row['n']}: {NAMES[ours]} / "
                   f"{NAMES[peer]}: requests/s {requests:.2f}x, memory {memory:.2f}x{device}   "
                   f"(req/s by round, {NAMES[ours]}/{NAMES[peer]}: {each})")
-    for model in args.models.split(","):
+    for model in figures["models"].split(","):
         for transport in transports:
             mine = [row for row in rows if row["model"] == model and row["transport"] == transport]
             if len(mine) > 1:

@@ -1,16 +1,20 @@
 #!/bin/bash
 # The GPU checks of docs/gpu.md, in one go, on a machine with a CUDA GPU and a CUDA
 # torch (python3, or $PYTHON): builds multipy's C in place, then runs each step, its
-# output in $OUT (default: gpu-results/).  STEPS picks steps (default: all of them):
+# output in $OUT (default: gpu-results/).  STEPS picks steps (default: all of them, in
+# this order):
 #   info      multipy info, the machine and the build          -> machine.txt
+#   gpu       tests/test_gpu.py                                 -> gpu-tests.txt
 #   probe     benchmarks/gpu/probe.py, interpreters (hardware queues 8, then 32), then
 #             processes                                         -> probe.json, probe.err
-#   gpu       tests/test_gpu.py                                 -> gpu-tests.txt
 #   bench     multipy bench --device cuda: the Python-heavy model and ResNet-18 at batch
 #             1 (n = 1, 8), ResNet-18 at batch 8 ($BATCHES) -> bench.txt, bench1/, bench8/
+#   tests     the whole test suite (pytest-xdist, $TESTS_WORKERS processes, a file's tests
+#             in one, as `make test` runs it)               -> tests.txt
 #   serve     benchmarks/serve_load.py --device cuda: multipy serve beside the floor (and
-#             KServe, where its python is given as $KSERVE_PYTHON), JSON clients -> serve.txt
-#   tests     the whole test suite (pytest-xdist's -n 8)        -> tests.txt
+#             KServe, where its python is given as $KSERVE_PYTHON), JSON clients, the
+#             Python-heavy model and ResNet-18 ($SERVE_MODELS) at N = 2, 4, 8
+#             ($SERVE_COUNTS)   -> serve.txt, serve.json (written after each N), serve.png
 # Wheels in .whl/ (benchmarks/gpu/wheels.sh, carried along) are installed first: the
 # serving stack and the tests' client into /tmp/site, KServe into /tmp/kserve-site (with
 # $KSERVE_PYTHON, a python that finds it first).
@@ -18,7 +22,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu-results}
-STEPS=${STEPS:-info gpu probe bench serve tests}
+STEPS=${STEPS:-info gpu probe bench tests serve}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -69,15 +73,17 @@ if step bench; then
     done >"$OUT/bench.txt" 2>&1
     grep -v "━\|─" "$OUT/bench.txt" | tail -60
 fi
+if step tests; then
+    timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -v -rfE -n ${TESTS_WORKERS:-12} \
+        --dist loadfile -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1
+    echo "tests: exit $?"; grep -E "FAILED|ERROR" "$OUT/tests.txt" | head -20; tail -3 "$OUT/tests.txt"
+fi
 if step serve; then
     peers=floor; [ -n "${KSERVE_PYTHON:-}" ] && peers=floor,kserve
     timeout ${SERVE_TIMEOUT:-240} $PY -m multipy run benchmarks/serve_load.py --device cuda \
-        --models ${SERVE_MODELS:-simple,python_heavy} --counts ${SERVE_COUNTS:-8} \
+        --models ${SERVE_MODELS:-python_heavy,resnet} --counts ${SERVE_COUNTS:-2,4,8} \
         --transports json --peers $peers ${KSERVE_PYTHON:+--peer-python $KSERVE_PYTHON} \
-        --seconds 5 --warm-up 2 --rounds 1 >"$OUT/serve.txt" 2>&1
-    echo "serve: exit $?"; tail -20 "$OUT/serve.txt"
-fi
-if step tests; then
-    timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -v -rf -n 8 -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1
-    echo "tests: exit $?"; grep -E "FAILED|ERROR" "$OUT/tests.txt" | head -20; tail -3 "$OUT/tests.txt"
+        --seconds ${SERVE_SECONDS:-5} --warm-up 2 --rounds 1 --json "$OUT/serve.json" \
+        --plot "$OUT/serve.png" >"$OUT/serve.txt" 2>&1
+    echo "serve: exit $?"; tail -40 "$OUT/serve.txt"
 fi

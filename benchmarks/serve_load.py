@@ -538,12 +538,13 @@ def _medians(runs: list[dict]) -> dict:
                   else statistics.median(run[key] for run in runs)) for key in runs[0]}
 
 
-def example(directory: str, model: str) -> tuple[str, list, list]:
+def example(directory: str, model: str, device: str = "cpu") -> tuple[str, list, list]:
     """The example package `model` written into directory: its path, its example inputs
     as (name, datatype, numpy array) triples (named after forward's parameters, as a
     model that declares its inputs names them; FP32, or BYTES for arrays of bytes), and
-    the model's outputs for them, run eagerly here, as numpy arrays (output0, output1,
-    ...)."""
+    the model's outputs for them, run eagerly here on device, where the servers run it
+    (on a GPU torch's defaults change the arithmetic: cuDNN convolutions in TF32, about
+    1e-3 relative), as numpy arrays (output0, output1, ...)."""
     import inspect
 
     import numpy as np
@@ -557,12 +558,13 @@ def example(directory: str, model: str) -> tuple[str, list, list]:
     path = generate(directory, [model])[model]
     importer = torch.package.PackageImporter(path)
     inputs = importer.load_pickle("model", "example.pkl")
-    packaged = importer.load_pickle("model", "model.pkl")
+    packaged = importer.load_pickle("model", "model.pkl", map_location=device)
     with torch.no_grad():
-        result = packaged(*inputs)
+        result = packaged(*(x.to(device) if isinstance(x, torch.Tensor) else x
+                            for x in inputs))
     names = list(inspect.signature(packaged.forward).parameters)
     arrays = [x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x) for x in inputs]
-    expected = [x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    expected = [x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
                 for x in (result if isinstance(result, (tuple, list)) else (result,))]
     return path, [(name, np_to_triton_dtype(x.dtype), x) for name, x in zip(names, arrays)], \
         expected
@@ -650,7 +652,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for model in args.models.split(","):
-            path, inputs, expected = example(directory, model)
+            path, inputs, expected = example(directory, model, args.device)
             for n in counts:
                 speaks = {name: tuple(t for t in transports if t in SPEAKS[name])
                           for name in servers}

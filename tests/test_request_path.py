@@ -255,6 +255,41 @@ def test_a_connection_lingers_from_its_first_answer_until_a_second_request():
     assert asyncio.run(exchange(3)) == [[1], [1, -1], [1, -1], [1, -1, "lost"]]
 
 
+def test_a_connection_closed_after_its_answer_counts_as_lost_as_the_answer_ends():
+    """A connection that the server closes once it has answered (the client said
+    Connection: close, or the protocol serves one request a connection) counts as lost
+    (on_lost) as the answer completes, before the application's send returns, not turns
+    later when the loop gets to connection_lost: a front end that accepts a connection
+    meanwhile is not taken for one that still serves another (freer_front_end); one
+    kept alive is not lost then."""
+    said = []
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+        said.append("answered")
+
+    async def exchange(header: bytes, one_request: bool) -> list:
+        said.clear()
+        async with _serving(Limits(), app, on_lost=lambda: said.append("lost"),
+                            one_request=one_request) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n")
+            await asyncio.wait_for(reader.readuntil(b"ok"), 10)
+            for _ in range(500):  # (until the app has returned)
+                if "answered" in said:
+                    break
+                await asyncio.sleep(0.01)
+            seen = list(said)
+            writer.close()
+            return seen
+
+    assert asyncio.run(exchange(b"Connection: close\r\n", False)) == ["lost", "answered"]
+    assert asyncio.run(exchange(b"", True)) == ["lost", "answered"]
+    assert asyncio.run(exchange(b"", False)) == ["answered"]  # (kept alive)
+
+
 def test_a_front_end_s_lingering_connections_do_not_make_another_freer():
     """A front end that has just accepted a connection gives it to another that accepts,
     runs no call and serves fewer, counting its own open connections but the lingering

@@ -76,6 +76,8 @@ def test_metrics_sum_every_writers_row():
         "compute_input", "queue", "compute_infer", "compute_output")] == [2, 4, 6, 8]
     assert stats["b"]["inference_count"] == 3 and stats["b"]["execution_count"] == 1
     assert samples[("multipy_interpreters", ())] == 2
+    assert samples[("multipy_connections_accepted_total", (("by", "interpreter"),))] == 2
+    assert samples[("multipy_connections_handed_total", ())] == 2  # (one to each)
     assert [host.open_connections(k) for k in (0, 1, 2)] == [0, 1, 1]
     # (and one more handed to the second that it has not taken yet)
     assert [host.open_connections(k, handed) for k, handed in ((1, 1), (2, 2))] == [1, 2]

@@ -201,7 +201,8 @@ class _Guarded:
         self.server_state.total_requests += 1
         if self.progress is not None:
             self.progress.set()
-        if self.transport.is_closing():
+        if self.transport.is_closing():  # (answered, and closing: it serves no more)
+            self._lost()
             return
         self.flow.resume_reading()
         if self.pipeline:

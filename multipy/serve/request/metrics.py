@@ -467,8 +467,14 @@ class _Collector:
         by_interpreters = sum(board.row(at)[ACCEPTED] for at in rows)
         accepted.add_metric(["interpreter"], by_interpreters)
         accepted.add_metric(["host"], board.total(ACCEPTED) - by_interpreters)
+        handed = CounterMetricFamily(
+            "multipy_connections_handed",
+            "Connections the host handed to a front end: those a front end gave back "
+            "unread, having just accepted them while another one was freer, and those the "
+            "host accepted itself (or, with --processes, its supervisor gave it)")
+        handed.add_metric([], sum(board.row(at)[RECEIVED] for at in rows))
         yield from (requests, failures, latency, queued, busy, calls, batched, pieces,
-                    interpreters, stuck, accepted)
+                    interpreters, stuck, accepted, handed)
 
 
 def _bound(value: float) -> str:

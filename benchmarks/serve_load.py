@@ -47,8 +47,9 @@ device memory in use while each server ran, less what was in use before it start
 
 --json keeps the figures with the machine, the date and the commit, written again after
 each model and N, so that a run stopped part-way keeps what it measured; --plot draws, for
-each model, requests/s, p50 and p99 latency and memory against N, a line per server and
-transport, with those three in its title.
+each model, requests/s, p50 and p99 latency and memory (and on a GPU the device memory)
+against N, a line per server and transport, with the setting, the machine (and GPU), the
+date and the commit in its title.
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@
 #             processes                                         -> probe.json, probe.err
 #   bench     multipy bench --device cuda: the Python-heavy model and ResNet-18 at batch
 #             1 (n = 1, 8), ResNet-18 at batch 8 ($BATCHES) -> bench.txt, bench1/, bench8/
-#   tests     the whole test suite (pytest-xdist, $TESTS_WORKERS processes, a file's tests
+#   tests     the whole test suite (pytest-xdist, $TESTS_WORKERS processes, one a core by
+#             default, a file's tests
 #             in one, as `make test` runs it)               -> tests.txt
 #   serve     benchmarks/serve_load.py --device cuda: multipy serve beside the floor (and
 #             KServe, where its python is given as $KSERVE_PYTHON), JSON clients, the
@@ -74,13 +75,13 @@ if step bench; then
     grep -v "━\|─" "$OUT/bench.txt" | tail -60
 fi
 if step tests; then
-    timeout ${TESTS_TIMEOUT:-200} $PY -m multipy run -m pytest -v -rfE -n ${TESTS_WORKERS:-12} \
+    timeout ${TESTS_TIMEOUT:-300} $PY -m multipy run -m pytest -v -rfE -n ${TESTS_WORKERS:-$(nproc)} \
         --dist loadfile -p no:cacheprovider tests >"$OUT/tests.txt" 2>&1
     echo "tests: exit $?"; grep -E "FAILED|ERROR" "$OUT/tests.txt" | head -20; tail -3 "$OUT/tests.txt"
 fi
 if step serve; then
     peers=floor; [ -n "${KSERVE_PYTHON:-}" ] && peers=floor,kserve
-    timeout ${SERVE_TIMEOUT:-240} $PY -m multipy run benchmarks/serve_load.py --device cuda \
+    timeout ${SERVE_TIMEOUT:-420} $PY -m multipy run benchmarks/serve_load.py --device cuda \
         --models ${SERVE_MODELS:-python_heavy,resnet} --counts ${SERVE_COUNTS:-2,4,8} \
         --transports json --peers $peers ${KSERVE_PYTHON:+--peer-python $KSERVE_PYTHON} \
         --seconds ${SERVE_SECONDS:-5} --warm-up 2 --rounds 1 --json "$OUT/serve.json" \

@@ -650,6 +650,7 @@ def main() -> None:
                     if set(SPEAKS[name]) & set(transports))
     kserve_python = (args.peer_python or ensure_peer_venv(args.peer_venv)
                      if "kserve" in servers else None)
+    gpu = _gpu("name") if args.device != "cpu" else None
     rows = []
     with tempfile.TemporaryDirectory() as directory:
         for model in args.models.split(","):
@@ -680,8 +681,8 @@ def main() -> None:
                                  "rounds": {name: rounds[name, transport] for name in here},
                                  **{name: _medians(rounds[name, transport]) for name in here}})
                 if args.json:  # so far: a run stopped part-way keeps what it measured
-                    _write(args.json, _figures(rows, peers, args))
-    figures = _figures(rows, peers, args)
+                    _write(args.json, _figures(rows, peers, gpu, args))
+    figures = _figures(rows, peers, gpu, args)
     report(figures)
     if args.json:
         _write(args.json, figures)
@@ -689,12 +690,12 @@ def main() -> None:
         plot(figures, args.plot)
 
 
-def _figures(rows: list[dict], peers: tuple, args) -> dict:
-    """What --json keeps: the rows measured, with the setting, the machine, the date and
-    the commit."""
+def _figures(rows: list[dict], peers: tuple, gpu: str | None, args) -> dict:
+    """What --json keeps: the rows measured, with the setting, the machine (and gpu, the
+    GPU's name, where the models ran on one), the date and the commit."""
     return {**provenance(), "models": args.models, "transports": args.transports,
             "peers": list(peers), "seconds": args.seconds, "device": args.device,
-            **({"gpu": _gpu("name")} if args.device != "cpu" else {}),
+            **({"gpu": gpu} if gpu is not None else {}),
             "setting": f"N interpreters or workers, {args.clients}N closed-loop clients "
                        f"(processes; wrk's: connections), {args.seconds:g} s after "
                        f"{args.warm_up:g} s of warm-up; the median of {args.rounds} "

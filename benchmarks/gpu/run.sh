@@ -10,8 +10,7 @@
 #   bench     multipy bench --device cuda: the Python-heavy model and ResNet-18 at batch
 #             1 (n = 1, 8), ResNet-18 at batch 8 ($BATCHES) -> bench.txt, bench1/, bench8/
 #   tests     the whole test suite (pytest-xdist, $TESTS_WORKERS processes, one a core by
-#             default, a file's tests
-#             in one, as `make test` runs it)               -> tests.txt
+#             default, a file's tests in one, as `make test` runs it)  -> tests.txt
 #   serve     benchmarks/serve_load.py --device cuda: multipy serve beside the floor (and
 #             KServe, where its python is given as $KSERVE_PYTHON), JSON clients, the
 #             Python-heavy model and ResNet-18 ($SERVE_MODELS) at N = 2, 4, 8

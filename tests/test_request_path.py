@@ -330,6 +330,9 @@ def test_an_answer_s_head_leaves_with_its_body_in_one_write():
         def close(self):
             self.closed = True
 
+        def is_closing(self):
+            return self.closed
+
         def get_extra_info(self, name):
             return None  # (no socket)
 
@@ -345,7 +348,7 @@ def test_an_answer_s_head_leaves_with_its_body_in_one_write():
     assert transport.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
                                 b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n",
                                 b"HTTP/1.1 204 No Content\r\n\r\n"]
-    assert transport.closed
+    assert transport.closed and coalescing.is_closing()
 
 
 def test_a_head_request_is_answered_though_its_answer_has_no_body_to_write():

@@ -75,8 +75,9 @@ def test_small_hostile_requests_are_refused_without_stalling_or_exhausting(serve
 
 def test_request_heads_are_bounded_in_size_and_fields(served):
     """A head past --max-header-size (64 KiB by default), in one huge header or in many,
-    or with more than --max-headers fields (100), is a 431 before the rest is parsed;
-    a head just inside both is served, and so is the next request."""
+    or with more than --max-headers fields (100), is a 431 before the rest is parsed,
+    however its bytes come; a head just inside both is served, and so is the next
+    request."""
     good = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32",
                                    "data": [3]}]}).encode()
     start = b"POST /v2/models/cast/infer HTTP/1.1\r\nHost: test\r\n"
@@ -90,6 +91,19 @@ def test_request_heads_are_bounded_in_size_and_fields(served):
     fields = start + b"".join(b"X-%d: c\r\n" % i for i in range(150)) + end
     status, message = _answer_while_sending(served, [fields])
     assert status == 431 and "--max-headers" in message
+    # 101 fields (Host, Content-Length and 99 more), sent a byte at a time: refused
+    fields = start + b"".join(b"X-%d: c\r\n" % i for i in range(99)) + end
+    status, message = _answer_while_sending(served, [fields[i:i + 1]
+                                                     for i in range(len(fields))])
+    assert status == 431 and "--max-headers" in message
+    # 100, in pieces that end within a line and within the head's end: served
+    fields = start + b"".join(b"X-%d: c\r\n" % i for i in range(98)) + end
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
+        for i in range(0, len(fields), 7):
+            sock.sendall(fields[i:i + 7])
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 200, response.read()
     inside = start + b"".join(b"X-%d: %s\r\n" % (i, b"d" * 500) for i in range(90)) + end
     with socket.create_connection(("127.0.0.1", served.port), timeout=60) as sock:
         sock.sendall(inside)

@@ -81,3 +81,25 @@ def test_every_name_of_uvicorn_that_the_adapter_uses_is_declared():
                 and node.value.attr in ("cycle", "flow", "server_state"):
             used.add(node.attr)
     assert used and used <= declared, sorted(used - declared)
+
+
+def test_the_guarded_protocol_sets_up_what_uvicorns_sets_up():
+    """The guarded protocol's own __init__ (uvicorn's less its loggers' look-ups) and
+    connection_made set every attribute that uvicorn's set: a uvicorn that sets one
+    more fails here, by name, not at a connection."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from multipy.serve.http.uvicorn_protocol import _Guarded
+
+    def assigned(function) -> set[str]:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        return {target.attr for node in ast.walk(tree)
+                for target in (node.targets if isinstance(node, ast.Assign) else
+                               [node.target] if isinstance(node, ast.AnnAssign) else [])
+                for target in (target.elts if isinstance(target, ast.Tuple) else [target])
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                and target.value.id == "self"}
+
+    theirs = assigned(HttpToolsProtocol.__init__) | assigned(HttpToolsProtocol.connection_made)
+    ours = assigned(_Guarded.__init__) | assigned(_Guarded.connection_made)
+    assert "logger" in ours and theirs <= ours, sorted(theirs - ours)

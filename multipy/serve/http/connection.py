@@ -57,13 +57,15 @@ class Coalescing:
     until the first piece of its body, the answer's end or the connection's close, and
     writes the two together: one system call, and for a small answer one TCP segment,
     instead of two.  An interim answer (1xx: the 100 Continue that a client waits for
-    before it sends its body) is written at once.  The rest is the transport's own;
+    before it sends its body) is written at once.  The rest is the transport's own
+    (``is_closing``, asked several times a request, without a look-up that fails first);
     ``fd``: its socket's file descriptor (-1 if it has none)."""
 
-    __slots__ = ("_transport", "_head", "fd")
+    __slots__ = ("_transport", "_head", "fd", "is_closing")
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self._transport = transport
+        self.is_closing = transport.is_closing
         self._head: bytes | None = None
         connection = transport.get_extra_info("socket")
         self.fd = -1 if connection is None else connection.fileno()

@@ -7,7 +7,8 @@ beyond its public API.
 A connection served by ``guarded``'s protocol:
 
 - is set up without looking up the addresses of its two ends (the ASGI scope's
-  ``server`` and ``client`` are None) or TLS (multipy serve speaks none);
+  ``server`` and ``client`` are None) or TLS (multipy serve speaks none), and with
+  uvicorn's two loggers looked up once, not again for each connection;
 - has its request's head counted as it comes (431 past --max-header-size or
   --max-headers), and its request timed from its first byte (408 past --read-timeout);
   a body that httptools reads as chunked though its Transfer-Encoding is not chunked
@@ -29,6 +30,8 @@ from __future__ import annotations
 import asyncio
 import http
 import json
+import logging
+from collections import deque
 from typing import Any, Callable
 
 import httptools
@@ -41,6 +44,9 @@ __all__ = ["guarded"]
 #: The bytes of empty lines, which before a request are ignored (RFC 9112, 2.2): they do
 #: not end a connection's idle time.
 _EMPTY_LINES = b"\r\n"
+#: uvicorn's loggers, which its protocol looks up for each connection (under logging's
+#: lock): the same two every time.
+_LOGGERS = (logging.getLogger("uvicorn.error"), logging.getLogger("uvicorn.access"))
 
 
 class _Refused(Exception):
@@ -74,6 +80,52 @@ class _Guarded:
     _one_request: bool
     _base_on_header: Callable[[Any, bytes, bytes], None]
 
+    # A connection's state as it begins (its instance's own once changed).
+    received = 0
+    progress: asyncio.Event | None = None
+    _counted_lost = False  # (on_lost called)
+    _idled = False  # (it has gone idle before: it lingers only the first time)
+    _lingers = False
+    _heading = True  # bytes that come now belong to a request's head
+    _head = 0  # the head's bytes so far
+    _tail = b""
+    _refusal: tuple[int, str] | None = None
+    # when the request under way (or the connection) began; when the connection went
+    # idle (answered, no byte of a next request yet); and the one timer that watches
+    # both, and when it comes: at or before the earlier one's deadline
+    _since: float | None = None
+    _idle: float | None = None
+    _watch: asyncio.TimerHandle | None = None
+    _watch_at = 0.0
+
+    def __init__(self, config: Any, server_state: Any, app_state: dict[str, Any],
+                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+        # uvicorn's, but for its two loggers, looked up once (_LOGGERS), and what
+        # connection_made sets (tests/test_uvicorn_seam.py checks that the two set
+        # every attribute that uvicorn's sets)
+        if not config.loaded:
+            config.load()
+        self.config = config
+        self.app = config.loaded_app
+        self.loop = _loop or asyncio.get_event_loop()
+        self.logger, self.access_logger = _LOGGERS
+        self.access_log = self.access_logger.hasHandlers()
+        self.parser = httptools.HttpRequestParser(self)
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        self.ws_protocol_class = config.ws_protocol_class
+        self.root_path = config.root_path
+        self.asgi_version = config.asgi_version
+        self.limit_concurrency = config.limit_concurrency
+        self.app_state = app_state
+        self.timeout_keep_alive_task = None
+        self.timeout_keep_alive = config.timeout_keep_alive
+        self.server_state = server_state
+        self.connections = server_state.connections
+        self.tasks = server_state.tasks
+        self.pipeline = deque()
+        self.scope = self.headers = self.cycle = None
+        self.expect_100_continue = False
+
     def connection_made(self, transport: asyncio.Transport) -> None:
         # uvicorn's, less what nothing here reads, which costs a connection two system
         # calls and four objects: the addresses of its two ends (the ASGI scope's
@@ -83,22 +135,6 @@ class _Guarded:
         self.flow = FlowControl(transport)  # (flow control: the real one)
         self.server = self.client = None
         self.scheme = "http"
-        self.received = 0
-        self._counted_lost = False  # (on_lost called)
-        self._idled = False  # (it has gone idle before: it lingers only the first time)
-        self._lingers = False
-        self.progress: asyncio.Event | None = None
-        self._heading = True  # bytes that come now belong to a request's head
-        self._head = 0
-        self._tail = b""
-        self._refusal: tuple[int, str] | None = None
-        # when the request under way (or the connection) began; when the connection
-        # went idle (answered, no byte of a next request yet); and the one timer that
-        # watches both, and when it comes: at or before the earlier one's deadline
-        self._since: float | None = None
-        self._idle: float | None = None
-        self._watch: asyncio.TimerHandle | None = None
-        self._watch_at = 0.0
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:

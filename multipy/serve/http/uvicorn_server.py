@@ -86,6 +86,7 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     (_PROTOCOL, "connection_lost(exc)", "method"),
     (_PROTOCOL, "data_received(data)", "method"),
     (_PROTOCOL, "on_message_begin()", "method"),
+    (_PROTOCOL, "__init__(config, server_state, app_state, _loop)", "method"),
     (_PROTOCOL, "on_header(name, value)", "method"),
     (_PROTOCOL, "on_headers_complete()", "method"),
     (_PROTOCOL, "on_message_complete()", "method"),
@@ -149,6 +150,19 @@ def connection_of(send: Callable) -> int | None:
     return -1 if cycle.disconnected else cycle.transport.fd
 
 
+#: uvicorn's default headers (Server, Date) that an answer was last written with, and
+#: their header lines: uvicorn makes a new list of them once a second.
+_defaults: tuple[list | None, bytes] = (None, b"")
+
+
+def _default_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """headers' lines, each ending in CRLF, made once for each list of them."""
+    global _defaults
+    if _defaults[0] is not headers:
+        _defaults = (headers, b"".join(b"%s: %s\r\n" % pair for pair in headers))
+    return _defaults[1]
+
+
 def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:
     """Writes a whole answer, status with head (its header lines but Content-Length, each
     ending in CRLF, valid as they are) and body, in one write, as uvicorn's httptools
@@ -165,9 +179,8 @@ def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:
         return False
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
-    lines = [STATUS_LINE[status]]
-    lines += [b"%s: %s\r\n" % pair for pair in cycle.default_headers]  # (server, date)
-    lines += [head, b"content-length: %d\r\n" % len(body)]
+    lines = [STATUS_LINE[status], _default_lines(cycle.default_headers), head,
+             b"content-length: %d\r\n" % len(body)]
     if not cycle.keep_alive:
         lines.append(b"connection: close\r\n")
     lines += [b"\r\n", body]

@@ -161,10 +161,6 @@ class Metrics:
         self.first, self.processes, self.row = first, processes, row
         self.board = Board(rows, board_width(self.slots), address, fd)
         self._values = values = self.board.row(first + row)
-        self._closed = Count(values, CLOSED)
-        self._accepted = Count(values, ACCEPTED)
-        self._opened = Count(values, OPENED)
-        self._received = Count(values, RECEIVED)
         self._decoding = Count(values, DECODING)
         self._lingering = 0  # (this writer's: see ``lingering``)
         #: model name -> its series in this writer's row
@@ -195,20 +191,22 @@ class Metrics:
                               self.board.most(at + UNHEALTHY_AT))
         return None if healthy == unhealthy == 0.0 else healthy > unhealthy
 
+    # (the three below, once or twice a connection, write the board's row directly)
     def opened_connection(self, received: bool) -> None:
         """This writer (a front end) serves a new connection: one the host handed it
         (received), or one it accepted."""
-        self._opened.inc()
+        values = self._values
+        values[OPENED] += 1.0
         if received:
-            self._received.inc()
+            values[RECEIVED] += 1.0
 
     def accepted_connection(self) -> None:
         """This writer accepted a connection from the listening socket (whoever serves
         it)."""
-        self._accepted.inc()
+        self._values[ACCEPTED] += 1.0
 
     def closed_connection(self) -> None:
-        self._closed.inc()
+        self._values[CLOSED] += 1.0
 
     def lingering(self, delta: int) -> None:
         """One more (delta 1) or one fewer (-1) of this writer's connections has

@@ -65,8 +65,9 @@ def test_uvicorn_has_what_multipy_relies_on(where, name, kind):
 
 
 def test_every_name_of_uvicorn_that_the_adapter_uses_is_declared():
-    """The adapter (its two modules) reads no attribute of a uvicorn cycle or protocol
-    that RELIED_ON does not name (a new use must be declared, and so checked)."""
+    """The adapter (its two modules) reads no attribute of a uvicorn cycle, protocol,
+    config or server state that RELIED_ON does not name (a new use must be declared, and
+    so checked)."""
     from multipy.serve.http import uvicorn_protocol, uvicorn_server
 
     declared = {name.partition("(")[0] for _, name, _ in RELIED_ON}
@@ -74,7 +75,7 @@ def test_every_name_of_uvicorn_that_the_adapter_uses_is_declared():
     for node in (node for module in (uvicorn_server, uvicorn_protocol)
                  for node in ast.walk(ast.parse(inspect.getsource(module)))):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and node.value.id == "cycle":
+                and node.value.id in ("cycle", "config", "server_state"):
             used.add(node.attr)
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
                 and isinstance(node.value.value, ast.Name) and node.value.value.id == "self" \

@@ -78,7 +78,7 @@ _FLOW = "uvicorn.protocols.http.flow_control.FlowControl"
 #: beyond its public API, as
 #: (where, name, kind): kind "method" (a function of that class, called or overridden
 #: with these parameters), "attribute" (set on its instances by that class's code) or
-#: "name" (of that module).  tests/test_uvicorn_seam.py checks each.
+#: "name" (of that module, or of that class: a property).  tests/test_uvicorn_seam.py checks each.
 RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("uvicorn.protocols.http.httptools_impl", "STATUS_LINE", "name"),
     ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle", "name"),
@@ -128,6 +128,16 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("uvicorn.server.ServerState", "total_requests", "attribute"),
     ("uvicorn.server.ServerState", "connections", "attribute"),
     ("uvicorn.config.Config", "http_protocol_class", "attribute"),
+    # (read by the protocol's __init__, as uvicorn's reads them)
+    ("uvicorn.config.Config", "loaded", "attribute"),
+    ("uvicorn.config.Config", "load()", "method"),
+    ("uvicorn.config.Config", "loaded_app", "attribute"),
+    ("uvicorn.config.Config", "ws_protocol_class", "attribute"),
+    ("uvicorn.config.Config", "asgi_version", "name"),
+    ("uvicorn.config.Config", "root_path", "attribute"),
+    ("uvicorn.config.Config", "limit_concurrency", "attribute"),
+    ("uvicorn.config.Config", "timeout_keep_alive", "attribute"),
+    ("uvicorn.server.ServerState", "tasks", "attribute"),
     (_SERVER, "startup(sockets)", "method"),
     (_SERVER, "shutdown(sockets)", "method"),
     (_SERVER, "handle_exit(sig, frame)", "method"),
@@ -158,9 +168,10 @@ _defaults: tuple[list | None, bytes] = (None, b"")
 def _default_lines(headers: list[tuple[bytes, bytes]]) -> bytes:
     """headers' lines, each ending in CRLF, made once for each list of them."""
     global _defaults
-    if _defaults[0] is not headers:
-        _defaults = (headers, b"".join(b"%s: %s\r\n" % pair for pair in headers))
-    return _defaults[1]
+    made = _defaults  # (read once: another thread's server may make its own meanwhile)
+    if made[0] is not headers:
+        made = _defaults = (headers, b"".join(b"%s: %s\r\n" % pair for pair in headers))
+    return made[1]
 
 
 def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:

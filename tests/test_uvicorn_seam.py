@@ -27,23 +27,33 @@ def _find(where: str):
         return getattr(importlib.import_module(module), name)
 
 
+def _assigned(source: object) -> tuple[set[str], set[str]]:
+    """The attributes of self that source's code (a class's or a function's) sets, and the
+    plain names it assigns (a class body's declarations; a function's locals), read from
+    its source, a tuple's items each."""
+    on_self: set[str] = set()
+    plain: set[str] = set()
+    for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(source)))):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+        for target in (item for target in targets
+                       for item in (target.elts if isinstance(target, ast.Tuple) else [target])):
+            if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                    and target.value.id == "self":
+                on_self.add(target.attr)
+            elif isinstance(target, ast.Name):
+                plain.add(target.id)
+    return on_self, plain
+
+
 def _set_on_self(cls: type) -> set[str]:
-    """The attributes that cls's own code (and its bases' in uvicorn) sets on self, read
-    from the source, with those its class body declares."""
+    """The attributes that cls's own code (and its bases' in uvicorn) sets on self, with
+    those its class body declares."""
     names: set[str] = set()
     for klass in cls.__mro__:
-        if not klass.__module__.startswith("uvicorn"):
-            continue
-        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-            for target in targets:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
-                        and target.value.id == "self":
-                    names.add(target.attr)
-                elif isinstance(target, ast.Name):  # a class body's declaration
-                    names.add(target.id)
+        if klass.__module__.startswith("uvicorn"):
+            on_self, declared = _assigned(klass)
+            names |= on_self | declared
     return names
 
 
@@ -92,15 +102,7 @@ def test_the_guarded_protocol_sets_up_what_uvicorns_sets_up():
 
     from multipy.serve.http.uvicorn_protocol import _Guarded
 
-    def assigned(function) -> set[str]:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-        return {target.attr for node in ast.walk(tree)
-                for target in (node.targets if isinstance(node, ast.Assign) else
-                               [node.target] if isinstance(node, ast.AnnAssign) else [])
-                for target in (target.elts if isinstance(target, ast.Tuple) else [target])
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
-                and target.value.id == "self"}
-
-    theirs = assigned(HttpToolsProtocol.__init__) | assigned(HttpToolsProtocol.connection_made)
-    ours = assigned(_Guarded.__init__) | assigned(_Guarded.connection_made)
+    theirs = _assigned(HttpToolsProtocol.__init__)[0] | \
+        _assigned(HttpToolsProtocol.connection_made)[0]
+    ours = _assigned(_Guarded.__init__)[0] | _assigned(_Guarded.connection_made)[0]
     assert "logger" in ours and theirs <= ours, sorted(theirs - ours)

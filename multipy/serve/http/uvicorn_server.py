@@ -78,7 +78,8 @@ _FLOW = "uvicorn.protocols.http.flow_control.FlowControl"
 #: beyond its public API, as
 #: (where, name, kind): kind "method" (a function of that class, called or overridden
 #: with these parameters), "attribute" (set on its instances by that class's code) or
-#: "name" (of that module, or of that class: a property).  tests/test_uvicorn_seam.py checks each.
+#: "name" (of that module, or of that class: a property).  tests/test_uvicorn_seam.py
+#: checks each.
 RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("uvicorn.protocols.http.httptools_impl", "STATUS_LINE", "name"),
     ("uvicorn.protocols.http.httptools_impl", "RequestResponseCycle", "name"),

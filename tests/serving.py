@@ -7,6 +7,7 @@ modules use are conftest.py's session fixtures.
 """
 from __future__ import annotations
 
+import contextlib
 import http.client
 import importlib.util
 import json
@@ -538,6 +539,30 @@ def _until_opened(fifo: str) -> int:
         except OSError:  # no reader yet
             assert time.monotonic() < deadline
             time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def _every_interpreter_in_a_call(server: Server, tmp_path) -> Iterator[list]:
+    """Both interpreters of server in a call of model blocks that does not end (each on
+    a connection of its own: the connections, yielded), until the block is left: then
+    the calls end, and each is answered."""
+    fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
+    writers: list[int] = []
+    calls = []
+    try:
+        for fifo in fifos:  # the second connection goes to the interpreter not in a call
+            calls.append(_send_blocks(server, fifo))
+            writers.append(_until_opened(fifo))  # the call runs: it opened the FIFO
+        yield calls
+    finally:
+        for writer in writers:
+            os.write(writer, b"x")
+            os.close(writer)
+    for call, fifo in zip(calls, fifos):
+        response = call.getresponse()
+        assert response.status == 200
+        assert bytes(json.loads(response.read())["outputs"][0]["data"]).decode() == fifo
+        call.close()
 
 
 def _send_slow(server: Server, seconds: float,

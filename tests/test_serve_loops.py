@@ -19,13 +19,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Iterator
 
 import pytest
 
 
 np = pytest.importorskip("numpy")
-from serving import Server, _input, _metrics, _request, _send_blocks, _until_opened  # noqa: E402
+from serving import (Server, _every_interpreter_in_a_call, _input, _metrics,  # noqa: E402
+                     _request, _send_blocks, _until_opened)
 
 
 def test_each_connection_gets_a_loop_of_its_own_that_runs_its_calls(per_loop):
@@ -146,30 +146,6 @@ def test_turns_are_shared_by_event_loops_and_taken_in_arrival_order():
 def _readable(sock: socket.socket) -> bool:
     """Whether sock has something to read now (or is closed)."""
     return bool(select.select([sock], [], [], 0)[0])
-
-
-@contextlib.contextmanager
-def _every_interpreter_in_a_call(server: Server, tmp_path) -> Iterator[list]:
-    """Both interpreters of server in a call of model blocks that does not end (each on
-    a connection of its own: the connections, yielded), until the block is left: then
-    the calls end, and each is answered."""
-    fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
-    writers: list[int] = []
-    calls = []
-    try:
-        for fifo in fifos:  # the second connection goes to the interpreter not in a call
-            calls.append(_send_blocks(server, fifo))
-            writers.append(_until_opened(fifo))  # the call runs: it opened the FIFO
-        yield calls
-    finally:
-        for writer in writers:
-            os.write(writer, b"x")
-            os.close(writer)
-    for call, fifo in zip(calls, fifos):
-        response = call.getresponse()
-        assert response.status == 200
-        assert bytes(json.loads(response.read())["outputs"][0]["data"]).decode() == fifo
-        call.close()
 
 
 def _accepted(server: Server) -> dict[str, float]:

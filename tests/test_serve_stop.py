@@ -16,8 +16,8 @@ import pytest
 from conftest import until, write_one
 
 np = pytest.importorskip("numpy")
-from serving import (Server, _grpc, _grpc_input, _input, _metrics, _request,  # noqa: E402
-                     _send_blocks, _send_slow, _until_accepted, _until_opened)
+from serving import (Server, _every_interpreter_in_a_call, _grpc,  # noqa: E402
+                     _grpc_input, _input, _metrics, _request, _send_slow, _until_accepted)
 
 pytestmark = pytest.mark.stops_shared_servers
 
@@ -72,32 +72,20 @@ def test_sigterm_with_a_loop_per_interpreter_answers_requests_in_flight(per_loop
     """Each loop is in a call (that blocks until released) when two new connections
     come, so that they reach their loops only once the server is stopping: the one that
     sent a request is answered, the idle one is closed, and the server exits 0."""
-    fifos = [str(tmp_path / f"gate{k}") for k in range(2)]
-    blocked = [_send_blocks(per_loop, fifo) for fifo in fifos]
-    writers = [_until_opened(fifo) for fifo in fifos]  # both calls have begun
-    late = _send_slow(per_loop, 0.5)
-    idle = socket.create_connection(("127.0.0.1", per_loop.port), timeout=60)
-    try:
+    with _every_interpreter_in_a_call(per_loop, tmp_path):
+        late = _send_slow(per_loop, 0.5)
+        idle = socket.create_connection(("127.0.0.1", per_loop.port), timeout=60)
         _until_accepted(per_loop.port)  # a stop closes the listening socket
         per_loop.process.send_signal(signal.SIGTERM)
-        for writer in writers:  # the calls end once the server is stopping
-            os.write(writer, b"x")
-            os.close(writer)
-        writers.clear()
-        for connection, fifo in zip(blocked, fifos):
-            response = connection.getresponse()
-            assert response.status == 200, per_loop.output()
-            assert bytes(json.loads(response.read())["outputs"][0]["data"]).decode() == fifo
+    # (the calls ended once the server was stopping, and were answered)
+    try:
         response = late.getresponse()
         assert response.status == 200, per_loop.output()
         assert json.loads(response.read())["outputs"][0]["data"] == [1.0]
         assert idle.recv(1) == b""  # closed by the server
         assert per_loop.process.wait(timeout=60) == 0, per_loop.output()
     finally:
-        for writer in writers:
-            os.close(writer)
-        for connection in blocked + [late]:
-            connection.close()
+        late.close()
         idle.close()
     assert per_loop.output().count("Started server process") == 1  # one server's lines
 

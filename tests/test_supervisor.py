@@ -4,6 +4,7 @@ redoes, the digests of inputs that crash processes and their table, and link mes
 that cannot wedge a reader."""
 from __future__ import annotations
 
+import decimal
 import json
 import os
 import socket
@@ -118,6 +119,12 @@ def test_a_digest_is_the_inputs_not_their_encoding_nor_the_request_id():
         poison.digest(key, "m", None, ("BYTES",), [text("ab", "c")])
     assert poison.digest(key, "m", None, (), [], {"a": 1, "b": 2}) == \
         poison.digest(key, "m", None, (), [], {"b": 2, "a": 1})
+    # values that marshal cannot write (a model's own objects) are digested by their repr
+    odd = poison.digest(key, "m", None, (), [], {"a": decimal.Decimal("1.5")})
+    assert odd == poison.digest(key, "m", None, (), [], {"a": decimal.Decimal("1.5")})
+    assert odd not in {poison.digest(key, "m", None, (), [], {"a": decimal.Decimal("2")}),
+                       poison.digest(key, "m", None, (), [], {"a": 1.5}),
+                       poison.digest(key, "m", None, (), [], {"a": "Decimal('1.5')"})}
 
 
 def test_a_digest_is_refused_after_two_crashes_in_every_mapping_until_forgotten():

@@ -18,7 +18,9 @@ digest: its crash is not pinned on one of them.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import marshal
 import mmap
 import os
 import time
@@ -51,21 +53,46 @@ def digest(key: bytes, model: str, names: Sequence[str] | None, datatypes: Seque
     datatypes, and the request's parameters if the model is given them: a 52-bit
     number above 0 (a float64 holds it exactly), keyed by key, so that a client cannot
     make a request whose digest is another's."""
-    hashed = hashlib.blake2b(key=key, digest_size=8)
+    hashed = _keyed(key).copy()
     if isinstance(parameters, dict):  # (in any order)
-        parameters = sorted(parameters.items(), key=lambda item: item[0])
-    hashed.update(repr((model, names, tuple(datatypes), parameters)).encode(
-        errors="surrogatepass"))
+        parameters = sorted(parameters.items(), key=_name)
+    hashed.update(_written((model, names, tuple(datatypes), parameters,
+                            [_described(array) for array in arrays])))
     for array in arrays:
-        hashed.update(repr((getattr(array, "shape", None), str(getattr(array, "dtype", ""))))
-                      .encode())
         if getattr(getattr(array, "dtype", None), "hasobject", True):  # BYTES: its elements
-            for item in getattr(array, "flat", array):
-                hashed.update(repr(item).encode(errors="surrogatepass"))
+            hashed.update(_written(list(getattr(array, "flat", array))))
         else:
             view = memoryview(array)
             hashed.update(view if view.c_contiguous else view.tobytes())
     return (int.from_bytes(hashed.digest(), "little") >> 12) or 1
+
+
+@functools.lru_cache(maxsize=4)
+def _keyed(key: bytes) -> Any:
+    """A hash keyed by key, nothing hashed yet: each digest hashes into a copy of it (the
+    key is hashed once)."""
+    return hashlib.blake2b(key=key, digest_size=8)
+
+
+def _described(array: Any) -> tuple[Any, str]:
+    """What array's contents are: its shape, and its type (a numpy dtype's short name,
+    which numpy makes in C: its long name takes Python code)."""
+    dtype = getattr(array, "dtype", None)
+    return getattr(array, "shape", None), str(getattr(dtype, "str", dtype))
+
+
+def _written(value: Any) -> bytes:
+    """value's bytes, the same for equal values: marshal's (its version 2, which writes no
+    references: those would depend on how shared an object is), else, for a value that
+    marshal cannot write, its repr's; each with a tag that tells the two apart."""
+    try:
+        return b"m" + marshal.dumps(value, 2)
+    except ValueError:
+        return b"r" + repr(value).encode(errors="surrogatepass")
+
+
+def _name(item: tuple[str, Any]) -> str:
+    return item[0]
 
 
 def check(table: Table, model: str, names: Sequence[str] | None, datatypes: Sequence[str],

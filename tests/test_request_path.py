@@ -23,6 +23,7 @@ from multipy.serve.http.connection import Limits  # noqa: E402
 from multipy.serve.http.uvicorn_protocol import guarded  # noqa: E402
 from multipy.serve.http.inbox import open_inbox, receive  # noqa: E402
 from multipy.serve.host.front_ends import FrontEnds  # noqa: E402
+from multipy.serve.request import metrics as metrics_module  # noqa: E402
 from multipy.serve.request.metrics import Metrics  # noqa: E402
 from multipy.serve.request.protocol import ProtocolError, Tensor  # noqa: E402
 from multipy.serve.request.repository import archive, check_name  # noqa: E402
@@ -310,6 +311,77 @@ def test_a_front_end_s_lingering_connections_do_not_make_another_freer():
     assert this.freer_front_end(busy=False)  # two here
     other.watching(False)
     assert not this.freer_front_end(busy=False)  # the other does not accept
+
+
+def test_a_crowded_front_end_closes_a_kept_alive_connection_once_answered():
+    """While crowded() says so, a kept-alive request that arrived whole with none behind
+    it is answered with Connection: close, and the connection closes (its client's next
+    one may land on a freer process); otherwise, and for two requests pipelined
+    together, the connection stays open."""
+    crowded = [False]
+    request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def exchange() -> list:
+        async with _serving(Limits(), app, crowded=lambda: crowded[0]) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+            async def answers(sent: bytes, count: int) -> list[bytes]:
+                writer.write(sent)
+                heads = []
+                for _ in range(count):
+                    heads.append(await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10))
+                    assert await asyncio.wait_for(reader.readexactly(2), 10) == b"ok"
+                return heads
+
+            heads = await answers(request, 1)
+            crowded[0] = True
+            heads += await answers(request * 2, 2)  # pipelined: kept open for both
+            heads += await answers(request, 1)
+            closed = await asyncio.wait_for(reader.read(), 10) == b""
+            writer.close()
+            return heads + [closed]
+
+    *heads, closed = asyncio.run(exchange())
+    assert [b"connection: close" in head.lower() for head in heads] == [
+        False, False, False, True]
+    assert closed
+
+
+def test_a_front_end_is_crowded_with_two_connections_more_than_one_of_another_process(
+        monkeypatch):
+    """A front end is crowded when it serves two connections or more beyond the fewest
+    that an accepting front end of another process serves (its lingering ones aside);
+    the front ends of its own process, and those that do not accept, do not count."""
+    monkeypatch.setattr(metrics_module, "CROWDED_EVERY", 0.0)
+    board = Metrics(["m"], 2, rows=6, processes=2)  # rows: a host, its 2 front ends; twice
+    this, neighbour, other = (
+        Metrics(["m"], 2, rows=6, row=row, first=first, processes=2,
+                address=board.board.address) for first, row in ((0, 1), (0, 2), (3, 1)))
+    for front_end in (this, neighbour, other):
+        front_end.watching(True)
+    assert not this.crowded()  # none anywhere
+    this.opened_connection(received=False)
+    assert not this.crowded()  # one here, none there
+    this.opened_connection(received=False)
+    assert this.crowded()  # two here, none there
+    this.lingering(1)
+    assert not this.crowded()  # one lingers
+    this.lingering(-1)
+    other.opened_connection(received=False)
+    assert not this.crowded()  # two here, one there
+    other.watching(False)
+    assert not this.crowded()  # the other does not accept: none is freer
+    other.watching(True)
+    this.opened_connection(received=False)
+    assert this.crowded()  # three here, one there (the neighbour, with none, aside)
+    monkeypatch.setattr(metrics_module, "CROWDED_EVERY", 60.0)
+    assert this.crowded()  # looked: then not again for a minute
+    assert not this.crowded()
 
 
 def test_a_request_that_does_not_arrive_in_time_is_408():

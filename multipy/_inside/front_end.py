@@ -287,7 +287,8 @@ class FrontEnd:
         # (each connection's protocol, made by one C call)
         self._protocol = functools.partial(
             guarded(server.config.http_protocol_class, self._limits,
-                    self.metrics.closed_connection, on_linger=self.metrics.lingering),
+                    self.metrics.closed_connection, on_linger=self.metrics.lingering,
+                    crowded=self.metrics.crowded if self.metrics.processes > 1 else None),
             config=server.config, server_state=server.server_state,
             app_state=server.lifespan.state)
         if self._grpc_address is not None:

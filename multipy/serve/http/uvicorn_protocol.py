@@ -18,6 +18,11 @@ A connection served by ``guarded``'s protocol:
   linger (``on_linger(1)``, and ``on_linger(-1)`` when a second begins or it ends): most
   such connections are closing (their client sends one request a connection), which the
   server has not read yet;
+- is closed once it has answered a kept-alive request that arrived whole, with none
+  behind it, while ``crowded()`` said so (its answer says ``Connection: close``; a
+  request that comes behind it before its answer begins keeps the connection open): a
+  front end that serves two connections or more beyond the fewest that a front end of
+  another process serves sheds one (multipy.serve.request.metrics.Metrics.crowded);
 - is closed once idle for uvicorn's keep-alive timeout, by one timer per connection that
   watches both, made again only when it would come too late (uvicorn's own makes and
   cancels one an answer);
@@ -55,11 +60,14 @@ class _Refused(Exception):
 
 def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = None,
             one_request: bool = False,
-            on_linger: Callable[[int], None] | None = None) -> type:
+            on_linger: Callable[[int], None] | None = None,
+            crowded: Callable[[], bool] | None = None) -> type:
     """A subclass of uvicorn's httptools protocol ``base`` that enforces limits (see the
     module's docstring), calls on_lost() when a connection ends, on_linger(1) when one
     begins to linger and on_linger(-1) when it stops (see the module's docstring), and
-    with one_request closes each connection once it has answered one request.  Its
+    with one_request closes each connection once it has answered one request, or
+    without, one whose request arrives whole while crowded() is true (see the module's
+    docstring: the client's next connection may be accepted elsewhere).  Its
     ``received`` counts the bytes read from the connection; its ``progress``, an
     asyncio.Event or None, is set when it reads bytes, answers a request or ends (for
     one who waits on that)."""
@@ -67,6 +75,7 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
         "_limits": limits, "_on_lost": None if on_lost is None else staticmethod(on_lost),
         "_on_linger": None if on_linger is None else staticmethod(on_linger),
         "_one_request": one_request,
+        "_crowded": None if crowded is None else staticmethod(crowded),
         # (called as it is, without super(): once per header field)
         "_base_on_header": base.on_header})
 
@@ -78,6 +87,7 @@ class _Guarded:
     _on_lost: Callable[[], None] | None
     _on_linger: Callable[[int], None] | None
     _one_request: bool
+    _crowded: Callable[[], bool] | None
     _base_on_header: Callable[[Any, bytes, bytes], None]
 
     # A connection's state as it begins (its instance's own once changed).
@@ -90,6 +100,7 @@ class _Guarded:
     _head = 0  # the head's bytes so far
     _tail = b""
     _refusal: tuple[int, str] | None = None
+    _shed: Any = None  # (the cycle of a request to be closed once answered: crowded)
     # when the request under way (or the connection) began; when the connection went
     # idle (answered, no byte of a next request yet); and the one timer that watches
     # both, and when it comes: at or before the earlier one's deadline
@@ -227,6 +238,11 @@ class _Guarded:
 
     def on_headers_complete(self) -> None:
         self._heading = False
+        shed = self._shed
+        if shed is not None:  # a request behind one that was to close it: kept open
+            self._shed = None  # for both, unless that one's answer has begun
+            if not shed.response_started:
+                shed.keep_alive = True
         super().on_headers_complete()
         if self._one_request and self.cycle is not None:
             self.cycle.keep_alive = False
@@ -253,6 +269,11 @@ class _Guarded:
         self._disarm()  # arrived whole
         self._heading, self._head, self._tail = True, 0, b""
         super().on_message_complete()
+        cycle = self.cycle
+        if self._crowded is not None and cycle.keep_alive and not cycle.response_started \
+                and not self.pipeline and self._crowded():
+            cycle.keep_alive = False  # (read whole, none behind it: closed once answered)
+            self._shed = cycle
         if self.cycle.response_complete and not self.transport.is_closing():
             self._go_idle()  # its body came after its answer
 

@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 #: Seconds after which an interpreter in one call counts as stuck, without --timeout.
 STUCK_AFTER = 30.0
+#: Seconds between two looks of a front end at whether it is crowded (``crowded``).
+CROWDED_EVERY = 0.1
 
 
 class Timing:
@@ -163,6 +165,7 @@ class Metrics:
         self._values = values = self.board.row(first + row)
         self._decoding = Count(values, DECODING)
         self._lingering = 0  # (this writer's: see ``lingering``)
+        self._crowded_at = 0.0  # (when ``crowded`` looks next)
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
         for name in models:
@@ -242,11 +245,35 @@ class Metrics:
                 return True
         return busy and self.idle_elsewhere()
 
+    def crowded(self) -> bool:
+        """Whether this writer (a front end) serves two connections or more beyond the
+        fewest that a front end of another process that accepts on the listening socket
+        serves, its own lingering ones aside; looked at once every CROWDED_EVERY seconds
+        at most (False between).  A front end that is crowded closes a connection once
+        it has answered it: keep-alive clients land on the processes as the kernel's
+        wake-ups fall, and the client's next connection most likely lands on a freer
+        one (a front end of this process is given one at once: ``freer_front_end``)."""
+        now = time.monotonic()
+        if now < self._crowded_at:
+            return False
+        self._crowded_at = now + CROWDED_EVERY
+        board = self.board
+        fewest = min((int(board.row(at)[OPENED] - board.row(at)[CLOSED])
+                      for at in self._front_ends_elsewhere() if board.row(at)[WATCHING]),
+                     default=None)
+        mine = int(self._values[OPENED] - self._values[CLOSED]) - self._lingering
+        return fewest is not None and mine >= fewest + 2
+
     def idle_elsewhere(self) -> bool:
         """Whether a front end of another process accepts and runs no call."""
+        return any(self._free(at) for at in self._front_ends_elsewhere())
+
+    def _front_ends_elsewhere(self) -> Iterator[int]:
+        """The board's rows of the front ends of the other processes (each process has
+        its host's row, then its interpreters')."""
         per = self.interpreters + 1
-        return any(self._free(at) for at in range(self.board.rows)
-                   if at % per and not self.first <= at <= self.first + self.interpreters)
+        return (at for at in range(self.board.rows)
+                if at % per and not self.first <= at <= self.first + self.interpreters)
 
     def _free(self, at: int) -> bool:
         values = self.board.row(at)

@@ -274,7 +274,7 @@ class _Guarded:
                 and not self.pipeline and self._crowded():
             cycle.keep_alive = False  # (read whole, none behind it: closed once answered)
             self._shed = cycle
-        if self.cycle.response_complete and not self.transport.is_closing():
+        if cycle.response_complete and not self.transport.is_closing():
             self._go_idle()  # its body came after its answer
 
     def _go_idle(self) -> None:

@@ -220,9 +220,14 @@ class Metrics:
     def open_connections(self, row: int, handed: int | None = None) -> int:
         """How many connections the writer of row (of this process's rows) serves now,
         or, given how many the host has handed it, will once it has taken them."""
-        values = self.board.row(self.first + row)
-        pending = 0 if handed is None else handed - values[RECEIVED]
-        return int(values[OPENED] - values[CLOSED] + pending)
+        at = self.first + row
+        pending = 0 if handed is None else int(handed - self.board.row(at)[RECEIVED])
+        return self._open_at(at) + pending
+
+    def _open_at(self, at: int) -> int:
+        """How many connections the writer of the board's row at serves now."""
+        values = self.board.row(at)
+        return int(values[OPENED] - values[CLOSED])
 
     def watching(self, on: bool) -> None:
         """This writer (a front end) watches the listening socket (on), or not."""
@@ -258,10 +263,9 @@ class Metrics:
             return False
         self._crowded_at = now + CROWDED_EVERY
         board = self.board
-        fewest = min((int(board.row(at)[OPENED] - board.row(at)[CLOSED])
-                      for at in self._front_ends_elsewhere() if board.row(at)[WATCHING]),
-                     default=None)
-        mine = int(self._values[OPENED] - self._values[CLOSED]) - self._lingering
+        fewest = min((self._open_at(at) for at in self._front_ends_elsewhere()
+                      if board.row(at)[WATCHING]), default=None)
+        mine = self._open_at(self.first + self.row) - self._lingering
         return fewest is not None and mine >= fewest + 2
 
     def idle_elsewhere(self) -> bool:

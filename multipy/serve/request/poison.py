@@ -22,6 +22,7 @@ import functools
 import hashlib
 import marshal
 import mmap
+import operator
 import os
 import time
 from typing import TYPE_CHECKING, Any, Sequence
@@ -55,7 +56,7 @@ def digest(key: bytes, model: str, names: Sequence[str] | None, datatypes: Seque
     make a request whose digest is another's."""
     hashed = _keyed(key).copy()
     if isinstance(parameters, dict):  # (in any order)
-        parameters = sorted(parameters.items(), key=_name)
+        parameters = sorted(parameters.items(), key=operator.itemgetter(0))
     hashed.update(_written((model, names, tuple(datatypes), parameters,
                             [_described(array) for array in arrays])))
     for array in arrays:
@@ -89,10 +90,6 @@ def _written(value: Any) -> bytes:
         return b"m" + marshal.dumps(value, 2)
     except ValueError:
         return b"r" + repr(value).encode(errors="surrogatepass")
-
-
-def _name(item: tuple[str, Any]) -> str:
-    return item[0]
 
 
 def check(table: Table, model: str, names: Sequence[str] | None, datatypes: Sequence[str],

@@ -296,8 +296,8 @@ def test_a_front_end_s_lingering_connections_do_not_make_another_freer():
     runs no call and serves fewer, counting its own open connections but the lingering
     ones (most are closing: their client's next connection is this one)."""
     metrics = Metrics(["m"], 2, rows=3)
-    this, other = (Metrics(["m"], 2, rows=3, row=row, address=metrics.board.address)
-                   for row in (1, 2))
+    this, other = (Metrics(["m"], 2, rows=3, row=row, address=metrics.board.address,
+                           cores=2) for row in (1, 2))
     this.watching(True)
     other.watching(True)
     this.opened_connection(received=False)
@@ -311,6 +311,38 @@ def test_a_front_end_s_lingering_connections_do_not_make_another_freer():
     assert this.freer_front_end(busy=False)  # two here
     other.watching(False)
     assert not this.freer_front_end(busy=False)  # the other does not accept
+
+
+@pytest.mark.parametrize("cores, cpu_per_second, spreads", [
+    (1, 0.9, False),  # more front ends than cores, the process keeps its core busy
+    (1, 0.2, True),  # more front ends than cores, most of the time free (a model waits)
+    (2, 2.0, True),  # as many as cores: always
+])
+def test_front_ends_past_the_cores_keep_what_they_accept_while_the_process_is_busy(
+        monkeypatch, cores, cpu_per_second, spreads):
+    """With more front ends than cores, while the process uses three quarters of the
+    cores or more, a front end keeps the connections it accepts, however many it serves
+    beside another's, unless it runs a call (then one that runs none is freer);
+    otherwise it gives one to a front end that serves fewer."""
+    clock = {"wall": 100.0, "cpu": 0.0}
+
+    def later() -> None:
+        clock["wall"] += metrics_module.SATURATED_EVERY
+        clock["cpu"] += metrics_module.SATURATED_EVERY * cpu_per_second
+
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock["wall"])
+    monkeypatch.setattr(metrics_module.time, "process_time", lambda: clock["cpu"])
+    metrics = Metrics(["m"], 2, rows=3)
+    this, other = (Metrics(["m"], 2, rows=3, row=row, address=metrics.board.address,
+                           cores=cores) for row in (1, 2))
+    this.watching(True)
+    other.watching(True)
+    this.opened_connection(received=False)
+    this.opened_connection(received=False)
+    assert this.freer_front_end(busy=False)  # (no look at the CPU yet: it spreads)
+    later()
+    assert this.freer_front_end(busy=False) is spreads  # two here, none there
+    assert this.freer_front_end(busy=True)  # in a call: the other runs none
 
 
 def test_a_crowded_front_end_closes_a_kept_alive_connection_once_answered():

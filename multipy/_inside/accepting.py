@@ -7,7 +7,8 @@ meanwhile: the kernel's wake-up reaches the free ones.  What a loop that polls c
 see for itself, the metrics board tells it: a connection it has just accepted goes back
 to the host (``give``), which hands it to a freer front end of this process, when one
 that accepts, runs no call and serves fewer connections exists (this one's lingering
-connections aside: multipy.serve.request.metrics.Metrics.freer_front_end), or, while
+connections aside; not while the server has more front ends than cores, all busy:
+multipy.serve.request.metrics.Metrics.freer_front_end), or, while
 this one runs a call on its worker (``--timeout``), one that runs none.  So keep-alive
 clients spread over the interpreters, and a front end that is in a call keeps none of
 the connections that others could serve at once.

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
 STUCK_AFTER = 30.0
 #: Seconds between two looks of a front end at whether it is crowded (``crowded``).
 CROWDED_EVERY = 0.1
+#: Seconds between two looks at the CPU that the process uses (``Metrics._saturated``).
+SATURATED_EVERY = 0.1
 
 
 class Timing:
@@ -148,14 +151,15 @@ class Metrics:
     ``address``) with room for the series of ``slots`` models (at least those); this
     writer counts in row ``row`` of its process's rows, which begin at row ``first``
     (with --processes, each of ``processes`` has interpreters + 1 rows: its host's,
-    then its front ends').  Every model's series exist (at 0) from the start, or from
+    then its front ends'), on a machine of ``cores`` cores (default: those this process
+    may run on).  Every model's series exist (at 0) from the start, or from
     when ``add`` gives a model loaded later a slot; a model keeps its slot, and its
     counts, once unloaded."""
 
     def __init__(self, models: list[str], interpreters: int, rows: int = 1, row: int = 0,
                  address: int | None = None, stuck_after: float = STUCK_AFTER,
                  slots: int = 0, *, fd: int | None = None, first: int = 0,
-                 processes: int = 1) -> None:
+                 processes: int = 1, cores: int | None = None) -> None:
         self.names: list[str] = []
         self.slots = max(len(models), slots)
         self.interpreters = interpreters
@@ -166,6 +170,11 @@ class Metrics:
         self._decoding = Count(values, DECODING)
         self._lingering = 0  # (this writer's: see ``lingering``)
         self._crowded_at = 0.0  # (when ``crowded`` looks next)
+        # (whether a front end spreads the connections it accepts: see freer_front_end)
+        self._cores = len(os.sched_getaffinity(0)) if cores is None else cores
+        self._spreads = processes * interpreters <= self._cores
+        # (the process's CPU time when ``_saturated`` looked last, when, and what it said)
+        self._cpu, self._cpu_at, self._hot = 0.0, 0.0, False
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
         for name in models:
@@ -236,10 +245,18 @@ class Metrics:
     def freer_front_end(self, busy: bool) -> bool:
         """Whether another front end that accepts on the listening socket and runs no
         call serves fewer connections than this writer's (a front end's; two fewer once
-        this one takes a new one), of its process; or, if this one is busy, whether
-        another, of any process, runs no call.  This writer's lingering connections
-        (``lingering``) do not count: a client that sends one request a connection has
-        closed the one before, most likely, by the time its next one is accepted."""
+        this one takes a new one), of its process, unless the server has more front ends
+        than the machine has cores and its process keeps them busy (``_saturated``); or,
+        if this one is busy, whether another, of
+        any process, runs no call.  This writer's lingering connections (``lingering``)
+        do not count: a client that sends one request a connection has closed the one
+        before, most likely, by the time its next one is accepted.  (With more front
+        ends than busy cores, one that polls is not one that runs: connections spread
+        over more loops cost each request their switches and the host's hop, and the
+        kernel wakes the loops that get to poll.  A model that waits, on a device or
+        I/O, leaves the cores free: then they spread.)"""
+        if not busy and not self._spreads and self._saturated():
+            return False
         # (this writer's open ones, less the lingering)
         mine = int(self._values[OPENED] - self._values[CLOSED]) - self._lingering
         if not busy and mine == 0:  # (none serves fewer: a client's new connection)
@@ -249,6 +266,17 @@ class Metrics:
                     and self._free(self.first + row):
                 return True
         return busy and self.idle_elsewhere()
+
+    def _saturated(self) -> bool:
+        """Whether this process used three quarters of the machine's cores or more
+        between the last two looks, one every SATURATED_EVERY seconds at most."""
+        now = time.monotonic()
+        if now >= self._cpu_at + SATURATED_EVERY:
+            cpu = time.process_time()
+            self._hot = self._cpu_at > 0 and (cpu - self._cpu) / (now - self._cpu_at) \
+                >= 0.75 * self._cores
+            self._cpu, self._cpu_at = cpu, now
+        return self._hot
 
     def crowded(self) -> bool:
         """Whether this writer (a front end) serves two connections or more beyond the

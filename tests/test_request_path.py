@@ -291,10 +291,10 @@ def test_a_connection_closed_after_its_answer_counts_as_lost_as_the_answer_ends(
     assert asyncio.run(exchange(b"", False)) == ["answered"]  # (kept alive)
 
 
-def test_a_front_end_s_lingering_connections_do_not_make_another_freer():
+def test_lingering_connections_do_not_count_in_which_front_end_is_freer():
     """A front end that has just accepted a connection gives it to another that accepts,
-    runs no call and serves fewer, counting its own open connections but the lingering
-    ones (most are closing: their client's next connection is this one)."""
+    runs no call and serves fewer, counting the open connections of both but the
+    lingering ones (most are closing: their client's next connection is this one)."""
     metrics = Metrics(["m"], 2, rows=3)
     this, other = (Metrics(["m"], 2, rows=3, row=row, address=metrics.board.address,
                            cores=2) for row in (1, 2))
@@ -309,6 +309,10 @@ def test_a_front_end_s_lingering_connections_do_not_make_another_freer():
     assert not this.freer_front_end(busy=False)  # one each, the lingering aside
     this.opened_connection(received=False)
     assert this.freer_front_end(busy=False)  # two here
+    other.opened_connection(received=False)
+    assert not this.freer_front_end(busy=False)  # two each
+    other.lingering(1)
+    assert this.freer_front_end(busy=False)  # two here, one there: the other's lingers
     other.watching(False)
     assert not this.freer_front_end(busy=False)  # the other does not accept
 
@@ -387,8 +391,9 @@ def test_a_crowded_front_end_closes_a_kept_alive_connection_once_answered():
 def test_a_front_end_is_crowded_with_two_connections_more_than_one_of_another_process(
         monkeypatch):
     """A front end is crowded when it serves two connections or more beyond the fewest
-    that an accepting front end of another process serves (its lingering ones aside);
-    the front ends of its own process, and those that do not accept, do not count."""
+    that an accepting front end of another process serves (lingering ones aside, its own
+    and the other's); the front ends of its own process, and those that do not accept, do
+    not count."""
     monkeypatch.setattr(metrics_module, "CROWDED_EVERY", 0.0)
     board = Metrics(["m"], 2, rows=6, processes=2)  # rows: a host, its 2 front ends; twice
     this, neighbour, other = (
@@ -411,6 +416,10 @@ def test_a_front_end_is_crowded_with_two_connections_more_than_one_of_another_pr
     other.watching(True)
     this.opened_connection(received=False)
     assert this.crowded()  # three here, one there (the neighbour, with none, aside)
+    other.opened_connection(received=False)
+    assert not this.crowded()  # three here, two there
+    other.lingering(1)
+    assert this.crowded()  # three here, one there: the other's second lingers
     monkeypatch.setattr(metrics_module, "CROWDED_EVERY", 60.0)
     assert this.crowded()  # looked: then not again for a minute
     assert not this.crowded()

@@ -31,11 +31,11 @@ STATUSES = (400, 404, 413, 499, 500, 503)
 # supervisor handed it that it has taken, connections it accepted from the server's
 # listening socket itself (an interpreter's front end: multipy._inside.front_end),
 # connections it has served in all (those too, and those the host handed it), of which
-# those the host handed it, and 1 while it accepts on the listening socket (0: not), then
-# per model: requests, failures by
-# status, latency (a count per bucket and one past the last, then the sum), queued,
-# busy, calls, batched (the same), successes, then nanoseconds: of successes, of
-# failures, and of successes queued, decoding, in calls and encoding; then when the
+# those the host handed it, 1 while it accepts on the listening socket (0: not), and
+# how many of its connections linger (answered once, idle since), then per model:
+# requests, failures by status, latency (a count per bucket and one past the last, then
+# the sum), queued, busy, calls, batched (the same), successes, then nanoseconds: of
+# successes, of failures, and of successes queued, decoding, in calls and encoding; then when the
 # last call began, and when this writer last heard the model's own health check say it
 # is healthy, and say it is not (milliseconds since the epoch; 0: never), and the pieces
 # of answers streamed].
@@ -50,7 +50,8 @@ ACCEPTED = 7
 OPENED = 8
 RECEIVED = 9
 WATCHING = 10
-ROW = 11
+LINGERING = 11
+ROW = 12
 REQUESTS = 0
 FAILURES = 1
 LATENCY_AT = FAILURES + len(STATUSES)

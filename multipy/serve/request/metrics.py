@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from .board import (ABANDONED, ACCEPTED, BATCHED, BATCHED_AT, BATCHED_SUM, BUSY, Board,
                     CALLS, CLOSED, CRASHED, DECODING, FAILURES, FAILURE_NS, HEALTHY_AT,
                     INFER_NS, INPUT, INPUT_NS, LAST_CALL, LATENCY, LATENCY_AT, LATENCY_SUM,
-                    OPENED, OUTPUT_NS, PER_MODEL, PIECES, QUEUED, QUEUE_NS, RECEIVED,
+                    LINGERING, OPENED, OUTPUT_NS, PER_MODEL, PIECES, QUEUED, QUEUE_NS, RECEIVED,
                     REQUESTS, ROW, SINCE, STATUSES, SUCCESSES, SUCCESS_NS, TAKEN,
                     UNHEALTHY_AT, WATCHING, board_width)
 
@@ -168,7 +168,6 @@ class Metrics:
         self.board = Board(rows, board_width(self.slots), address, fd)
         self._values = values = self.board.row(first + row)
         self._decoding = Count(values, DECODING)
-        self._lingering = 0  # (this writer's: see ``lingering``)
         self._crowded_at = 0.0  # (when ``crowded`` looks next)
         # (whether a front end spreads the connections it accepts: see freer_front_end)
         self._cores = len(os.sched_getaffinity(0)) if cores is None else cores
@@ -224,7 +223,7 @@ class Metrics:
         """One more (delta 1) or one fewer (-1) of this writer's connections has
         answered its first request and waits, idle, for a second: one its client is
         closing, most likely (multipy.serve.http.uvicorn_protocol.guarded)."""
-        self._lingering += delta
+        self._values[LINGERING] += delta
 
     def open_connections(self, row: int, handed: int | None = None) -> int:
         """How many connections the writer of row (of this process's rows) serves now,
@@ -238,6 +237,12 @@ class Metrics:
         values = self.board.row(at)
         return int(values[OPENED] - values[CLOSED])
 
+    def _active_at(self, at: int) -> int:
+        """How many connections the writer of the board's row at serves now, those that
+        linger (``lingering``) aside."""
+        values = self.board.row(at)
+        return int(values[OPENED] - values[CLOSED] - values[LINGERING])
+
     def watching(self, on: bool) -> None:
         """This writer (a front end) watches the listening socket (on), or not."""
         self._values[WATCHING] = float(on)
@@ -247,22 +252,21 @@ class Metrics:
         call serves fewer connections than this writer's (a front end's; two fewer once
         this one takes a new one), of its process, unless the server has more front ends
         than the machine has cores and its process keeps them busy (``_saturated``); or,
-        if this one is busy, whether another, of
-        any process, runs no call.  This writer's lingering connections (``lingering``)
-        do not count: a client that sends one request a connection has closed the one
-        before, most likely, by the time its next one is accepted.  (With more front
-        ends than busy cores, one that polls is not one that runs: connections spread
-        over more loops cost each request their switches and the host's hop, and the
-        kernel wakes the loops that get to poll.  A model that waits, on a device or
-        I/O, leaves the cores free: then they spread.)"""
+        if this one is busy, whether another, of any process, runs no call.  Lingering
+        connections (``lingering``), this writer's and the others', do not count: a
+        client that sends one request a connection has closed the one before, most
+        likely, by the time its next one is accepted.  (With more front ends than busy
+        cores, one that polls is not one that runs: connections spread over more loops
+        cost each request their switches and the host's hop, and the kernel wakes the
+        loops that get to poll.  A model that waits, on a device or I/O, leaves the
+        cores free: then they spread.)"""
         if not busy and not self._spreads and self._saturated():
             return False
-        # (this writer's open ones, less the lingering)
-        mine = int(self._values[OPENED] - self._values[CLOSED]) - self._lingering
+        mine = self._active_at(self.first + self.row)
         if not busy and mine == 0:  # (none serves fewer: a client's new connection)
             return False
         for row in range(1, self.interpreters + 1):
-            if row != self.row and (busy or self.open_connections(row) < mine) \
+            if row != self.row and (busy or self._active_at(self.first + row) < mine) \
                     and self._free(self.first + row):
                 return True
         return busy and self.idle_elsewhere()
@@ -281,8 +285,8 @@ class Metrics:
     def crowded(self) -> bool:
         """Whether this writer (a front end) serves two connections or more beyond the
         fewest that a front end of another process that accepts on the listening socket
-        serves, its own lingering ones aside; looked at once every CROWDED_EVERY seconds
-        at most (False between).  A front end that is crowded closes a connection once
+        serves, lingering ones aside (``lingering``); looked at once every CROWDED_EVERY
+        seconds at most (False between).  A front end that is crowded closes a connection once
         it has answered it: keep-alive clients land on the processes as the kernel's
         wake-ups fall, and the client's next connection most likely lands on a freer
         one (a front end of this process is given one at once: ``freer_front_end``)."""
@@ -291,9 +295,9 @@ class Metrics:
             return False
         self._crowded_at = now + CROWDED_EVERY
         board = self.board
-        fewest = min((self._open_at(at) for at in self._front_ends_elsewhere()
+        fewest = min((self._active_at(at) for at in self._front_ends_elsewhere()
                       if board.row(at)[WATCHING]), default=None)
-        mine = self._open_at(self.first + self.row) - self._lingering
+        mine = self._active_at(self.first + self.row)
         return fewest is not None and mine >= fewest + 2
 
     def idle_elsewhere(self) -> bool:

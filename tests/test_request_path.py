@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+from types import SimpleNamespace
 
 import pytest
 
@@ -317,36 +318,43 @@ def test_lingering_connections_do_not_count_in_which_front_end_is_freer():
     assert not this.freer_front_end(busy=False)  # the other does not accept
 
 
-@pytest.mark.parametrize("cores, cpu_per_second, spreads", [
-    (1, 0.9, False),  # more front ends than cores, the process keeps its core busy
-    (1, 0.2, True),  # more front ends than cores, most of the time free (a model waits)
-    (2, 2.0, True),  # as many as cores: always
+@pytest.mark.parametrize("cores, processes, cpu_per_second, spreads", [
+    (1, 1, 0.9, False),  # more front ends than cores, the process keeps them busy
+    (1, 1, 0.2, True),  # more front ends than cores, mostly free (a model that waits)
+    (2, 1, 2.0, True),  # as many front ends as cores: always
+    (2, 2, 0.9, False),  # two processes: this one keeps its share (a core) busy
 ])
-def test_front_ends_past_the_cores_keep_what_they_accept_while_the_process_is_busy(
-        monkeypatch, cores, cpu_per_second, spreads):
-    """With more front ends than cores, while the process uses three quarters of the
-    cores or more, a front end keeps the connections it accepts, however many it serves
-    beside another's, unless it runs a call (then one that runs none is freer);
-    otherwise it gives one to a front end that serves fewer."""
-    clock = {"wall": 100.0, "cpu": 0.0}
+def test_front_ends_past_the_cores_keep_a_second_connection_while_the_process_is_busy(
+        monkeypatch, cores, processes, cpu_per_second, spreads):
+    """With more front ends than cores, while the process uses three quarters of its
+    share of the cores or more, a front end that serves one connection keeps the one it
+    accepts, unless it runs a call; one that serves two hands it on, busy or not.  The
+    CPU is looked at once every SATURATED_EVERY seconds at most, and a look after a
+    longer pause begins anew (then connections are handed on as before)."""
+    clock = SimpleNamespace(wall=100.0, cpu=0.0)
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(
+        monotonic=lambda: clock.wall, process_time=lambda: clock.cpu))
 
-    def later() -> None:
-        clock["wall"] += metrics_module.SATURATED_EVERY
-        clock["cpu"] += metrics_module.SATURATED_EVERY * cpu_per_second
+    def later(seconds: float) -> None:
+        clock.wall += seconds
+        clock.cpu += seconds * cpu_per_second
 
-    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: clock["wall"])
-    monkeypatch.setattr(metrics_module.time, "process_time", lambda: clock["cpu"])
-    metrics = Metrics(["m"], 2, rows=3)
-    this, other = (Metrics(["m"], 2, rows=3, row=row, address=metrics.board.address,
-                           cores=cores) for row in (1, 2))
+    rows = 3 * processes  # (a host and two front ends in each process)
+    board = Metrics(["m"], 2, rows=rows, processes=processes)
+    this, other = (Metrics(["m"], 2, rows=rows, row=row, address=board.board.address,
+                           cores=cores, processes=processes) for row in (1, 2))
     this.watching(True)
     other.watching(True)
-    this.opened_connection(received=False)
-    this.opened_connection(received=False)
-    assert this.freer_front_end(busy=False)  # (no look at the CPU yet: it spreads)
-    later()
-    assert this.freer_front_end(busy=False) is spreads  # two here, none there
+    this.opened_connection(received=False)  # one here, none there
+    assert this.freer_front_end(busy=False)  # (its first look: nothing seen yet)
+    later(1.5 * metrics_module.SATURATED_EVERY)
+    assert this.freer_front_end(busy=False) is spreads
     assert this.freer_front_end(busy=True)  # in a call: the other runs none
+    this.opened_connection(received=False)
+    assert this.freer_front_end(busy=False)  # two here: handed on, however busy
+    this.closed_connection()
+    later(3 * metrics_module.SATURATED_EVERY)
+    assert this.freer_front_end(busy=False)  # a look after a pause: begins anew
 
 
 def test_a_crowded_front_end_closes_a_kept_alive_connection_once_answered():

@@ -6,12 +6,13 @@ A front end's loop that runs a model call does not poll, so it accepts nothing
 meanwhile: the kernel's wake-up reaches the free ones.  What a loop that polls cannot
 see for itself, the metrics board tells it: a connection it has just accepted goes back
 to the host (``give``), which hands it to a freer front end of this process, when one
-that accepts, runs no call and serves fewer connections exists (this one's lingering
-connections aside; not while the server has more front ends than cores, all busy:
-multipy.serve.request.metrics.Metrics.freer_front_end), or, while
-this one runs a call on its worker (``--timeout``), one that runs none.  So keep-alive
-clients spread over the interpreters, and a front end that is in a call keeps none of
-the connections that others could serve at once.
+that accepts, runs no call and serves fewer connections exists (lingering connections
+aside; and not for a second connection while the server has more front ends than cores
+and this process keeps its share of them busy:
+multipy.serve.request.metrics.Metrics.freer_front_end), or, while this one runs a call
+on its worker (``--timeout``), one that runs none.  So keep-alive clients spread over
+the interpreters, and a front end that is in a call keeps none of the connections that
+others could serve at once.
 """
 from __future__ import annotations
 

@@ -170,10 +170,12 @@ class Metrics:
         self._decoding = Count(values, DECODING)
         self._crowded_at = 0.0  # (when ``crowded`` looks next)
         # (whether a front end spreads the connections it accepts: see freer_front_end)
-        self._cores = len(os.sched_getaffinity(0)) if cores is None else cores
-        self._spreads = processes * interpreters <= self._cores
-        # (the process's CPU time when ``_saturated`` looked last, when, and what it said)
-        self._cpu, self._cpu_at, self._hot = 0.0, 0.0, False
+        cores = len(os.sched_getaffinity(0)) if cores is None else cores
+        self._spreads = processes * interpreters <= cores
+        # (the CPU time a second that saturates the process's share of the cores; its
+        # CPU time when ``_saturated`` looked last, when, and what it said)
+        self._saturating = 0.75 * cores / processes
+        self._cpu, self._cpu_at, self._hot = 0.0, float("-inf"), False
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
         for name in models:
@@ -250,20 +252,19 @@ class Metrics:
     def freer_front_end(self, busy: bool) -> bool:
         """Whether another front end that accepts on the listening socket and runs no
         call serves fewer connections than this writer's (a front end's; two fewer once
-        this one takes a new one), of its process, unless the server has more front ends
-        than the machine has cores and its process keeps them busy (``_saturated``); or,
-        if this one is busy, whether another, of any process, runs no call.  Lingering
-        connections (``lingering``), this writer's and the others', do not count: a
-        client that sends one request a connection has closed the one before, most
-        likely, by the time its next one is accepted.  (With more front ends than busy
-        cores, one that polls is not one that runs: connections spread over more loops
-        cost each request their switches and the host's hop, and the kernel wakes the
-        loops that get to poll.  A model that waits, on a device or I/O, leaves the
-        cores free: then they spread.)"""
-        if not busy and not self._spreads and self._saturated():
-            return False
+        this one takes a new one), of its process, unless it serves just one, the server
+        has more front ends than the machine has cores, and its process keeps its share
+        of them busy (``_saturated``); or, if this one is busy, whether another, of any
+        process, runs no call.  Lingering connections (``lingering``), this writer's and
+        the others', do not count: a client that sends one request a connection has
+        closed the one before, most likely, by the time its next one is accepted.  (With
+        more front ends than busy cores, one that polls is not one that runs: a
+        connection handed on costs its request the switches and the host's hop, and the
+        kernel wakes the loops that get to poll.  A model that waits, on a device or
+        I/O, leaves the cores free: then connections spread.)"""
         mine = self._active_at(self.first + self.row)
-        if not busy and mine == 0:  # (none serves fewer: a client's new connection)
+        if not busy and (mine == 0  # (none serves fewer: a client's new connection)
+                         or mine == 1 and not self._spreads and self._saturated()):
             return False
         for row in range(1, self.interpreters + 1):
             if row != self.row and (busy or self._active_at(self.first + row) < mine) \
@@ -272,13 +273,17 @@ class Metrics:
         return busy and self.idle_elsewhere()
 
     def _saturated(self) -> bool:
-        """Whether this process used three quarters of the machine's cores or more
-        between the last two looks, one every SATURATED_EVERY seconds at most."""
+        """Whether this process used three quarters of its share of the machine's cores
+        (the cores over the server's processes) or more since this writer's last look,
+        when that was SATURATED_EVERY seconds ago to twice that.  It looks once every
+        SATURATED_EVERY seconds at most (what it saw stands between); a look after a
+        longer pause begins anew, and says no."""
         now = time.monotonic()
-        if now >= self._cpu_at + SATURATED_EVERY:
+        elapsed = now - self._cpu_at
+        if elapsed >= SATURATED_EVERY:
             cpu = time.process_time()
-            self._hot = self._cpu_at > 0 and (cpu - self._cpu) / (now - self._cpu_at) \
-                >= 0.75 * self._cores
+            self._hot = elapsed <= 2 * SATURATED_EVERY \
+                and cpu - self._cpu >= elapsed * self._saturating
             self._cpu, self._cpu_at = cpu, now
         return self._hot
 
@@ -286,10 +291,11 @@ class Metrics:
         """Whether this writer (a front end) serves two connections or more beyond the
         fewest that a front end of another process that accepts on the listening socket
         serves, lingering ones aside (``lingering``); looked at once every CROWDED_EVERY
-        seconds at most (False between).  A front end that is crowded closes a connection once
-        it has answered it: keep-alive clients land on the processes as the kernel's
-        wake-ups fall, and the client's next connection most likely lands on a freer
-        one (a front end of this process is given one at once: ``freer_front_end``)."""
+        seconds at most (False between).  A front end that is crowded closes a
+        connection once it has answered it: keep-alive clients land on the processes as
+        the kernel's wake-ups fall, and the client's next connection most likely lands
+        on a freer one (a front end of this process is given one at once:
+        ``freer_front_end``)."""
         now = time.monotonic()
         if now < self._crowded_at:
             return False

@@ -7,6 +7,7 @@ behaviour, limits, tunables) in a subprocess with a timeout.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -87,8 +88,24 @@ def until(condition, seconds: float = 60) -> None:
 
 
 def free_port() -> int:
-    """A TCP port of 127.0.0.1 that was free a moment ago (for a server to listen on)."""
-    with socket.socket() as sock:
+    """A TCP port of 127.0.0.1 that was free a moment ago (for a server to listen on),
+    below the kernel's range of ephemeral ports: a port of that range (which binding
+    port 0 gives) may be taken meanwhile as the local end of any connection that a test
+    makes, and a server that binds it later fails (Ray Serve's proxy did, once)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    for _ in range(100):
+        port = random.randrange(max(1024, ephemeral - 12000), ephemeral)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # taken: another
+                continue
+            return port
+    with socket.socket() as sock:  # (all taken: the kernel's choice)
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 

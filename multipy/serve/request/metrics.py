@@ -230,14 +230,9 @@ class Metrics:
     def open_connections(self, row: int, handed: int | None = None) -> int:
         """How many connections the writer of row (of this process's rows) serves now,
         or, given how many the host has handed it, will once it has taken them."""
-        at = self.first + row
-        pending = 0 if handed is None else int(handed - self.board.row(at)[RECEIVED])
-        return self._open_at(at) + pending
-
-    def _open_at(self, at: int) -> int:
-        """How many connections the writer of the board's row at serves now."""
-        values = self.board.row(at)
-        return int(values[OPENED] - values[CLOSED])
+        values = self.board.row(self.first + row)
+        pending = 0 if handed is None else handed - values[RECEIVED]
+        return int(values[OPENED] - values[CLOSED] + pending)
 
     def _active_at(self, at: int) -> int:
         """How many connections the writer of the board's row at serves now, those that

@@ -97,7 +97,8 @@ class FrontEnd:
         self.metrics = Metrics(list(settings.names), settings.interpreters, rows=settings.rows,
                                row=settings.row, address=settings.board,
                                stuck_after=settings.stuck_after, slots=settings.slots,
-                               first=settings.first, processes=settings.processes)
+                               first=settings.first, processes=settings.processes,
+                               cores=settings.cores)
         self.states: dict[str, tuple[str, str]] = dict(settings.states)
         self.model_control = settings.model_control
         self.strict_readiness = settings.strict_readiness

@@ -137,7 +137,8 @@ class Service:
                                rows=rows * place.slots,
                                stuck_after=options.timeout or STUCK_AFTER,
                                slots=options.slots, fd=place.board,
-                               first=place.index * rows, processes=place.processes)
+                               first=place.index * rows, processes=place.processes,
+                               cores=cores())
         #: the inputs refused for having crashed processes (multipy.serve.request.poison)
         self.refused = None if place.refused is None else Table(fd=place.refused)
         if options.torch_threads is None and place.processes > 1:  # the cores, shared

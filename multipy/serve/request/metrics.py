@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import os
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -151,8 +150,8 @@ class Metrics:
     ``address``) with room for the series of ``slots`` models (at least those); this
     writer counts in row ``row`` of its process's rows, which begin at row ``first``
     (with --processes, each of ``processes`` has interpreters + 1 rows: its host's,
-    then its front ends'), on a machine of ``cores`` cores (default: those this process
-    may run on).  Every model's series exist (at 0) from the start, or from
+    then its front ends'), on a machine of ``cores`` cores (None: as many as front ends,
+    see ``freer_front_end``).  Every model's series exist (at 0) from the start, or from
     when ``add`` gives a model loaded later a slot; a model keeps its slot, and its
     counts, once unloaded."""
 
@@ -164,17 +163,16 @@ class Metrics:
         self.slots = max(len(models), slots)
         self.interpreters = interpreters
         self.stuck_after = stuck_after
-        self.first, self.processes, self.row = first, processes, row
+        self.first, self.processes, self.row, self.cores = first, processes, row, cores
         self.board = Board(rows, board_width(self.slots), address, fd)
         self._values = values = self.board.row(first + row)
         self._decoding = Count(values, DECODING)
         self._crowded_at = 0.0  # (when ``crowded`` looks next)
         # (whether a front end spreads the connections it accepts: see freer_front_end)
-        cores = len(os.sched_getaffinity(0)) if cores is None else cores
-        self._spreads = processes * interpreters <= cores
+        self._spreads = cores is None or processes * interpreters <= cores
         # (the CPU time a second that saturates the process's share of the cores; its
         # CPU time when ``_saturated`` looked last, when, and what it said)
-        self._saturating = 0.75 * cores / processes
+        self._saturating = 0.75 * (cores or 1) / processes
         self._cpu, self._cpu_at, self._hot = 0.0, float("-inf"), False
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}

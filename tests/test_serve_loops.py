@@ -343,6 +343,81 @@ def test_an_accept_loop_cancelled_at_any_turn_loses_no_connection(loop):
             runner.close()
 
 
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_the_overdue_watch_takes_what_no_one_takes_and_sleeps_when_nothing_comes(
+        loop, monkeypatch):
+    """The host's watch of the listening socket (``accept_overdue``) leaves the
+    connections that the others take (the front ends: ``accepted()`` counts them) and
+    accepts one that no one takes; while connections keep coming it looks by the clock,
+    without being woken by each one (a watch of the socket changed twice a look); once
+    nothing comes it looks no more, until a connection does."""
+    from multipy.serve.http import connection as module
+    from multipy.serve.http.connection import accept_overdue, bind, listen
+
+    new_loop = pytest.importorskip("uvloop").new_event_loop if loop == "uvloop" \
+        else asyncio.new_event_loop
+    looks, woken = [0], [0]
+    waiting, came = module.waiting, module._Overdue._came
+
+    def counted_waiting(listener: socket.socket) -> int:
+        looks[0] += 1
+        return waiting(listener)
+
+    def counted_came(watch) -> None:
+        woken[0] += 1
+        came(watch)
+
+    monkeypatch.setattr(module, "waiting", counted_waiting)
+    monkeypatch.setattr(module._Overdue, "_came", counted_came)
+
+    async def watched() -> tuple[int, int, int, int, int, int]:
+        listener = listen(bind("127.0.0.1", 0))
+        address = listener.getsockname()[:2]
+        taken, handed, clients = [0], [], []
+        watching = asyncio.create_task(accept_overdue(listener, handed.append,
+                                                      lambda: taken[0], 0.01))
+        try:
+            await asyncio.sleep(0)
+            began = time.monotonic()
+            while time.monotonic() - began < 0.3:  # others take each at once
+                clients.append(socket.create_connection(address, timeout=10))
+                await asyncio.sleep(0)  # (the loop polls: the watch may wake)
+                listener.setblocking(True)
+                clients.append(listener.accept()[0])
+                listener.setblocking(False)
+                taken[0] += 1
+                await asyncio.sleep(0.002)
+            under_load = (len(handed), looks[0], woken[0])
+            clients.append(socket.create_connection(address, timeout=10))  # no one takes it
+            for _ in range(200):
+                if handed:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # (the watch's last looks)
+            looked = looks[0]
+            await asyncio.sleep(0.2)
+            return (*under_load, len(handed), looked, looks[0])
+        finally:
+            watching.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watching
+            listener.close()
+            for each in clients + handed:
+                each.close()
+
+    runner = new_loop()
+    try:
+        handed_under_load, looks_under_load, woken_under_load, handed, looked, looked_later = \
+            runner.run_until_complete(watched())
+    finally:
+        runner.close()
+    assert handed_under_load == 0  # every one was taken by the others
+    assert looks_under_load >= 10, looks_under_load
+    assert woken_under_load <= looks_under_load // 2, (woken_under_load, looks_under_load)
+    assert handed == 1
+    assert looked_later == looked  # nothing came: no look
+
+
 _STOP_ACCEPTING = """
 import asyncio, socket, uvloop
 from multipy.serve.http.connection import accept, accept_overdue, bind, listen, stop_accepting

@@ -200,10 +200,10 @@ async def accept_overdue(listener: socket.socket, hand: Callable[[socket.socket]
     """Accepts, until cancelled, the connections that have waited in listener's queue for
     more than after seconds while others accept on it too (the front ends: accepted()
     counts what they have taken, ever), giving each to hand; those they take in time are
-    theirs.  It looks at the queue at most once every after seconds: while the queue is
-    empty it sleeps until a connection comes.  (Each look is two callbacks of the loop's,
-    with no task step, future or sleep of its own: at low rates it looks once a
-    connection.)"""
+    theirs.  It looks at the queue once every after seconds while connections come, and
+    sleeps until one comes once a look finds none waiting and none taken since the last.
+    (Each look is one callback of the loop's, with no task step, future or sleep of its
+    own; under load, no watch of the socket is changed between two.)"""
     watch = _Overdue(listener, hand, accepted, after)
     try:
         await asyncio.get_running_loop().create_future()  # (until cancelled)
@@ -213,8 +213,10 @@ async def accept_overdue(listener: socket.socket, hand: Callable[[socket.socket]
 
 class _Overdue:
     """accept_overdue's watch, from its making until ``stop()``: a connection in the
-    queue wakes it (``_came``), which notes the queue and what the others have taken, and
-    after seconds later (``_look``) accepts those of them not taken meanwhile."""
+    queue wakes it (``_came``), which notes the queue and what the others have taken;
+    after seconds later ``_look`` accepts those of them not taken meanwhile, and notes
+    the queue again for its next look, unless it found none waiting and none taken since
+    (then a connection wakes it again)."""
 
     def __init__(self, listener: socket.socket, hand: Callable[[socket.socket], None],
                  accepted: Callable[[], int], after: float) -> None:
@@ -222,7 +224,7 @@ class _Overdue:
         self._listener, self._hand, self._accepted, self._after = \
             listener, hand, accepted, after
         self._fd = listener.fileno()  # (its owner may close it once this stops)
-        self._seen = (0, 0)  # (queued, taken) when a connection came
+        self._seen = (0, 0)  # (queued, taken) at the last note
         self._look_at: asyncio.TimerHandle | None = None
         self._loop.add_reader(self._fd, self._came)
 
@@ -233,20 +235,27 @@ class _Overdue:
 
     def _came(self) -> None:
         self._loop.remove_reader(self._fd)
-        self._seen = (waiting(self._listener), self._accepted())
+        self._note(waiting(self._listener))
+
+    def _note(self, queued: int) -> None:
+        self._seen = (queued, self._accepted())
         self._look_at = self._loop.call_later(self._after, self._look)
 
     def _look(self) -> None:
         self._look_at = None
         queued, taken = self._seen
+        since = self._accepted() - taken
         try:
             # (the queue is first in, first out: the first `overdue` are those seen before)
-            error = _accept_queued(self._listener, self._hand,
-                                   queued - (self._accepted() - taken))
+            error = _accept_queued(self._listener, self._hand, queued - since)
             if error is not None:
                 logger.error("accepting a connection failed: %s", error)
         finally:
-            self._loop.add_reader(self._fd, self._came)
+            queued = waiting(self._listener)
+            if queued or since:  # (connections come: the next look by the clock)
+                self._note(queued)
+            else:
+                self._loop.add_reader(self._fd, self._came)
 
 
 async def stop_accepting(accepting: asyncio.Task, listener: socket.socket) -> None:

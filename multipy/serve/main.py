@@ -76,13 +76,15 @@ class _Server(Server):
 
     def __init__(self, config: Config, fronts: FrontEnds, limits: Limits, metrics: Metrics,
                  listener: socket.socket | None = None,
-                 supervised: Supervised | None = None) -> None:
+                 supervised: Supervised | None = None,
+                 family: socket.AddressFamily = socket.AF_INET) -> None:
         super().__init__(config)
         self._fronts = fronts
         self._metrics = metrics
         self._limits = limits
         #: the listening socket (None in a supervised process): the front ends accept on it too
         self.listener = listener
+        self._family = family  # (the listening socket's, of the connections given back)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._supervised = supervised
         self._protocol: type | None = None
@@ -154,8 +156,8 @@ class _Server(Server):
         """Connections that front ends gave back: handed on; with --processes, to the
         supervisor, for another process, while every front end here runs a call and one
         there runs none."""
-        for fd in receive(self._fronts.given_back):
-            connection = socket.socket(fileno=fd)
+        for fd in receive(self._fronts.given_back):  # (told what it is: no system calls)
+            connection = socket.socket(self._family, socket.SOCK_STREAM, 0, fd)
             if self._supervised is None or self._fronts.can_take_free() \
                     or not self._metrics.idle_elsewhere() \
                     or not self._supervised.give_back(connection):
@@ -170,9 +172,9 @@ class _Server(Server):
         stuck; and, while every one is busy (in a call, or decoding a large request),
         served here if it asks for a GET (health, readiness, metadata, metrics: answered
         at once), else handed."""
-        loop = asyncio.get_running_loop()
         if self._fronts.hand(connection, busy_ones=False):
             return
+        loop = asyncio.get_running_loop()  # (a system call: asyncio's check of the pid)
         if self._fronts.can_take():
             loop.create_task(self._get_here(connection))
         else:
@@ -279,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     config = Config(app, host=args.host, port=args.port, lifespan="on", ws="none",
                     access_log=False, log_config=logging_config(),
                     timeout_graceful_shutdown=served.graceful_timeout)
-    server = _Server(config, fronts, served.limits, service.metrics, listener, supervised)
+    server = _Server(config, fronts, served.limits, service.metrics, listener, supervised,
+                     (shared if bound is None else bound).family)
     server.run()
     server.begun.set()  # (stopped before it started)
     if reserved is not None:

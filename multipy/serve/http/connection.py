@@ -213,10 +213,10 @@ async def accept_overdue(listener: socket.socket, hand: Callable[[socket.socket]
 
 class _Overdue:
     """accept_overdue's watch, from its making until ``stop()``: a connection in the
-    queue wakes it (``_came``), which notes the queue and what the others have taken;
-    after seconds later ``_look`` accepts those of them not taken meanwhile, and notes
-    the queue again for its next look, unless it found none waiting and none taken since
-    (then a connection wakes it again)."""
+    queue wakes it (``_came``), which notes what the others have taken and the queue;
+    after seconds later ``_look`` accepts the connections noted that the others have not
+    taken meanwhile, and notes again for its next look, unless none waits and none was
+    taken since (then a connection wakes it again)."""
 
     def __init__(self, listener: socket.socket, hand: Callable[[socket.socket], None],
                  accepted: Callable[[], int], after: float) -> None:
@@ -235,26 +235,37 @@ class _Overdue:
 
     def _came(self) -> None:
         self._loop.remove_reader(self._fd)
-        self._note(waiting(self._listener))
-
-    def _note(self, queued: int) -> None:
-        self._seen = (queued, self._accepted())
-        self._look_at = self._loop.call_later(self._after, self._look)
+        self._note(True)
 
     def _look(self) -> None:
         self._look_at = None
         queued, taken = self._seen
-        since = self._accepted() - taken
+        since = 0
         try:
+            since = self._accepted() - taken
             # (the queue is first in, first out: the first `overdue` are those seen before)
             error = _accept_queued(self._listener, self._hand, queued - since)
             if error is not None:
                 logger.error("accepting a connection failed: %s", error)
         finally:
+            self._note(since > 0)
+
+    def _note(self, came: bool) -> None:
+        """Notes what the others have taken, then the queue (in that order: one taken
+        between the two makes the next look accept one too few, never one too soon),
+        and looks again after seconds if connections came since the last look (woken by
+        one, or the others took some) or one waits; else, or if noting failed, sleeps
+        until a connection comes."""
+        looks = False
+        try:
+            taken = self._accepted()
             queued = waiting(self._listener)
-            if queued or since:  # (connections come: the next look by the clock)
-                self._note(queued)
-            else:
+            if came or queued:
+                self._seen = (queued, taken)
+                self._look_at = self._loop.call_later(self._after, self._look)
+                looks = True
+        finally:
+            if not looks:
                 self._loop.add_reader(self._fd, self._came)
 
 

@@ -65,7 +65,7 @@ class FrontEndSettings:
     rows: int  #: the board's rows
     first: int  #: this process's first row
     processes: int  #: how many processes serve (--processes)
-    cores: int  #: the cores the server's processes may run on
+    cores: int | None  #: the cores the server's processes may run on (Metrics.cores)
     slots: int  #: the metrics' room for models
     stuck_after: float  #: seconds (multipy.serve.request.metrics.Metrics.stuck)
     max_batch_size: int

@@ -170,9 +170,10 @@ class Metrics:
         self._crowded_at = 0.0  # (when ``crowded`` looks next)
         # (whether a front end spreads the connections it accepts: see freer_front_end)
         self._spreads = cores is None or processes * interpreters <= cores
-        # (the CPU time a second that saturates the process's share of the cores; its
-        # CPU time when ``_saturated`` looked last, when, and what it said)
-        self._saturating = 0.75 * (cores or 1) / processes
+        # (the CPU time a second that saturates the process's share of the cores, asked
+        # only when it does not spread; its CPU time when ``_saturated`` looked last,
+        # when, and what it said)
+        self._saturating = 0.75 * (cores or 0) / processes
         self._cpu, self._cpu_at, self._hot = 0.0, float("-inf"), False
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}

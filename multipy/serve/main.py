@@ -156,7 +156,7 @@ class _Server(Server):
         """Connections that front ends gave back: handed on; with --processes, to the
         supervisor, for another process, while every front end here runs a call and one
         there runs none."""
-        for fd in receive(self._fronts.given_back):  # (told what it is: no system calls)
+        for fd in receive(self._fronts.given_back):  # (told what it is: fewer system calls)
             connection = socket.socket(self._family, socket.SOCK_STREAM, 0, fd)
             if self._supervised is None or self._fronts.can_take_free() \
                     or not self._metrics.idle_elsewhere() \

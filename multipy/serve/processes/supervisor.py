@@ -86,7 +86,6 @@ class Supervisor:
         self._rows = interpreters + 1  # each process's host, then its front ends
         self._slots = processes + 1  # one spare, for a replacement beside its old process
         self.board = Board.shared(self._slots * self._rows, board_width(slots))
-        self._accepted_before = 0  # (connections accepted by processes that have ended)
         self.refused = Table.shared()
         self._crashes = Crashes(self.refused)
         self._processes: list[ServerProcess] = []
@@ -145,8 +144,7 @@ class Supervisor:
     async def _serve(self, listener: socket.socket) -> None:
         """Accepts connections on listener until the server stops."""
         accepting = asyncio.get_running_loop().create_task(accept_overdue(
-            listener, self._handover.hand,
-            lambda: int(self.board.total(ACCEPTED)) + self._accepted_before, OVERDUE))
+            listener, self._handover.hand, lambda: int(self.board.total(ACCEPTED)), OVERDUE))
         logger.info("listening on http://%s:%d with %d server processes of %d interpreter(s) "
                     "each; loading models", self._host, self._port, self._count,
                     self._interpreters)
@@ -213,8 +211,6 @@ class Supervisor:
         self._handover.release(record)
         calls = self.board.busy(first, self._rows)
         crashed = self.board.crashed_input(first, self._rows) if status in _FAULTS else None
-        self._accepted_before += int(sum(  # (the watch's count goes on: it never falls)
-            self.board.row(k)[ACCEPTED] for k in range(first, first + self._rows)))
         self.board.reset(first, self._rows)
         self._processes.remove(record)
         self._handover.order(self._processes)

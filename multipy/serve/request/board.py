@@ -120,12 +120,14 @@ class Board:
         """Rows first to first + count - 1 belonged to a process that has ended: what
         they say of the present (connections opened and closed, a call running, requests decoding,
         requests queued, calls running) goes back to 0; the counts of what happened
-        stay."""
+        stay (the connections accepted among them: the supervisor's watch over the
+        socket counts on from them, and a count that fell would make it take the whole
+        queue)."""
         for k in range(first, first + count):
             row = self.row(k)
             row[CLOSED] = row[SINCE] = row[ABANDONED] = row[DECODING] = 0.0
             row[INPUT] = row[CRASHED] = row[TAKEN] = 0.0
-            row[ACCEPTED] = row[OPENED] = row[RECEIVED] = row[WATCHING] = 0.0
+            row[OPENED] = row[RECEIVED] = row[WATCHING] = 0.0
             for at in range(ROW, self.width, PER_MODEL):
                 row[at + QUEUED] = row[at + BUSY] = 0.0
 

@@ -477,6 +477,160 @@ def test_a_head_request_is_answered_though_its_answer_has_no_body_to_write():
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"\r\n\r\n")
 
 
+# -- inference requests answered without ASGI --
+
+class _Echo:
+    """A server of one model, echo, that answers with its inputs (in this process, for
+    the request path only); ``hold``, once set, makes a call wait until it is set
+    again (an asyncio.Event), and ``cancelled`` counts the calls cancelled."""
+
+    ready, states, max_request_size = True, {}, 4096
+    http_restricted = grpc_restricted = ()
+
+    def __init__(self) -> None:
+        from multipy.serve.request.requests import ModelRequests
+
+        self.hold: asyncio.Event | None = None
+        self.cancelled = 0
+        server = self
+
+        class Echo(ModelRequests):
+            async def _run(self, names, datatypes, arrays, started, given, request):
+                with started:
+                    if server.hold is not None:
+                        try:
+                            await server.hold.wait()
+                        except asyncio.CancelledError:
+                            server.cancelled += 1
+                            raise
+                    return (tuple(names), tuple(datatypes), *arrays)
+
+            async def _steps(self, *arguments):
+                yield await self._run(*arguments)
+
+        self.metrics = Metrics(["echo"], 1)
+        self.echo = Echo("echo", self.metrics.models["echo"])
+
+    def model(self, name, version=None):
+        if name == "boom":
+            raise RuntimeError("not a ProtocolError: the endpoint fails")
+        if name != "echo":
+            raise ProtocolError(f"unknown model {name!r}", 404)
+        return self.echo
+
+    async def drain(self) -> None:
+        pass
+
+
+def _infer(path: bytes, body: bytes, *headers: bytes, version: bytes = b"1.1") -> bytes:
+    """A request to path with body (its Content-Length added) and header lines."""
+    return b"POST %s HTTP/%s\r\nHost: x\r\n%sContent-Length: %d\r\n\r\n%s" % (
+        path, version, b"".join(line + b"\r\n" for line in headers), len(body), body)
+
+
+_X = json.dumps({"inputs": [{"name": "x", "datatype": "INT32", "shape": [2],
+                             "data": [1, 2]}]}).encode()
+_BINARY = json.dumps({"inputs": [{"name": "x", "datatype": "INT32", "shape": [2],
+                                  "data": [1, 2]}],
+                      "parameters": {"binary_data_output": True}}).encode()
+
+
+@pytest.mark.parametrize("raw", [
+    _infer(b"/v2/models/echo/infer", _X),
+    _infer(b"/v2/models/echo/versions/1/infer", _BINARY, b"Accept-Encoding: gzip"),
+    _infer(b"/v2/models/echo/infer", _X, b"Connection: close"),
+    _infer(b"/v2/models/echo/infer", _X, version=b"1.0"),
+    _infer(b"/v2/models/nope/infer", _X),
+    _infer(b"/v2/models/echo/infer", b"{"),
+    _infer(b"/v2/models/echo/infer", b"x" * 5000),  # (413, said by its Content-Length)
+    b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    + b"".join(b"%x\r\n%s\r\n" % (1000, b"x" * 1000) for _ in range(5)) + b"0\r\n\r\n",
+    _infer(b"/v2/models/boom/infer", _X),  # (the endpoint fails: 500, closed)
+    _infer(b"/v2/models/echo/infer", _X) + _infer(b"/v2/models/echo/infer", _BINARY),
+], ids=["json", "binary-gzip", "close", "http-1.0", "404", "400", "413-said", "413-come",
+        "500", "pipelined"])
+def test_an_inference_request_is_answered_without_asgi_as_with_it(raw):
+    """The inference endpoint that answers a request without ASGI (its protocol's
+    DirectExchange) writes, byte for byte, what the same endpoint writes through ASGI,
+    on the same connection state after it (closed or kept: the answers end where the
+    server closes, or a request sent after them is answered too)."""
+    from multipy.serve.http.app import create_app
+
+    app = create_app(_Echo())
+    found = []
+
+    def direct(target: bytes):
+        endpoint = app.direct(target)
+        found.append(endpoint is not None)
+        return endpoint
+
+    async def exchange(directly: bool) -> bytes:
+        async with _serving(Limits(), app, direct=direct if directly else None) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(raw)
+            await asyncio.sleep(0.2)  # (answered: then a request that shows it is kept)
+            writer.write(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: close\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 10)  # (until closed)
+            writer.close()
+            return answer
+
+    through_asgi = asyncio.run(exchange(False))
+    assert found == [] and through_asgi.startswith(b"HTTP/1.1 ")
+    answered = asyncio.run(exchange(True))
+    assert found and found[0]  # (the first request went to the endpoint directly)
+    assert answered == through_asgi
+
+
+def test_only_unrestricted_inference_paths_are_answered_without_asgi():
+    from multipy.serve.http.app import create_app
+
+    app = create_app(_Echo())
+    for target in (b"/v2/models/echo/infer", b"/v2/models/echo/versions/2/infer"):
+        assert app.direct(target) is not None, target
+    for target in (b"/v2/models/echo/infer?x=1", b"/v2/models/e%63ho/infer",
+                   b"/v2/models/echo/generate", b"/v2/models/echo", b"/v2/health/ready",
+                   b"http://x/v2/models/echo/infer", "/v2/models/é/infer".encode()):
+        assert app.direct(target) is None, target  # (ASGI's, through Starlette's rules)
+    restricted = _Echo()
+    restricted.http_restricted = (("inference", "key", "value"),)
+    assert create_app(restricted).direct(b"/v2/models/echo/infer") is None
+
+
+def test_a_client_that_goes_during_a_call_answered_without_asgi_cancels_it():
+    """The client of a request answered without ASGI goes while the model runs: the call
+    is cancelled and the request counted as 499, as through ASGI."""
+    from multipy.serve.http.app import create_app
+
+    server = _Echo()
+    app = create_app(server)
+
+    async def exchange() -> None:
+        server.hold = asyncio.Event()
+        async with _serving(Limits(), app, direct=app.direct) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_infer(b"/v2/models/echo/infer", _X))
+            for _ in range(100):  # (until the call runs)
+                await asyncio.sleep(0.02)
+                if b"multipy_model_calls_total{model=\"echo\"} 1.0" in _rendered(server):
+                    break
+            writer.close()
+            for _ in range(200):
+                await asyncio.sleep(0.02)
+                if server.cancelled:
+                    break
+
+    asyncio.run(exchange())
+    assert server.cancelled == 1
+    assert b'multipy_inference_failures_total{model="echo",status="499"} 1.0' in \
+        _rendered(server)
+
+
+def _rendered(server: _Echo) -> bytes:
+    """server's metrics, as /metrics gives them."""
+    return server.metrics.render()[0]
+
+
 # -- the host's choice of front end --
 
 def test_a_new_connection_goes_to_the_front_end_with_the_fewest_open_connections():

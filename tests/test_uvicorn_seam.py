@@ -106,3 +106,36 @@ def test_the_guarded_protocol_sets_up_what_uvicorns_sets_up():
         _assigned(HttpToolsProtocol.connection_made)[0]
     ours = _assigned(_Guarded.__init__)[0] | _assigned(_Guarded.connection_made)[0]
     assert "logger" in ours and theirs <= ours, sorted(theirs - ours)
+
+
+def test_the_scope_that_the_guarded_protocol_makes_is_uvicorns():
+    """The scope that the guarded protocol makes for a request that goes to the
+    application, once its head has come, is the one uvicorn's on_message_begin makes
+    (on_headers_complete adds the rest to either)."""
+    import asyncio
+
+    import uvicorn
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from multipy.serve.http.connection import Limits
+    from multipy.serve.http.uvicorn_protocol import guarded
+
+    async def app(scope, receive, send):
+        pass
+
+    config = uvicorn.Config(app, log_config=None, root_path="/under")
+    loop = asyncio.new_event_loop()
+    try:
+        protocol = guarded(HttpToolsProtocol, Limits())(
+            config=config, server_state=uvicorn.server.ServerState(),
+            app_state={"key": "value"}, _loop=loop)
+        protocol.server, protocol.client, protocol.scheme = ("s", 1), ("c", 2), "http"
+        protocol.on_message_begin()
+        protocol.on_header(b"Name", b"value")
+        ours = protocol._scope()
+        headers = protocol.headers
+        HttpToolsProtocol.on_message_begin(protocol)
+        protocol.headers.extend(headers)
+        assert ours == protocol.scope and ours["state"] is not protocol.app_state
+    finally:
+        loop.close()

@@ -122,7 +122,7 @@ class FrontEnd:
         for name, served in models.items():
             self.add_model(name, served, settings.described[name])
         self._app = create_app(self) if self._worker is None else \
-            _closing_while_stuck(create_app(self), self._worker)
+            _ClosingWhileStuck(create_app(self), self._worker)
         self._inbox = settings.inbox
         self._grpc_address = settings.grpc
         self._grpc: Any = None  # the gRPC server serving here, if one does
@@ -289,7 +289,8 @@ class FrontEnd:
         self._protocol = functools.partial(
             guarded(server.config.http_protocol_class, self._limits,
                     self.metrics.closed_connection, on_linger=self.metrics.lingering,
-                    crowded=self.metrics.crowded if self.metrics.processes > 1 else None),
+                    crowded=self.metrics.crowded if self.metrics.processes > 1 else None,
+                    direct=self._app.direct),
             config=server.config, server_state=server.server_state,
             app_state=server.lifespan.state)
         if self._grpc_address is not None:
@@ -424,7 +425,7 @@ class FrontEnd:
         """The worker is stuck, or free again (on the loop): a stuck interpreter's gRPC
         server stops while another interpreter of the server (of any of its processes)
         is not stuck, so that the gRPC channels held here go there (HTTP's connections
-        are closed as they are answered: _closing_while_stuck); a new one starts once it
+        are closed as they are answered: _ClosingWhileStuck); a new one starts once it
         is free again.  It accepts no connection while stuck."""
         self._accept_when_free()
         if self._grpc_address is None or self._stopping:
@@ -501,21 +502,35 @@ async def _read_and_answered(waiting: dict[Any, int], deadline: float) -> None:
             protocol.progress = None
 
 
-def _closing_while_stuck(app: Any, worker: _Worker) -> Any:
+class _ClosingWhileStuck:
     """The ASGI application app, but an answer it gives while worker is stuck closes its
     connection (Connection: close): the client's next request comes on a new connection,
-    which the host hands to an interpreter that is not stuck."""
+    which the host hands to an interpreter that is not stuck.  So does an answer of its
+    endpoints that answer without ASGI (``direct``: see multipy.serve.http.app)."""
 
-    async def closing(scope: dict, receive: Callable, send: Callable) -> None:
+    def __init__(self, app: Any, worker: _Worker) -> None:
+        self._app, self._worker = app, worker
+        self.direct = functools.lru_cache(maxsize=256)(self._endpoint)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         async def sending(message: dict) -> None:
-            if message["type"] == "http.response.start" and worker.stuck is not None:
+            if message["type"] == "http.response.start" and self._stuck():
                 message = {**message, "headers": [*message.get("headers", ()),
                                                   (b"connection", b"close")]}
             await send(message)
 
-        await app(scope, receive, sending)
+        await self._app(scope, receive, sending)
 
-    return closing
+    def _stuck(self) -> bool:
+        return self._worker.stuck is not None
+
+    def _endpoint(self, target: bytes) -> Callable | None:
+        endpoint = self._app.direct(target)
+        return None if endpoint is None else functools.partial(self._closing, endpoint)
+
+    async def _closing(self, endpoint: Callable, exchange: Any) -> None:
+        exchange.closing = self._stuck  # (asked as it answers)
+        await endpoint(exchange)
 
 
 class _Model(ModelRequests):

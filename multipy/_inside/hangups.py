@@ -22,7 +22,7 @@ from typing import Any
 
 import _multipy_bootstrap
 
-from ..serve.http.uvicorn_server import connection_of
+from ..serve.http.uvicorn_protocol import connection_of
 from ..serve.request.messages import ProtocolError
 
 logger = logging.getLogger("multipy.serve")

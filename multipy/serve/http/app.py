@@ -14,7 +14,7 @@ import copy
 import functools
 import inspect
 from itertools import repeat
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -29,9 +29,10 @@ from ..request.inference import (decode_apart, infer as infer_through, ready_mod
 from ..request.messages import (HEADER_LENGTH, InferRequest, ProtocolError, Tensor,
                                 compress, error_body, json_object)
 from ..request.restricted import HTTP_ROUTES, Restrictions
-from .exchange import JSON, answer, departure, read_body
+from .exchange import JSON, answer, departure, head_lines, read_body
 from .generate import Generate
 from .litserve import litserve_first
+from .uvicorn_protocol import DirectExchange
 from .uvicorn_server import LOGGING_CONFIG
 
 
@@ -43,7 +44,7 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
     runs when the server starts (the host starts loading the models there), and batches
     still waiting run at shutdown.  A Starlette application answers every request but
     inference requests, which go to the inference endpoint without it
-    (``_inference_first``), and LitServe's routes for the LitAPIs it serves
+    (``_InferenceFirst``), and LitServe's routes for the LitAPIs it serves
     (multipy.serve.http.litserve), answered before Starlette's.  A request to an
     endpoint of a category that ``service.http_restricted`` restricts is answered 403
     unless it carries the header that the category needs
@@ -58,7 +59,7 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
     model_path = "/v2/models/{model}"
     version_path = "/v2/models/{model}/versions/{version}"
     routes = [
-        # (under a root path: else _inference_first answers these before Starlette)
+        # (under a root path: else _InferenceFirst answers these before Starlette)
         route(f"{model_path}/infer", inference, "POST"),
         route(f"{version_path}/infer", inference, "POST"),
         *(route(f"{path}/{kind}", Generate(service, streaming=kind == "generate_stream"),
@@ -84,7 +85,8 @@ def create_app(service: Server, on_startup: Callable[[], Any] | None = None) -> 
               if route.path.rpartition("/")[2] in _DIRECT}
     app = Starlette(routes=routes, exception_handlers={HTTPException: endpoints.http_error},
                     lifespan=endpoints.lifespan)
-    return _inference_first(direct, litserve_first(service, app))
+    return _InferenceFirst(direct, litserve_first(service, app),
+                           inference if direct["infer"] is inference else None)
 
 
 def _guarded(restrictions: Restrictions, path: str, endpoint: Callable) -> Callable:
@@ -204,24 +206,44 @@ class _Endpoints:
 _DIRECT = ("infer", "generate", "generate_stream")
 
 
-def _inference_first(direct: dict[str, Callable], app: Starlette) -> Callable:
+class _InferenceFirst:
     """app, but an inference request (POST to one of the paths of the protocol's
     inference endpoint, or of the generate extension's, with no root path) goes straight
     to its endpoint of direct (by its path's last segment), without Starlette's
     middleware, routing and request objects (and with uvicorn's own ``send``, whose
     connection a model's call watches: multipy._inside.hangups): what every other
-    request, and every other method on those paths (405), meets is app's."""
+    request, and every other method on those paths (405), meets is app's.
 
-    async def dispatch(scope: dict, receive: Callable, send: Callable) -> None:
+    ``direct(target)`` gives the connection's protocol (multipy.serve.http.
+    uvicorn_protocol.guarded) the endpoint that answers an inference request without
+    ASGI: inference's (unless it is restricted: then None) for the target of an
+    inference path without a query or percent-encoding."""
+
+    def __init__(self, direct: dict[str, Callable], app: Callable,
+                 inference: _Inference | None) -> None:
+        self._direct, self._app, self._inference = direct, app, inference
+        # (remembered for the targets seen last: each answer is a partial of its own)
+        self.direct = functools.lru_cache(maxsize=256)(self._endpoint)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             found = _inference_params(scope["path"])
             if found is not None:
                 scope["path_params"] = found[1]
-                await direct[found[0]](scope, receive, send)
+                await self._direct[found[0]](scope, receive, send)
                 return
-        await app(scope, receive, send)
+        await self._app(scope, receive, send)
 
-    return dispatch
+    def _endpoint(self, target: bytes) -> Callable | None:
+        if self._inference is None or not target.isascii() or b"?" in target \
+                or b"%" in target or b"#" in target:
+            return None
+        found = _inference_params(target.decode("ascii"))
+        if found is None or found[0] != "infer":
+            return None
+        params = found[1]
+        return functools.partial(self._inference.direct, params["model"],
+                                 params.get("version"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -262,8 +284,31 @@ class _Inference:
         return self._codec
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        params = scope["path_params"]
+        status, body, headers = await self._answer(
+            params["model"], params.get("version"), scope["headers"],
+            functools.partial(read_body, receive), departure(receive), send)
+        await answer(send, status, body, headers)
+
+    async def direct(self, name: str, version: str | None, exchange: DirectExchange) -> None:
+        """Answers exchange, a request for model name (and version) that the connection's
+        protocol gives without ASGI (multipy.serve.http.uvicorn_protocol.DirectExchange),
+        as ``__call__`` answers one."""
+        status, body, headers = await self._answer(name, version, exchange.headers,
+                                                   exchange.body, exchange.gone,
+                                                   exchange.answer)
+        await exchange.answer(status, head_lines(headers), body)
+
+    async def _answer(self, name: str, version: str | None, headers: list,
+                      read: Callable[[str | None, int], Awaitable[bytes]],
+                      gone: Callable[[], Awaitable[None]],
+                      connection: Callable) -> tuple[int, bytes, Mapping[str, str]]:
+        """(status, body, headers) of the answer to a request for model name (and
+        version) with headers (ASGI's), whose body ``read(declared, limit)`` reads (as
+        multipy.serve.http.exchange.read_body), whose client has gone once ``gone()``
+        returns, that connection (a ``send``) answers."""
         service = self._service
-        named = dict(reversed(scope["headers"])).get  # (the first of a name, as Starlette's)
+        named = dict(reversed(headers)).get  # (the first of a name, as Starlette's)
         # (most requests have a Content-Length, some an Accept-Encoding, few the others)
         length, encoding, header_length, accepted = (
             named(b"content-length"), named(b"content-encoding"), named(_HEADER_LENGTH),
@@ -279,12 +324,12 @@ class _Inference:
 
         async def decode() -> InferRequest:
             limit = service.max_request_size
-            body = await read_body(receive, length, limit)
+            body = await read(length, limit)
             # (a compressed body may expand to the limit)
             decoded = await decode_apart(service, limit if encoding else len(body),
                                          (self._codec or self._imported())[0], body,
                                          header_length, encoding, limit)
-            decoded.connection = send  # (its call watches it: multipy._inside.hangups)
+            decoded.connection = connection  # (its call watches it: multipy._inside.hangups)
             return decoded
 
         def encode(decoded: InferRequest, outputs: list[Tensor]) -> tuple[bytes, dict]:
@@ -297,19 +342,14 @@ class _Inference:
                 name, "1", decoded.id, chosen)
             return compress(body, answer_headers, accepted), answer_headers
 
-        params = scope["path_params"]
-        name = params["model"]
         try:
-            body, answer_headers = await infer_through(service, name, params.get("version"),
-                                                       decode, encode,
-                                                       departure(receive))
+            body, answer_headers = await infer_through(service, name, version, decode, encode,
+                                                       gone)
         except ProtocolError as error:
             if error.status == 499:
-                await answer(send, 499, b"", {})
-            else:
-                await answer(send, error.status, error_body(str(error)), JSON)
-            return
-        await answer(send, 200, body, answer_headers)
+                return 499, b"", {}
+            return error.status, error_body(str(error)), JSON
+        return 200, body, answer_headers
 
 
 class _Restricted:

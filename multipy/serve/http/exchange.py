@@ -1,7 +1,9 @@
 """The two ends of an HTTP exchange that the endpoints of multipy.serve.http write
-themselves, below Starlette: reading a request's body within a limit (``read_body``),
-sending a whole answer (``answer``), written at once where uvicorn serves the
-connection, and sending one in pieces as they are made (``send_pieces``).
+themselves, below Starlette: reading a request's body within a limit (``read_body``, and
+its errors, which a request answered without ASGI shares: multipy.serve.http.
+uvicorn_protocol.DirectExchange), sending a whole answer (``answer``; ``head_lines``),
+written at once where uvicorn serves the connection, and sending one in pieces as they
+are made (``send_pieces``).
 """
 from __future__ import annotations
 
@@ -21,14 +23,47 @@ async def answer(send: Callable, status: int, body: bytes, headers: Mapping[str,
     """Sends an answer of status with body and headers (and its Content-Length), as a
     Starlette Response sends it: written at once where uvicorn serves the connection
     (multipy.serve.http.uvicorn_server.write_answer), else as the two ASGI messages."""
-    raw = [_JSON_RAW] if headers == JSON else [
-        (key.lower().encode("latin-1"), value.encode("latin-1")) for key, value in headers.items()]
-    if write_answer(send, status, _JSON_HEAD if headers == JSON else
-                    b"".join([b"%s: %s\r\n" % pair for pair in raw]), body):
+    raw = [_JSON_RAW] if headers == JSON else _raw(headers)
+    if write_answer(send, status, _JSON_HEAD if headers == JSON else _lines(raw), body):
         return
     raw.append((b"content-length", str(len(body)).encode("latin-1")))
     await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})
+
+
+def check_declared(declared: str | None, limit: int) -> None:
+    """ProtocolError (413) if declared, a request's Content-Length, says more than limit
+    bytes."""
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProtocolError(f"the request has {declared} bytes, more than the {limit} this "
+                            f"server takes (--max-request-size)", 413)
+
+
+def too_large(limit: int) -> ProtocolError:
+    """The error (413) of a request whose body has come past limit bytes."""
+    return ProtocolError(f"the request has more than the {limit} bytes this server takes "
+                         f"(--max-request-size)", 413)
+
+
+def gone_away() -> ProtocolError:
+    """The error (499) of a request whose client went away before it was answered."""
+    return ProtocolError("the client went away", 499)
+
+
+def head_lines(headers: Mapping[str, str]) -> bytes:
+    """The header lines of headers (an answer's, but its Content-Length), each ending in
+    CRLF, as ``answer`` writes them."""
+    return _JSON_HEAD if headers == JSON else _lines(_raw(headers))
+
+
+def _raw(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """headers as ASGI gives them: names in lower case, names and values in bytes."""
+    return [(key.lower().encode("latin-1"), value.encode("latin-1"))
+            for key, value in headers.items()]
+
+
+def _lines(raw: list[tuple[bytes, bytes]]) -> bytes:
+    return b"".join([b"%s: %s\r\n" % pair for pair in raw])
 
 
 async def read_body(receive: Callable, declared: str | None, limit: int) -> bytes:
@@ -36,19 +71,16 @@ async def read_body(receive: Callable, declared: str | None, limit: int) -> byte
     says declared; ProtocolError: 413 if it has more than limit bytes, said by its
     Content-Length before any is read, or as soon as what arrives passes it; 499 if the
     client goes away first."""
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProtocolError(f"the request has {declared} bytes, more than the {limit} this "
-                            f"server takes (--max-request-size)", 413)
+    check_declared(declared, limit)
     chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":  # nobody to answer
-            raise ProtocolError("the client went away", 499)
+            raise gone_away()
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise ProtocolError(f"the request has more than the {limit} bytes this server "
-                                f"takes (--max-request-size)", 413)
+            raise too_large(limit)
         if not message.get("more_body", False):
             return b"".join((*chunks, chunk)) if chunks else chunk  # (most: in one piece)
         chunks.append(chunk)

@@ -37,14 +37,15 @@ import http
 import json
 import logging
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import httptools
 
 from .connection import Coalescing, Limits
-from .uvicorn_server import FlowControl
+from .exchange import check_declared, gone_away, too_large
+from .uvicorn_server import FlowControl, RequestResponseCycle, write_whole
 
-__all__ = ["guarded"]
+__all__ = ["DirectExchange", "connection_of", "guarded"]
 
 #: The bytes of empty lines, which before a request are ignored (RFC 9112, 2.2): they do
 #: not end a connection's idle time.
@@ -61,7 +62,8 @@ class _Refused(Exception):
 def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = None,
             one_request: bool = False,
             on_linger: Callable[[int], None] | None = None,
-            crowded: Callable[[], bool] | None = None) -> type:
+            crowded: Callable[[], bool] | None = None,
+            direct: Callable[[bytes], Endpoint | None] | None = None) -> type:
     """A subclass of uvicorn's httptools protocol ``base`` that enforces limits (see the
     module's docstring), calls on_lost() when a connection ends, on_linger(1) when one
     begins to linger and on_linger(-1) when it stops (see the module's docstring), and
@@ -70,14 +72,160 @@ def guarded(base: type, limits: Limits, on_lost: Callable[[], None] | None = Non
     docstring: the client's next connection may be accepted elsewhere).  Its
     ``received`` counts the bytes read from the connection; its ``progress``, an
     asyncio.Event or None, is set when it reads bytes, answers a request or ends (for
-    one who waits on that)."""
+    one who waits on that).  direct(target), if given, is the endpoint that answers a
+    POST request to target (the request line's bytes) without ASGI, or None: the
+    protocol then gives it the request as a DirectExchange (see its docstring for
+    which requests)."""
     return type("Guarded", (_Guarded, base), {
         "_limits": limits, "_on_lost": None if on_lost is None else staticmethod(on_lost),
         "_on_linger": None if on_linger is None else staticmethod(on_linger),
         "_one_request": one_request,
         "_crowded": None if crowded is None else staticmethod(crowded),
-        # (called as it is, without super(): once per header field)
-        "_base_on_header": base.on_header})
+        "_directly": None if direct is None else staticmethod(direct)})
+
+
+#: What answers a request without ASGI: ``await endpoint(exchange)`` answers it.
+Endpoint = Callable[["DirectExchange"], Awaitable[None]]
+
+
+def connection_of(send: Callable) -> int | None:
+    """The file descriptor of the connection whose request send answers (a uvicorn
+    cycle's send, of ``guarded``'s protocol, or a DirectExchange's ``answer``); -1 once
+    its client has gone (the descriptor may be another connection's by then); None for
+    another server's send."""
+    cycle = getattr(send, "__self__", None)
+    if type(cycle) is not RequestResponseCycle and type(cycle) is not DirectExchange:
+        return None
+    return -1 if cycle.disconnected else cycle.transport.fd
+
+
+class DirectExchange:
+    """A request that ``guarded``'s protocol gives an endpoint of its own (``direct``),
+    not the ASGI application: a POST whose target that endpoint answers, without
+    ``Expect: 100-continue`` or an upgrade, that comes on a connection with no answer
+    under way (one that comes behind an answer under way, pipelined, goes to the
+    application), where uvicorn neither logs each answer nor limits concurrency.
+    Neither a scope nor ASGI's messages and tasks are made for it: the endpoint reads
+    ``headers`` (ASGI's: names in lower case), ``await body(declared, limit)``, may wait
+    for ``gone()`` and writes one whole ``answer``.
+
+    It takes the place of uvicorn's request cycle on the protocol (``cycle``), with the
+    attributes of one that uvicorn's protocol and ``write_whole`` read and set, so that
+    the protocol's shutdown, pipelining and loss of the connection treat it as a cycle.
+    ``closing``, if set (by a wrapper of the endpoint), is asked as the answer is written:
+    true closes the connection with it."""
+
+    # An exchange's state as it begins (its instance's own once changed).
+    closing: Callable[[], bool] | None = None
+    disconnected = response_started = response_complete = False
+    more_body = True
+    waiting_for_100_continue = False
+    _size = 0
+    _limit: int | None = None  # (given by body())
+    _waiter: asyncio.Future | None = None
+
+    def __init__(self, protocol: _Guarded, headers: list[tuple[bytes, bytes]],
+                 keep_alive: bool) -> None:
+        self.headers = headers
+        self.keep_alive = keep_alive
+        self.transport = protocol.transport
+        self._protocol = protocol
+        self._pieces: list[bytes] = []
+
+    # -- what the protocol and write_whole use of it, as of uvicorn's cycle --
+
+    @property
+    def message_event(self) -> DirectExchange:
+        """What uvicorn's protocol sets when the body ends or the connection is lost:
+        ``set`` wakes the endpoint if it waits."""
+        return self
+
+    def set(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    @property
+    def default_headers(self) -> list[tuple[bytes, bytes]]:
+        return self._protocol.server_state.default_headers
+
+    @property
+    def on_response(self) -> Callable[[], None]:
+        return self._protocol.on_response_complete
+
+    def piece(self, data: bytes) -> None:
+        """A piece of the request's body has come (kept unless it is past the limit)."""
+        if self.response_complete:
+            return
+        self._size += len(data)
+        limit = self._limit
+        if limit is not None and self._size > limit:
+            self._pieces.clear()  # (refused: nothing more is kept)
+            self.set()
+        else:
+            self._pieces.append(data)
+
+    # -- the endpoint's --
+
+    async def body(self, declared: str | None, limit: int) -> bytes:
+        """The request's body, whose Content-Length header says declared; ProtocolError
+        as multipy.serve.http.exchange.read_body raises it: 413 past limit bytes (said,
+        or come), 499 if the client goes away first."""
+        check_declared(declared, limit)
+        self._limit = limit
+        while self.more_body and self._size <= limit and not self.disconnected:
+            await self._wait()
+        if self.disconnected:
+            raise gone_away()
+        if self._size > limit:
+            raise too_large(limit)
+        pieces = self._pieces
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    async def gone(self) -> None:
+        """Returns once the client has gone away."""
+        while not self.disconnected:
+            await self._wait()
+
+    def _wait(self) -> asyncio.Future:
+        waiter = self._waiter = self._protocol.loop.create_future()
+        return waiter
+
+    async def answer(self, status: int, head: bytes, body: bytes) -> None:
+        """Writes the answer: status, head (its header lines but Content-Length, each
+        ending in CRLF) and body, once what waits to be written has drained; nothing if
+        the client has gone, or an answer was written."""
+        flow = self._protocol.flow
+        if flow.write_paused and not self.disconnected:
+            await flow.drain()
+        if self.disconnected or self.response_started:
+            return
+        if self.closing is not None and self.closing():
+            self.keep_alive = False
+        write_whole(self, status, head, body)
+
+    async def run(self, endpoint: Endpoint) -> None:
+        """Has endpoint answer; if it fails, or ends without an answer, the client gets
+        a 500 (and the connection closes), as uvicorn's cycle does for its
+        application."""
+        try:
+            await endpoint(self)
+        except BaseException as error:  # (uvicorn's: the task is cancelled at shutdown)
+            self._protocol.logger.error("Exception in an endpoint answering without ASGI",
+                                        exc_info=error)
+        else:
+            if self.response_started or self.disconnected:
+                return
+            self._protocol.logger.error("An endpoint answering without ASGI returned "
+                                        "without an answer.")
+        if self.response_started:
+            self.transport.close()
+            return
+        self.keep_alive = False
+        await self.answer(500, b"content-type: text/plain; charset=utf-8\r\n",
+                          b"Internal Server Error")
 
 
 class _Guarded:
@@ -88,7 +236,7 @@ class _Guarded:
     _on_linger: Callable[[int], None] | None
     _one_request: bool
     _crowded: Callable[[], bool] | None
-    _base_on_header: Callable[[Any, bytes, bytes], None]
+    _directly: Callable[[bytes], Endpoint | None] | None
 
     # A connection's state as it begins (its instance's own once changed).
     received = 0
@@ -136,6 +284,11 @@ class _Guarded:
         self.pipeline = deque()
         self.scope = self.headers = self.cycle = None
         self.expect_100_continue = False
+        # (requests answered without ASGI only where uvicorn would do nothing more with
+        # them: see DirectExchange)
+        self._direct = self._directly if not self.root_path and self.limit_concurrency \
+            is None and not self.access_log and not getattr(config, "reset_contextvars",
+                                                            False) else None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         # uvicorn's, less what nothing here reads, which costs a connection two system
@@ -218,15 +371,33 @@ class _Guarded:
             self._linger(False)
         if self._since is None:
             self._arm()
-        super().on_message_begin()
+        # uvicorn's, but the scope is made once the head has come, for a request that
+        # goes to the application (``_scope``)
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+        self.scope = None
+
+    def _scope(self) -> dict[str, Any]:
+        """The request's ASGI scope as uvicorn's on_message_begin makes it (its
+        on_headers_complete adds the rest): tests/test_uvicorn_seam.py compares them."""
+        return {"type": "http", "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1", "server": self.server, "client": self.client,
+                "scheme": self.scheme, "root_path": self.root_path, "headers": self.headers,
+                "state": self.app_state.copy()}
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(self.headers) >= self._limits.max_headers:  # (the request's fields so far)
+        # uvicorn's, under --max-headers
+        headers = self.headers
+        if len(headers) >= self._limits.max_headers:  # (the request's fields so far)
             self._refusal = (431, f"the request has more than the "
                                   f"{self._limits.max_headers} header fields this server "
                                   f"takes (--max-headers)")
             raise _Refused
-        self._base_on_header(name, value)
+        name = name.lower()
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        headers.append((name, value))
 
     def on_chunk_header(self) -> None:  # (a body read as chunked: see the docstring)
         for name, value in self.headers:
@@ -243,9 +414,36 @@ class _Guarded:
             self._shed = None  # for both, unless that one's answer has begun
             if not shed.response_started:
                 shed.keep_alive = True
-        super().on_headers_complete()
-        if self._one_request and self.cycle is not None:
-            self.cycle.keep_alive = False
+        endpoint = None if self._direct is None else self._endpoint()
+        if endpoint is None:
+            self.scope = self._scope()
+            super().on_headers_complete()
+            if self._one_request and self.cycle is not None:
+                self.cycle.keep_alive = False
+            return
+        parser = self.parser
+        exchange = self.cycle = DirectExchange(
+            self, self.headers, not self._one_request and parser.should_keep_alive()
+            and parser.get_http_version() != "1.0")  # (as uvicorn keeps a connection)
+        task = self.loop.create_task(exchange.run(endpoint))
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+
+    def _endpoint(self) -> Endpoint | None:
+        """The endpoint that answers the request whose head has come without ASGI, if
+        one does (see DirectExchange)."""
+        cycle, parser = self.cycle, self.parser
+        if self.expect_100_continue or (cycle is not None and not cycle.response_complete) \
+                or parser.get_method() != b"POST" or parser.should_upgrade():
+            return None
+        return self._direct(self.url)
+
+    def on_body(self, body: bytes) -> None:
+        exchange = self.cycle
+        if type(exchange) is DirectExchange:
+            exchange.piece(body)
+        else:
+            super().on_body(body)
 
     def on_response_complete(self) -> None:
         # uvicorn's, but for its keep-alive timer: the watch's deadline instead

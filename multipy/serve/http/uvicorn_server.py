@@ -1,7 +1,7 @@
 """With multipy.serve.http.uvicorn_protocol, the only code that relies on uvicorn beyond
 its public API: uvicorn's server, ``Config`` and ``Server`` (and its ``LOGGING_CONFIG``)
-without its command line; ``write_answer``, which writes a whole answer through the
-httptools protocol's request cycle at once, and ``connection_of``.  ``RELIED_ON`` names
+without its command line; and ``write_answer``, which writes a whole answer through the
+httptools protocol's request cycle at once (``write_whole``).  ``RELIED_ON`` names
 every attribute of uvicorn's own that the two modules (and the server's life, which runs
 uvicorn's ``Server``) use beyond that API; tests/test_uvicorn_seam.py checks each on the
 installed uvicorn, and fails with its name on a uvicorn that lacks it.
@@ -67,7 +67,8 @@ _uvicorn.Config, _uvicorn.Server = Config, Server  # as its __init__ sets them
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCycle  # noqa: E402
 from uvicorn.protocols.http.flow_control import FlowControl  # noqa: E402
 
-__all__ = ["Config", "FlowControl", "LOGGING_CONFIG", "RELIED_ON", "Server", "connection_of", "write_answer"]
+__all__ = ["Config", "FlowControl", "LOGGING_CONFIG", "RELIED_ON", "RequestResponseCycle",
+           "STATUS_LINE", "Server", "write_answer", "write_whole"]
 
 _PROTOCOL = "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol"
 _CYCLE = "uvicorn.protocols.http.httptools_impl.RequestResponseCycle"
@@ -89,6 +90,8 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     (_PROTOCOL, "on_message_begin()", "method"),
     (_PROTOCOL, "__init__(config, server_state, app_state, _loop)", "method"),
     (_PROTOCOL, "on_header(name, value)", "method"),
+    (_PROTOCOL, "on_url(url)", "method"),
+    (_PROTOCOL, "on_body(body)", "method"),
     (_PROTOCOL, "on_headers_complete()", "method"),
     (_PROTOCOL, "on_message_complete()", "method"),
     (_PROTOCOL, "on_response_complete()", "method"),
@@ -98,6 +101,11 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     (_PROTOCOL, "transport", "attribute"),
     (_PROTOCOL, "parser", "attribute"),
     (_PROTOCOL, "headers", "attribute"),
+    # (what uvicorn's on_message_begin sets, which its on_url and on_headers_complete
+    # read: the guarded protocol's own sets them, and makes the scope apart)
+    (_PROTOCOL, "url", "attribute"),
+    (_PROTOCOL, "scope", "attribute"),
+    (_PROTOCOL, "expect_100_continue", "attribute"),
     (_PROTOCOL, "cycle", "attribute"),
     (_PROTOCOL, "pipeline", "attribute"),
     (_PROTOCOL, "flow", "attribute"),
@@ -128,6 +136,7 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     (_FLOW, "__init__(transport)", "method"),
     ("uvicorn.server.ServerState", "total_requests", "attribute"),
     ("uvicorn.server.ServerState", "connections", "attribute"),
+    ("uvicorn.server.ServerState", "default_headers", "attribute"),
     ("uvicorn.config.Config", "http_protocol_class", "attribute"),
     # (read by the protocol's __init__, as uvicorn's reads them)
     ("uvicorn.config.Config", "loaded", "attribute"),
@@ -149,16 +158,6 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     (_SERVER, "should_exit", "attribute"),
     (_SERVER, "force_exit", "attribute"),
 )
-
-
-def connection_of(send: Callable) -> int | None:
-    """The file descriptor of the connection whose request send (a cycle's of
-    ``guarded``'s protocol) answers; -1 once its client has gone (the descriptor may be
-    another connection's by then); None for another server's send."""
-    cycle = getattr(send, "__self__", None)
-    if type(cycle) is not RequestResponseCycle:
-        return None
-    return -1 if cycle.disconnected else cycle.transport.fd
 
 
 #: uvicorn's default headers (Server, Date) that an answer was last written with, and
@@ -189,6 +188,14 @@ def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:
             or cycle.disconnected or cycle.flow.write_paused or cycle.access_log
             or cycle.scope["method"] == "HEAD"):
         return False
+    write_whole(cycle, status, head, body)
+    return True
+
+
+def write_whole(cycle: Any, status: int, head: bytes, body: bytes) -> None:
+    """Writes a whole answer, as ``write_answer`` does, through cycle: a uvicorn httptools
+    cycle that has begun no answer, or what stands in its place with the attributes of
+    one that this reads and sets (multipy.serve.http.uvicorn_protocol.DirectExchange)."""
     cycle.response_started = True
     cycle.waiting_for_100_continue = False
     lines = [STATUS_LINE[status], _default_lines(cycle.default_headers), head,
@@ -202,4 +209,3 @@ def write_answer(send: Callable, status: int, head: bytes, body: bytes) -> bool:
     if not cycle.keep_alive:
         cycle.transport.close()
     cycle.on_response()
-    return True

@@ -106,8 +106,8 @@ class DirectExchange:
     under way (one that comes behind an answer under way, pipelined, goes to the
     application), where uvicorn neither logs each answer nor limits concurrency.
     Neither a scope nor ASGI's messages and tasks are made for it: the endpoint reads
-    ``headers`` (ASGI's: names in lower case), ``await body(declared, limit)``, may wait
-    for ``gone()`` and writes one whole ``answer``.
+    ``headers`` (ASGI's: names in lower case), ``await body(declared, limit)``, may then
+    wait for ``gone()`` (one of the two waits at a time) and writes one whole ``answer``.
 
     It takes the place of uvicorn's request cycle on the protocol (``cycle``), with the
     attributes of one that uvicorn's protocol and ``write_whole`` read and set, so that

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import socket
 from types import SimpleNamespace
 
@@ -82,15 +83,22 @@ async def _ok(scope, receive, send):
 
 
 @contextlib.asynccontextmanager
-async def _serving(limits: Limits, app, **callbacks):
+async def _serving(limits: Limits, app, made: list | None = None, **callbacks):
     """While it runs, a server of guarded uvicorn protocol (limits, and guarded's
-    callbacks) serves app on a port of loopback, which it yields."""
+    callbacks) serves app on a port of loopback, which it yields; made, if given, gets
+    each connection's protocol."""
     config = uvicorn.Config(app, lifespan="off", log_config=None, access_log=False)
     config.load()
     state = uvicorn.server.ServerState()
     protocol = guarded(config.http_protocol_class, limits, **callbacks)
-    server = await asyncio.get_running_loop().create_server(
-        lambda: protocol(config=config, server_state=state, app_state={}), "127.0.0.1", 0)
+
+    def make():
+        connection = protocol(config=config, server_state=state, app_state={})
+        if made is not None:
+            made.append(connection)
+        return connection
+
+    server = await asyncio.get_running_loop().create_server(make, "127.0.0.1", 0)
     try:
         yield server.sockets[0].getsockname()[1]
     finally:
@@ -503,7 +511,9 @@ class _Echo:
                         except asyncio.CancelledError:
                             server.cancelled += 1
                             raise
-                    return (tuple(names), tuple(datatypes), *arrays)
+                    # (names None: given by position; answered as y0, y1, ...)
+                    return (tuple(names or (f"y{k}" for k in range(len(arrays)))),
+                            tuple(datatypes), *arrays)
 
             async def _steps(self, *arguments):
                 yield await self._run(*arguments)
@@ -535,25 +545,32 @@ _BINARY = json.dumps({"inputs": [{"name": "x", "datatype": "INT32", "shape": [2]
                       "parameters": {"binary_data_output": True}}).encode()
 
 
-@pytest.mark.parametrize("raw", [
-    _infer(b"/v2/models/echo/infer", _X),
-    _infer(b"/v2/models/echo/versions/1/infer", _BINARY, b"Accept-Encoding: gzip"),
-    _infer(b"/v2/models/echo/infer", _X, b"Connection: close"),
-    _infer(b"/v2/models/echo/infer", _X, version=b"1.0"),
-    _infer(b"/v2/models/nope/infer", _X),
-    _infer(b"/v2/models/echo/infer", b"{"),
-    _infer(b"/v2/models/echo/infer", b"x" * 5000),  # (413, said by its Content-Length)
-    b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-    + b"".join(b"%x\r\n%s\r\n" % (1000, b"x" * 1000) for _ in range(5)) + b"0\r\n\r\n",
-    _infer(b"/v2/models/boom/infer", _X),  # (the endpoint fails: 500, closed)
-    _infer(b"/v2/models/echo/infer", _X) + _infer(b"/v2/models/echo/infer", _BINARY),
-], ids=["json", "binary-gzip", "close", "http-1.0", "404", "400", "413-said", "413-come",
-        "500", "pipelined"])
-def test_an_inference_request_is_answered_without_asgi_as_with_it(raw):
+@pytest.mark.parametrize("raw, statuses", [
+    (_infer(b"/v2/models/echo/infer", _X), [200, 200]),
+    (_infer(b"/v2/models/echo/versions/1/infer", _BINARY, b"Accept-Encoding: deflate"),
+     [200, 200]),
+    (_infer(b"/v2/models/echo/infer", _X, b"Connection: close"), [200]),
+    (_infer(b"/v2/models/echo/infer", _X, version=b"1.0"), [200]),
+    (_infer(b"/v2/models/nope/infer", _X), [404, 200]),
+    (_infer(b"/v2/models/echo/infer", b"{"), [400, 200]),
+    (_infer(b"/v2/models/echo/infer", b"x" * 5000), [413, 200]),  # (said: Content-Length)
+    (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+     + b"".join(b"%x\r\n%s\r\n" % (1000, b"x" * 1000) for _ in range(5)) + b"0\r\n\r\n",
+     [413, 200]),
+    (b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+     + b"".join(b"%x\r\n%s\r\n" % (1, bytes([byte])) for byte in _X) + b"0\r\n\r\n",
+     [200, 200]),  # (a body in pieces of a byte)
+    (_infer(b"/v2/models/boom/infer", _X), [500]),  # (the endpoint fails: closed)
+    (_infer(b"/v2/models/echo/infer", _X) + _infer(b"/v2/models/echo/infer", _BINARY),
+     [200, 200, 200]),
+], ids=["json", "binary-deflate", "close", "http-1.0", "404", "400", "413-said", "413-come",
+        "chunked", "500", "pipelined"])
+def test_an_inference_request_is_answered_without_asgi_as_with_it(raw, statuses):
     """The inference endpoint that answers a request without ASGI (its protocol's
     DirectExchange) writes, byte for byte, what the same endpoint writes through ASGI,
     on the same connection state after it (closed or kept: the answers end where the
-    server closes, or a request sent after them is answered too)."""
+    server closes, or a request sent after them is answered too): the statuses given,
+    the answers' and then, on a connection kept, a health check's."""
     from multipy.serve.http.app import create_app
 
     app = create_app(_Echo())
@@ -576,10 +593,37 @@ def test_an_inference_request_is_answered_without_asgi_as_with_it(raw):
             return answer
 
     through_asgi = asyncio.run(exchange(False))
-    assert found == [] and through_asgi.startswith(b"HTTP/1.1 ")
+    assert found == []
+    assert [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", through_asgi)] \
+        == statuses, through_asgi
     answered = asyncio.run(exchange(True))
     assert found and found[0]  # (the first request went to the endpoint directly)
     assert answered == through_asgi
+
+
+def test_an_exchange_answered_keeps_neither_its_body_nor_its_protocol():
+    """A request answered without ASGI stays its kept-alive connection's cycle until the
+    next request: once answered it holds neither the request's body (the connection's
+    memory does not keep the last request's) nor the protocol (the two are freed with
+    their connection without the cycle collector)."""
+    from multipy.serve.http.app import create_app
+    from multipy.serve.http.uvicorn_protocol import DirectExchange
+
+    app = create_app(_Echo())
+    made = []
+
+    async def exchange():
+        async with _serving(Limits(), app, made, direct=app.direct) as port:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_infer(b"/v2/models/echo/infer", _X))
+            await asyncio.wait_for(reader.readuntil(b"]}]}"), 10)
+            cycle = made[0].cycle
+            writer.close()
+            return cycle
+
+    cycle = asyncio.run(exchange())
+    assert type(cycle) is DirectExchange and cycle.response_complete
+    assert cycle._body is None and cycle._protocol is None
 
 
 def test_only_unrestricted_inference_paths_are_answered_without_asgi():
@@ -592,6 +636,12 @@ def test_only_unrestricted_inference_paths_are_answered_without_asgi():
                    b"/v2/models/echo/generate", b"/v2/models/echo", b"/v2/health/ready",
                    b"http://x/v2/models/echo/infer", "/v2/models/é/infer".encode()):
         assert app.direct(target) is None, target  # (ASGI's, through Starlette's rules)
+    # (a long target goes the ASGI way; only inference targets are remembered)
+    assert app.direct(b"/v2/models/" + b"m" * 600 + b"/infer") is None
+    remembered = app._endpoints.cache_info().currsize
+    for k in range(300):
+        assert app.direct(b"/v2/models/echo/x%d" % k) is None
+    assert app._endpoints.cache_info().currsize == remembered
     restricted = _Echo()
     restricted.http_restricted = (("inference", "key", "value"),)
     assert create_app(restricted).direct(b"/v2/models/echo/infer") is None

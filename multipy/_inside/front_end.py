@@ -510,7 +510,6 @@ class _ClosingWhileStuck:
 
     def __init__(self, app: Any, worker: _Worker) -> None:
         self._app, self._worker = app, worker
-        self.direct = functools.lru_cache(maxsize=256)(self._endpoint)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         async def sending(message: dict) -> None:
@@ -524,7 +523,7 @@ class _ClosingWhileStuck:
     def _stuck(self) -> bool:
         return self._worker.stuck is not None
 
-    def _endpoint(self, target: bytes) -> Callable | None:
+    def direct(self, target: bytes) -> Callable | None:
         endpoint = self._app.direct(target)
         return None if endpoint is None else functools.partial(self._closing, endpoint)
 

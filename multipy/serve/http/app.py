@@ -204,6 +204,8 @@ class _Endpoints:
 
 #: The last segment of the inference endpoints' paths: theirs are answered first.
 _DIRECT = ("infer", "generate", "generate_stream")
+#: The longest request target answered without ASGI (a longer one goes the ASGI way).
+_DIRECT_TARGET = 512
 
 
 class _InferenceFirst:
@@ -222,8 +224,16 @@ class _InferenceFirst:
     def __init__(self, direct: dict[str, Callable], app: Callable,
                  inference: _Inference | None) -> None:
         self._direct, self._app, self._inference = direct, app, inference
-        # (remembered for the targets seen last: each answer is a partial of its own)
-        self.direct = functools.lru_cache(maxsize=256)(self._endpoint)
+        # (remembered for the inference targets seen last: each is a partial of its own)
+        self._endpoints = functools.lru_cache(maxsize=256)(self._endpoint)
+
+    def direct(self, target: bytes) -> Callable | None:
+        # (only targets that may be an inference path's, and short, are remembered: what
+        # a client sends cannot fill the memory with others)
+        if len(target) > _DIRECT_TARGET or not target.startswith(b"/v2/models/") \
+                or not target.endswith(b"/infer"):
+            return None
+        return self._endpoints(target)
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):

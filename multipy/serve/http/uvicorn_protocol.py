@@ -129,8 +129,8 @@ class DirectExchange:
         self.headers = headers
         self.keep_alive = keep_alive
         self.transport = protocol.transport
-        self._protocol = protocol
-        self._pieces: list[bytes] = []
+        self._protocol: _Guarded | None = protocol  # (None once it has answered)
+        self._body: bytearray | None = bytearray()  # (None once read)
 
     # -- what the protocol and write_whole use of it, as of uvicorn's cycle --
 
@@ -156,16 +156,18 @@ class DirectExchange:
         return self._protocol.on_response_complete
 
     def piece(self, data: bytes) -> None:
-        """A piece of the request's body has come (kept unless it is past the limit)."""
-        if self.response_complete:
+        """A piece of the request's body has come (kept, in one buffer, unless it is past
+        the limit; a chunked body may come in many small pieces)."""
+        body = self._body
+        if body is None or self.response_complete:
             return
         self._size += len(data)
         limit = self._limit
         if limit is not None and self._size > limit:
-            self._pieces.clear()  # (refused: nothing more is kept)
+            body.clear()  # (refused: nothing more is kept)
             self.set()
         else:
-            self._pieces.append(data)
+            body += data
 
     # -- the endpoint's --
 
@@ -181,8 +183,8 @@ class DirectExchange:
             raise gone_away()
         if self._size > limit:
             raise too_large(limit)
-        pieces = self._pieces
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        body, self._body = self._body, None  # (not kept while the model runs)
+        return bytes(body)
 
     async def gone(self) -> None:
         """Returns once the client has gone away."""
@@ -211,21 +213,26 @@ class DirectExchange:
         a 500 (and the connection closes), as uvicorn's cycle does for its
         application."""
         try:
-            await endpoint(self)
-        except BaseException as error:  # (uvicorn's: the task is cancelled at shutdown)
-            self._protocol.logger.error("Exception in an endpoint answering without ASGI",
-                                        exc_info=error)
-        else:
-            if self.response_started or self.disconnected:
+            try:
+                await endpoint(self)
+            except BaseException as error:  # (uvicorn's: cancelled at a forced shutdown)
+                self._protocol.logger.error("Exception in an endpoint answering without "
+                                            "ASGI", exc_info=error)
+            else:
+                if self.response_started or self.disconnected:
+                    return
+                self._protocol.logger.error("An endpoint answering without ASGI returned "
+                                            "without an answer.")
+            if self.response_started:
+                self.transport.close()
                 return
-            self._protocol.logger.error("An endpoint answering without ASGI returned "
-                                        "without an answer.")
-        if self.response_started:
-            self.transport.close()
-            return
-        self.keep_alive = False
-        await self.answer(500, b"content-type: text/plain; charset=utf-8\r\n",
-                          b"Internal Server Error")
+            self.keep_alive = False
+            await self.answer(500, b"content-type: text/plain; charset=utf-8\r\n",
+                              b"Internal Server Error")
+        finally:
+            # (the protocol keeps it as its cycle until the next request: it keeps
+            # neither the protocol, nor its body)
+            self._protocol = self._body = None
 
 
 class _Guarded:
@@ -287,8 +294,7 @@ class _Guarded:
         # (requests answered without ASGI only where uvicorn would do nothing more with
         # them: see DirectExchange)
         self._direct = self._directly if not self.root_path and self.limit_concurrency \
-            is None and not self.access_log and not getattr(config, "reset_contextvars",
-                                                            False) else None
+            is None and not self.access_log and not config.reset_contextvars else None
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         # uvicorn's, less what nothing here reads, which costs a connection two system

@@ -96,6 +96,10 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     (_PROTOCOL, "on_message_complete()", "method"),
     (_PROTOCOL, "on_response_complete()", "method"),
     (_PROTOCOL, "send_400_response(msg)", "method"),
+    # (what uvicorn's Server calls of every connection at shutdown, and the loop at an
+    # EOF: the guarded protocol's cycle, or a DirectExchange, as uvicorn's meets it)
+    (_PROTOCOL, "shutdown()", "method"),
+    (_PROTOCOL, "eof_received()", "method"),
     (_PROTOCOL, "_start_asgi_task(cycle, app)", "method"),
     (_PROTOCOL, "_unsupported_upgrade_warning()", "method"),
     (_PROTOCOL, "transport", "attribute"),
@@ -146,6 +150,7 @@ RELIED_ON: tuple[tuple[str, str, str], ...] = (
     ("uvicorn.config.Config", "asgi_version", "name"),
     ("uvicorn.config.Config", "root_path", "attribute"),
     ("uvicorn.config.Config", "limit_concurrency", "attribute"),
+    ("uvicorn.config.Config", "reset_contextvars", "attribute"),
     ("uvicorn.config.Config", "timeout_keep_alive", "attribute"),
     ("uvicorn.server.ServerState", "tasks", "attribute"),
     (_SERVER, "startup(sockets)", "method"),

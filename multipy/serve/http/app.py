@@ -205,7 +205,7 @@ class _Endpoints:
 #: The last segment of the inference endpoints' paths: theirs are answered first.
 _DIRECT = ("infer", "generate", "generate_stream")
 #: The longest request target answered without ASGI (a longer one goes the ASGI way).
-_DIRECT_TARGET = 512
+_DIRECT_TARGET = 1024
 
 
 class _InferenceFirst:

@@ -68,7 +68,7 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, RequestResponseCy
 from uvicorn.protocols.http.flow_control import FlowControl  # noqa: E402
 
 __all__ = ["Config", "FlowControl", "LOGGING_CONFIG", "RELIED_ON", "RequestResponseCycle",
-           "STATUS_LINE", "Server", "write_answer", "write_whole"]
+           "Server", "write_answer", "write_whole"]
 
 _PROTOCOL = "uvicorn.protocols.http.httptools_impl.HttpToolsProtocol"
 _CYCLE = "uvicorn.protocols.http.httptools_impl.RequestResponseCycle"

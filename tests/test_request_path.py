@@ -365,6 +365,61 @@ def test_front_ends_past_the_cores_keep_a_second_connection_while_the_process_is
     assert this.freer_front_end(busy=False)  # a look after a pause: begins anew
 
 
+@pytest.mark.parametrize("cores, processes, interpreters, surplus_rows", [
+    (2, 1, 4, [3, 4]),  # four front ends on two cores: the last two
+    (2, 1, 2, []),  # as many front ends as cores
+    (3, 2, 2, [2]),  # cores that do not divide among processes: a share of one
+    (1, 2, 3, [2, 3]),  # fewer cores than processes: each keeps one front end
+    (None, 1, 4, []),  # cores unknown: as many as front ends
+])
+def test_front_ends_past_the_share_of_the_cores_stand_aside_while_the_share_is_busy(
+        monkeypatch, cores, processes, interpreters, surplus_rows):
+    """With more front ends than cores, those past the process's share of the cores
+    (cores // processes, at least one) stand aside (surplus) while every front end
+    within the share accepts and the process keeps three quarters of the share's cores
+    busy; then crowded() says so at every look, and not otherwise.  Front ends within
+    the share never stand aside."""
+    clock = SimpleNamespace(wall=100.0, cpu=0.0, rate=0.0)
+    monkeypatch.setattr(metrics_module, "time", SimpleNamespace(
+        monotonic=lambda: clock.wall, process_time=lambda: clock.cpu))
+
+    def later(seconds: float) -> None:
+        clock.wall += seconds
+        clock.cpu += seconds * clock.rate
+
+    rows = (interpreters + 1) * processes
+    board = Metrics(["m"], interpreters, rows=rows, processes=processes)
+    front_ends = [Metrics(["m"], interpreters, rows=rows, row=row, processes=processes,
+                          cores=cores, address=board.board.address)
+                  for row in range(1, interpreters + 1)]
+    assert [m.row for m in front_ends if m.may_be_surplus] == surplus_rows
+    assert all(m.sheds for m in front_ends) is (processes > 1 or bool(surplus_rows))
+    for front_end in front_ends:
+        front_end.watching(True)
+        front_end.surplus()  # (a first look: nothing seen yet)
+    share = max(1, (cores or 0) // processes)
+
+    def standing_aside() -> list[int]:
+        later(metrics_module.SATURATED_EVERY)
+        return [m.row for m in front_ends if m.surplus()]
+
+    clock.rate = 0.8 * share  # busy: each within the share and past it alike
+    assert standing_aside() == surplus_rows
+    assert [m.row for m in front_ends if m.crowded()] == surplus_rows
+    later(0.95 * metrics_module.SATURATED_EVERY)  # a timer's look a little early counts
+    assert [m.row for m in front_ends if m.surplus()] == surplus_rows
+    clock.rate = 0.7 * share  # under three quarters of the share's cores
+    assert standing_aside() == []
+    clock.rate = 0.8 * share
+    assert standing_aside() == surplus_rows
+    front_ends[0].watching(False)  # one within the share does not accept (stuck, say)
+    assert standing_aside() == []
+    front_ends[0].watching(True)
+    later(3 * metrics_module.SATURATED_EVERY)  # a look after a pause begins anew
+    assert [m.row for m in front_ends if m.surplus()] == []
+    assert standing_aside() == surplus_rows
+
+
 def test_a_crowded_front_end_closes_a_kept_alive_connection_once_answered():
     """While crowded() says so, a kept-alive request that arrived whole with none behind
     it is answered with Connection: close, and the connection closes (its client's next
@@ -686,7 +741,8 @@ def _rendered(server: _Echo) -> bytes:
 def test_a_new_connection_goes_to_the_front_end_with_the_fewest_open_connections():
     """FrontEnds.hand writes the connection's descriptor into the inbox of the front end
     with the fewest open connections (then the fewest calls), skipping busy ones unless
-    told not to."""
+    told not to; among free ones, one that accepts on the listening socket first (one
+    that stands aside is given one only when the others are busy)."""
     fronts = FrontEnds()
     metrics = Metrics(["m"], 3, rows=4)
     inboxes = [open_inbox() for _ in range(3)]
@@ -707,6 +763,14 @@ def test_a_new_connection_goes_to_the_front_end_with_the_fewest_open_connections
         right.close()
         assert fronts.hand(left, busy_ones=False)
         assert [bool(receive(read)) for read, _ in inboxes] == [False, True, False]
+        for row in (1, 2, 3):  # every one accepts but front end 1 (in no call)
+            Metrics(["m"], 3, rows=4, row=row, address=metrics.board.address).watching(
+                row != 2)
+        for busy_ones, to in ((False, [False, False, True]), (True, [False, True, False])):
+            left, right = socket.socketpair()
+            right.close()  # free ones: one that accepts first; any: the fewest
+            assert fronts.hand(left, busy_ones=busy_ones)
+            assert [bool(receive(read)) for read, _ in inboxes] == to
     finally:
         for read, write in inboxes:
             for fd in receive(read):

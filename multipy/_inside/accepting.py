@@ -12,7 +12,10 @@ and this process keeps its share of them busy:
 multipy.serve.request.metrics.Metrics.freer_front_end), or, while this one runs a call
 on its worker (``--timeout``), one that runs none.  So keep-alive clients spread over
 the interpreters, and a front end that is in a call keeps none of the connections that
-others could serve at once.
+others could serve at once.  With more front ends than cores, those past their process's
+share of the cores stand aside while the share's front ends keep it busy: they accept
+nothing and close each kept-alive connection once they have answered on it
+(multipy.serve.request.metrics.Metrics.surplus).
 """
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ from ..serve.http.uvicorn_protocol import guarded
 from ..serve.http.uvicorn_server import Config, Server
 from ..serve.request.contract import FrontEndSettings
 from ..serve.request.messages import InferRequest, ProtocolError
-from ..serve.request.metrics import Metrics
+from ..serve.request.metrics import SATURATED_EVERY, Metrics
 from ..serve.request.poison import Table, check
 from ..serve.request.repository import READY
 from ..serve.request.requests import NO_ID, ModelRequests, Started, named
@@ -289,7 +289,7 @@ class FrontEnd:
         self._protocol = functools.partial(
             guarded(server.config.http_protocol_class, self._limits,
                     self.metrics.closed_connection, on_linger=self.metrics.lingering,
-                    crowded=self.metrics.crowded if self.metrics.processes > 1 else None,
+                    crowded=self.metrics.crowded if self.metrics.sheds else None,
                     direct=self._app.direct),
             config=server.config, server_state=server.server_state,
             app_state=server.lifespan.state)
@@ -302,6 +302,8 @@ class FrontEnd:
             self._acceptor = Acceptor(self._settings.listener, BACKLOG, self._accepted,
                                       self._freer, self._give_back)
             self._accept_when_free()
+            if self.metrics.may_be_surplus:
+                self._look_again()
         self._running = True
         self._serving.set()
 
@@ -338,14 +340,22 @@ class FrontEnd:
 
     def _accept_when_free(self) -> None:
         """Accepts on the listening socket while it may: it has one, is not stopping,
-        has not been told to PAUSE, and (with a worker) is not stuck."""
+        has not been told to PAUSE, (with a worker) is not stuck, and does not stand
+        aside (Metrics.surplus)."""
         acceptor = self._acceptor
         if acceptor is not None:
             worker = self._worker
             wanted = self._may_accept and not self._stopping and (
-                worker is None or worker.stuck is None)
+                worker is None or worker.stuck is None) and not self.metrics.surplus()
             acceptor.want(wanted)
             self.metrics.watching(wanted)
+
+    def _look_again(self) -> None:
+        """A front end that may stand aside (Metrics.may_be_surplus) looks again at
+        whether it does, every SATURATED_EVERY seconds until it stops."""
+        if not self._stopping:
+            self._accept_when_free()
+            self._loop.call_later(SATURATED_EVERY, self._look_again)
 
     def _accepted(self) -> Any:
         """The protocol of a connection it accepted itself, and serves."""

@@ -157,14 +157,17 @@ class FrontEnds:
     def hand(self, connection: socket.socket, busy_ones: bool) -> bool:
         """Gives connection to the front end with the fewest open connections (then the
         least busy) among those that run and are not stuck, and, unless busy_ones, are
-        not busy (in a call, or decoding a large request: Metrics.busy); False if there
-        is none (the caller serves it)."""
+        not busy (in a call, or decoding a large request: Metrics.busy), those that
+        accept first among these (one past the cores that stands aside is given one
+        only when those that accept are busy: Metrics.surplus); False if there is none
+        (the caller serves it)."""
         with self._lock:
             metrics = self._metrics
             running = self._takers(busy_ones)
             if not running:
                 return False
             k = min(running, key=lambda k: (
+                not busy_ones and not metrics.accepts(k + 1),
                 metrics.open_connections(k + 1, self._handed[k]), metrics.busy(k + 1)))
             fd = connection.detach()
             try:

@@ -170,11 +170,15 @@ class Metrics:
         self._crowded_at = 0.0  # (when ``crowded`` looks next)
         # (whether a front end spreads the connections it accepts: see freer_front_end)
         self._spreads = cores is None or processes * interpreters <= cores
-        # (the CPU time a second that saturates the process's share of the cores, asked
-        # only when it does not spread; its CPU time when ``_saturated`` looked last,
-        # when, and what it said)
-        self._saturating = 0.75 * (cores or 0) / processes
+        # (the process's share of the cores, and the CPU time a second that saturates
+        # it, asked only when it does not spread; its CPU time when ``_saturated`` looked
+        # last, when, and what it said)
+        self._share = max(1, (cores or 0) // processes)
+        self._saturating = 0.75 * self._share
         self._cpu, self._cpu_at, self._hot = 0.0, float("-inf"), False
+        #: whether this writer is a front end past its process's share of the cores,
+        #: which stands aside while the share's front ends keep them busy (``surplus``)
+        self.may_be_surplus = not self._spreads and row > self._share
         #: model name -> its series in this writer's row
         self.models: dict[str, ModelSeries] = {}
         for name in models:
@@ -268,28 +272,57 @@ class Metrics:
 
     def _saturated(self) -> bool:
         """Whether this process used three quarters of its share of the machine's cores
-        (the cores over the server's processes) or more since this writer's last look,
-        when that was SATURATED_EVERY seconds ago to twice that.  It looks once every
-        SATURATED_EVERY seconds at most (what it saw stands between); a look after a
-        longer pause begins anew, and says no."""
+        (the cores over the server's processes, at least one) or more since this
+        writer's last look, when that was SATURATED_EVERY seconds ago (a timer's look a
+        little early counts) to twice that.  It looks once every SATURATED_EVERY seconds
+        at most (what it saw stands between); a look after a longer pause begins anew,
+        and says no."""
         now = time.monotonic()
         elapsed = now - self._cpu_at
-        if elapsed >= SATURATED_EVERY:
+        if elapsed >= 0.9 * SATURATED_EVERY:
             cpu = time.process_time()
             self._hot = elapsed <= 2 * SATURATED_EVERY \
                 and cpu - self._cpu >= elapsed * self._saturating
             self._cpu, self._cpu_at = cpu, now
         return self._hot
 
+    def surplus(self) -> bool:
+        """Whether this writer, a front end past its process's share of the cores
+        (``may_be_surplus``: with more front ends than cores, the rows past cores //
+        processes, at least one), stands aside: it neither accepts nor keeps a kept-alive
+        connection while every front end within the share accepts and the process keeps
+        three quarters of the share's cores busy (``_saturated``).  (Four event loops
+        taking turns on two busy cores cost each request more CPU than two that run; a
+        model that waits leaves the cores free, and then every front end serves.)"""
+        if not self.may_be_surplus:
+            return False
+        board, first = self.board, self.first
+        return all(board.row(first + row)[WATCHING] for row in range(1, self._share + 1)) \
+            and self._saturated()
+
+    @property
+    def sheds(self) -> bool:
+        """Whether a front end may close a kept-alive connection once it has answered a
+        request (``crowded``): with more processes than one, or more front ends than
+        cores."""
+        return self.processes > 1 or not self._spreads
+
+    def accepts(self, row: int) -> bool:
+        """Whether the front end of row (of this process's rows) accepts on the
+        listening socket (``watching``)."""
+        return bool(self.board.row(self.first + row)[WATCHING])
+
     def crowded(self) -> bool:
-        """Whether this writer (a front end) serves two connections or more beyond the
-        fewest that a front end of another process that accepts on the listening socket
-        serves, lingering ones aside (``lingering``); looked at once every CROWDED_EVERY
-        seconds at most (False between).  A front end that is crowded closes a
-        connection once it has answered it: keep-alive clients land on the processes as
-        the kernel's wake-ups fall, and the client's next connection most likely lands
-        on a freer one (a front end of this process is given one at once:
-        ``freer_front_end``)."""
+        """Whether this writer (a front end) should close a kept-alive connection once
+        it has answered it: it stands aside (``surplus``), or serves two connections or
+        more beyond the fewest that a front end of another process that accepts on the
+        listening socket serves, lingering ones aside (``lingering``), looked at once
+        every CROWDED_EVERY seconds at most (False between).  Keep-alive clients land
+        on the processes as the kernel's wake-ups fall, and the client's next
+        connection most likely lands on a freer one (a front end of this process is
+        given one at once: ``freer_front_end``)."""
+        if self.may_be_surplus and self.surplus():
+            return True
         now = time.monotonic()
         if now < self._crowded_at:
             return False

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 np = pytest.importorskip("numpy")
 
-from multipy.serve.request import protocol  # noqa: E402
+from multipy.serve.request import messages, protocol  # noqa: E402
 from multipy.serve.request.protocol import (ProtocolError, Tensor, decode_request,  # noqa: E402
                                     encode_response)
 from multipy.serve.request.tensors import to_length_prefixed  # noqa: E402
@@ -227,12 +227,12 @@ def test_a_model_that_wants_its_request_gets_its_id_and_parameters():
     metrics = Metrics(["m"], 1)
     request = InferRequest([Tensor("a", "INT32", np.zeros(2, np.int32))], None, id="r7",
                            parameters={"k": 1})
-    for wants, given in ((True, {"request": ("r7", {"k": 1})}), (False, {})):
+    for wants, expected in ((True, {"request": ("r7", {"k": 1})}), (False, {})):
         model = Given("m", metrics.models["m"])
         model.describe({"inputs": [], "outputs": [], "platform": "python",
                         **({"wants_request": True} if wants else {})})
         asyncio.run(model.infer(request, Timing()))
-        assert model.given == given
+        assert model.given == expected
 
 
 @pytest.mark.parametrize("text, says", [
@@ -329,3 +329,63 @@ def test_answers_are_written_by_orjson_where_it_is_installed():
     body, _ = encode_response("m", None, "\ud800", [(out, False)])
     answer = json.loads(body)
     assert answer["id"] == "\ud800" and answer["outputs"][0]["data"] == [0.25, -0.0]
+
+
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats()
+    | st.text(st.characters(blacklist_categories=())),  # (lone surrogates too)
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=5), inner,
+                                                                 max_size=5),
+    max_leaves=30)
+
+
+@pytest.mark.parametrize("reader", ["orjson", "json"])
+@settings(max_examples=300, deadline=None)
+@given(value=st.dictionaries(st.text(max_size=5), _JSON_VALUES, max_size=5),
+       ascii_only=st.booleans())
+def test_a_request_s_json_reads_as_json_reads_it(reader, value, ascii_only):
+    """A request's JSON object (NaN, infinities, -0.0, lone surrogates, integers of 64
+    bits, text escaped or in UTF-8 included) reads as json.loads reads it, value and
+    types alike, whether orjson reads it first or json alone."""
+    text = json.dumps(value, ensure_ascii=ascii_only).encode("utf-8", "surrogatepass")
+    with _reading_with(reader):
+        found = messages.json_object(text)
+    assert json.dumps(found) == json.dumps(json.loads(text))  # (1 and 1.0, -0.0, NaN)
+
+
+@pytest.mark.parametrize("reader", ["orjson", "json"])
+def test_what_orjson_refuses_is_read_as_json_reads_it(reader):
+    """What orjson refuses and json reads (NaN, numbers past a double's range, lone
+    surrogates, UTF-16) is json's value, and what both refuse (nesting past 1,024
+    included) says why as json does; an integer literal past 64 bits is the nearest double where
+    orjson reads it (an integer with json alone)."""
+    with _reading_with(reader):
+        for text in (b'{"a": NaN, "b": -Infinity}', b'{"a": 1e400}', b'{"a": "\\ud800"}',
+                     '{"a": 1}'.encode("utf-16"),
+                     b' {"a": [1, 2.5, -0.0, 18446744073709551615, -9223372036854775808]} '):
+            assert json.dumps(messages.json_object(text)) == json.dumps(json.loads(text))
+        for text, says in ((b'{"a": 1,}', "malformed JSON in the request: Expecting"),
+                           (b'{"a": "\xff"}', "malformed JSON in the request: 'utf-8'"),
+                           (b"[1]", "the request must be a JSON object"),
+                           (b'{"a":' + b"[" * 1100 + b"]" * 1100 + b"}",
+                            "malformed JSON in the request: maximum recursion depth"),
+                           (b"", "malformed JSON in the request: Expecting value")):
+            with pytest.raises(ProtocolError, match=re.escape(says)):
+                messages.json_object(text)
+        big = messages.json_object(b'{"a": 18446744073709551616, "b": -9223372036854775809}')
+    exact = {"a": 2**64, "b": -2**63 - 1}
+    assert json.dumps(big) == json.dumps(
+        {k: float(v) for k, v in exact.items()} if reader == "orjson" else exact)
+
+
+@contextlib.contextmanager
+def _reading_with(reader: str):
+    """While it runs, requests' JSON is read by reader first (skipped for orjson where it
+    is not installed)."""
+    if reader == "orjson":
+        if messages._orjson_loads is None:
+            pytest.skip("orjson is not installed")
+        yield
+        return
+    with mock.patch.object(messages, "_orjson_loads", None):
+        yield

@@ -246,8 +246,8 @@ def written(answer: dict[str, Any]) -> bytes:
         except TypeError:  # (orjson.JSONEncodeError: the lone surrogate)
             pass
         else:
-            if b"null" not in written:  # (no value here is None: a number was not finite,
-                return written  # or a string holds the word, which json writes as well)
+            if written.find(b"null") < 0:  # (no value here is None: a number was not
+                return written  # finite, or a string holds the word, which json writes)
     return _compact(answer).encode()
 
 

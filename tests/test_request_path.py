@@ -368,17 +368,17 @@ def test_front_ends_past_the_cores_keep_a_second_connection_while_the_process_is
 @pytest.mark.parametrize("cores, processes, interpreters, surplus_rows", [
     (2, 1, 4, [3, 4]),  # four front ends on two cores: the last two
     (2, 1, 2, []),  # as many front ends as cores
-    (3, 2, 2, [2]),  # cores that do not divide among processes: a share of one
+    (3, 2, 3, [3]),  # cores that do not divide among processes: a share of two
     (1, 2, 3, [2, 3]),  # fewer cores than processes: each keeps one front end
     (None, 1, 4, []),  # cores unknown: as many as front ends
 ])
 def test_front_ends_past_the_share_of_the_cores_stand_aside_while_the_share_is_busy(
         monkeypatch, cores, processes, interpreters, surplus_rows):
     """With more front ends than cores, those past the process's share of the cores
-    (cores // processes, at least one) stand aside (surplus) while every front end
-    within the share accepts and the process keeps three quarters of the share's cores
-    busy; then crowded() says so at every look, and not otherwise.  Front ends within
-    the share never stand aside."""
+    (the cores over the processes, rounded up) stand aside (surplus) while every front
+    end within the share accepts and the process keeps three quarters of its share of
+    the cores busy, and once aside until it uses under half; then crowded() says so at
+    every look, and not otherwise.  Front ends within the share never stand aside."""
     clock = SimpleNamespace(wall=100.0, cpu=0.0, rate=0.0)
     monkeypatch.setattr(metrics_module, "time", SimpleNamespace(
         monotonic=lambda: clock.wall, process_time=lambda: clock.cpu))
@@ -397,7 +397,7 @@ def test_front_ends_past_the_share_of_the_cores_stand_aside_while_the_share_is_b
     for front_end in front_ends:
         front_end.watching(True)
         front_end.surplus()  # (a first look: nothing seen yet)
-    share = max(1, (cores or 0) // processes)
+    share = (cores or 2) / processes  # (the cores a process's share has)
 
     def standing_aside() -> list[int]:
         later(metrics_module.SATURATED_EVERY)
@@ -408,7 +408,11 @@ def test_front_ends_past_the_share_of_the_cores_stand_aside_while_the_share_is_b
     assert [m.row for m in front_ends if m.crowded()] == surplus_rows
     later(0.95 * metrics_module.SATURATED_EVERY)  # a timer's look a little early counts
     assert [m.row for m in front_ends if m.surplus()] == surplus_rows
-    clock.rate = 0.7 * share  # under three quarters of the share's cores
+    clock.rate = 0.6 * share  # once aside, aside down to half of the share's cores
+    assert standing_aside() == surplus_rows
+    clock.rate = 0.45 * share
+    assert standing_aside() == []
+    clock.rate = 0.7 * share  # not aside: under three quarters is not enough
     assert standing_aside() == []
     clock.rate = 0.8 * share
     assert standing_aside() == surplus_rows
@@ -418,6 +422,24 @@ def test_front_ends_past_the_share_of_the_cores_stand_aside_while_the_share_is_b
     later(3 * metrics_module.SATURATED_EVERY)  # a look after a pause begins anew
     assert [m.row for m in front_ends if m.surplus()] == []
     assert standing_aside() == surplus_rows
+
+
+def test_a_busy_front_end_hands_a_connection_to_a_free_one_that_stands_aside():
+    """A front end in a call (with --timeout, its loop still accepts) gives a connection
+    back for a free front end past the cores even while that one stands aside (the host
+    hands it there: it takes what the busy ones cannot serve), and not for a busy one."""
+    board = Metrics(["m"], 3, rows=4)
+    front_ends = [Metrics(["m"], 3, rows=4, row=row, cores=2, address=board.board.address)
+                  for row in (1, 2, 3)]
+    for front_end in front_ends[:2]:
+        front_end.watching(True)
+    front_ends[1].models["m"].call_began(1)  # within the share: both in a call
+    front_ends[0].models["m"].call_began(1)
+    front_ends[2].watching(False)  # past it: standing aside, free
+    assert front_ends[2].may_be_surplus
+    assert front_ends[0].freer_front_end(busy=True)
+    front_ends[2].models["m"].call_began(1)
+    assert not front_ends[0].freer_front_end(busy=True)
 
 
 def test_a_crowded_front_end_closes_a_kept_alive_connection_once_answered():
@@ -763,10 +785,10 @@ def test_a_new_connection_goes_to_the_front_end_with_the_fewest_open_connections
         right.close()
         assert fronts.hand(left, busy_ones=False)
         assert [bool(receive(read)) for read, _ in inboxes] == [False, True, False]
-        for row in (1, 2, 3):  # every one accepts but front end 1 (in no call)
+        for row in (1, 2, 3):  # every one accepts but front end 2 (with the fewest)
             Metrics(["m"], 3, rows=4, row=row, address=metrics.board.address).watching(
-                row != 2)
-        for busy_ones, to in ((False, [False, False, True]), (True, [False, True, False])):
+                row != 3)
+        for busy_ones, to in ((False, [False, True, False]), (True, [False, False, True])):
             left, right = socket.socketpair()
             right.close()  # free ones: one that accepts first; any: the fewest
             assert fronts.hand(left, busy_ones=busy_ones)

@@ -269,6 +269,7 @@ class FrontEnd:
         try:
             self._server.run(sockets=[])
         finally:
+            self.metrics.watching(False)  # (ended, or failed: it accepts no more)
             self._running = False
             self._serving.set()
             if self._worker is not None:

@@ -174,7 +174,8 @@ def json_object(text: bytes) -> dict:
     seventh of json's cost), and json where orjson refuses what json reads (NaN and
     Infinity, a lone surrogate, UTF-16 or UTF-32, a number past a double's range,
     nesting deeper than 1,024): the value is json's, but for an integer literal past 64
-    bits (below -2**63 or over 2**64 - 1), which orjson reads as the nearest double."""
+    bits (below -2**63 or over 2**64 - 1) within a double's range, which orjson reads as
+    the nearest double."""
     if _orjson_loads is not None:
         try:
             found = _orjson_loads(text)

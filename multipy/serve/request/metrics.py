@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import math
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
@@ -170,12 +171,13 @@ class Metrics:
         self._crowded_at = 0.0  # (when ``crowded`` looks next)
         # (whether a front end spreads the connections it accepts: see freer_front_end)
         self._spreads = cores is None or processes * interpreters <= cores
-        # (the process's share of the cores, and the CPU time a second that saturates
-        # it, asked only when it does not spread; its CPU time when ``_saturated`` looked
-        # last, when, and what it said)
-        self._share = max(1, (cores or 0) // processes)
-        self._saturating = 0.75 * self._share
-        self._cpu, self._cpu_at, self._hot = 0.0, float("-inf"), False
+        # (the process's share of the cores, rounded up, and the CPU time a second that
+        # saturates it, asked only when it does not spread; its CPU time when ``_load``
+        # looked last, when, and the cores it saw used; whether ``surplus`` said so last)
+        self._share = max(1, math.ceil((cores or 0) / processes))
+        self._saturating = 0.75 * (cores or 0) / processes
+        self._cpu, self._cpu_at, self._used = 0.0, float("-inf"), 0.0
+        self._aside = False
         #: whether this writer is a front end past its process's share of the cores,
         #: which stands aside while the share's front ends keep them busy (``surplus``)
         self.may_be_surplus = not self._spreads and row > self._share
@@ -253,7 +255,8 @@ class Metrics:
         this one takes a new one), of its process, unless it serves just one, the server
         has more front ends than the machine has cores, and its process keeps its share
         of them busy (``_saturated``); or, if this one is busy, whether another, of any
-        process, runs no call.  Lingering connections (``lingering``), this writer's and
+        process, runs no call (of this process, one past the cores counts even while it
+        stands aside: ``surplus``).  Lingering connections (``lingering``), this writer's and
         the others', do not count: a client that sends one request a connection has
         closed the one before, most likely, by the time its next one is accepted.  (With
         more front ends than busy cores, one that polls is not one that runs: a
@@ -264,41 +267,49 @@ class Metrics:
         if not busy and (mine == 0  # (none serves fewer: a client's new connection)
                          or mine == 1 and not self._spreads and self._saturated()):
             return False
+        aside = 0 if not busy or self._spreads else self._share  # (rows past it: see surplus)
         for row in range(1, self.interpreters + 1):
             if row != self.row and (busy or self._active_at(self.first + row) < mine) \
-                    and self._free(self.first + row):
+                    and self._free(self.first + row, row > aside > 0):
                 return True
         return busy and self.idle_elsewhere()
 
     def _saturated(self) -> bool:
         """Whether this process used three quarters of its share of the machine's cores
-        (the cores over the server's processes, at least one) or more since this
-        writer's last look, when that was SATURATED_EVERY seconds ago (a timer's look a
-        little early counts) to twice that.  It looks once every SATURATED_EVERY seconds
-        at most (what it saw stands between); a look after a longer pause begins anew,
-        and says no."""
+        (the cores over the server's processes) or more (``_load``)."""
+        return self._load() >= self._saturating
+
+    def _load(self) -> float:
+        """The cores this process used since this writer's last look, when that was
+        SATURATED_EVERY seconds ago (a timer's look a little early counts) to twice
+        that.  It looks once every SATURATED_EVERY seconds at most (what it saw stands
+        between); a look after a longer pause begins anew, and says 0."""
         now = time.monotonic()
         elapsed = now - self._cpu_at
         if elapsed >= 0.9 * SATURATED_EVERY:
             cpu = time.process_time()
-            self._hot = elapsed <= 2 * SATURATED_EVERY \
-                and cpu - self._cpu >= elapsed * self._saturating
+            self._used = (cpu - self._cpu) / elapsed \
+                if elapsed <= 2 * SATURATED_EVERY else 0.0
             self._cpu, self._cpu_at = cpu, now
-        return self._hot
+        return self._used
 
     def surplus(self) -> bool:
         """Whether this writer, a front end past its process's share of the cores
-        (``may_be_surplus``: with more front ends than cores, the rows past cores //
-        processes, at least one), stands aside: it neither accepts nor keeps a kept-alive
-        connection while every front end within the share accepts and the process keeps
-        three quarters of the share's cores busy (``_saturated``).  (Four event loops
-        taking turns on two busy cores cost each request more CPU than two that run; a
-        model that waits leaves the cores free, and then every front end serves.)"""
+        (``may_be_surplus``: with more front ends than cores, the rows past the cores
+        over the processes, rounded up), stands aside: it neither accepts nor keeps a
+        kept-alive connection while every front end within the share accepts and the
+        process keeps three quarters of its share of the cores busy (``_load``); once
+        aside, until every one within the share accepts no more or the process uses
+        under half its share.  (Four event loops taking turns on two busy cores cost
+        each request more CPU than two that run; a model that waits leaves the cores
+        free, and then every front end serves.)"""
         if not self.may_be_surplus:
             return False
         board, first = self.board, self.first
-        return all(board.row(first + row)[WATCHING] for row in range(1, self._share + 1)) \
-            and self._saturated()
+        self._aside = all(board.row(first + row)[WATCHING]
+                          for row in range(1, self._share + 1)) \
+            and self._load() >= self._saturating * (2 / 3 if self._aside else 1)
+        return self._aside
 
     @property
     def sheds(self) -> bool:
@@ -344,9 +355,12 @@ class Metrics:
         return (at for at in range(self.board.rows)
                 if at % per and not self.first <= at <= self.first + self.interpreters)
 
-    def _free(self, at: int) -> bool:
+    def _free(self, at: int, aside: bool = False) -> bool:
+        """Whether the writer of the board's row at accepts (or, if aside, may stand
+        aside: ``surplus``) and runs no call."""
         values = self.board.row(at)
-        return bool(values[WATCHING]) and not self.board.busy(at, 1) and not values[DECODING]
+        return (aside or bool(values[WATCHING])) and not self.board.busy(at, 1) \
+            and not values[DECODING]
 
     def accepted_connections(self) -> int:
         """How many connections every writer of the board (of every process) has accepted

@@ -24,16 +24,21 @@ WRITERS = ["orjson", "json"]
 
 
 @contextlib.contextmanager
-def _writing_with(writer: str):
-    """While it runs, answers are written by writer (skipped for orjson where it is not
-    installed)."""
-    if writer == "orjson":
-        if protocol._orjson is None:
+def _by(way: str, module, name: str):
+    """While it runs, module's orjson function name is used if way is "orjson" (skipped
+    where orjson is not installed), or json's way instead (name set to None)."""
+    if way == "orjson":
+        if getattr(module, name) is None:
             pytest.skip("orjson is not installed")
         yield
         return
-    with mock.patch.object(protocol, "_orjson", None):
+    with mock.patch.object(module, name, None):
         yield
+
+
+def _writing_with(writer: str):
+    """While it runs, answers are written by writer."""
+    return _by(writer, protocol, "_orjson")
 
 
 def _prefixed(*elements: bytes) -> bytes:
@@ -378,14 +383,6 @@ def test_what_orjson_refuses_is_read_as_json_reads_it(reader):
         {k: float(v) for k, v in exact.items()} if reader == "orjson" else exact)
 
 
-@contextlib.contextmanager
 def _reading_with(reader: str):
-    """While it runs, requests' JSON is read by reader first (skipped for orjson where it
-    is not installed)."""
-    if reader == "orjson":
-        if messages._orjson_loads is None:
-            pytest.skip("orjson is not installed")
-        yield
-        return
-    with mock.patch.object(messages, "_orjson_loads", None):
-        yield
+    """While it runs, requests' JSON is read by reader first."""
+    return _by(reader, messages, "_orjson_loads")

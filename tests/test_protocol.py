@@ -361,22 +361,26 @@ def test_a_request_s_json_reads_as_json_reads_it(reader, value, ascii_only):
 @pytest.mark.parametrize("reader", ["orjson", "json"])
 def test_what_orjson_refuses_is_read_as_json_reads_it(reader):
     """What orjson refuses and json reads (NaN, numbers past a double's range, lone
-    surrogates, UTF-16) is json's value, and what both refuse (nesting past 1,024
-    included) says why as json does; an integer literal past 64 bits is the nearest double where
-    orjson reads it (an integer with json alone)."""
+    surrogates, UTF-16) is json's value, and what both refuse says why as json does
+    (nesting past orjson's 1,024: as json reads it); an integer literal past 64 bits is
+    the nearest double where orjson reads it (an integer with json alone)."""
     with _reading_with(reader):
         for text in (b'{"a": NaN, "b": -Infinity}', b'{"a": 1e400}', b'{"a": "\\ud800"}',
                      '{"a": 1}'.encode("utf-16"),
                      b' {"a": [1, 2.5, -0.0, 18446744073709551615, -9223372036854775808]} '):
             assert json.dumps(messages.json_object(text)) == json.dumps(json.loads(text))
-        for text, says in ((b'{"a": 1,}', "malformed JSON in the request: Expecting"),
-                           (b'{"a": "\xff"}', "malformed JSON in the request: 'utf-8'"),
-                           (b"[1]", "the request must be a JSON object"),
-                           (b'{"a":' + b"[" * 1100 + b"]" * 1100 + b"}",
-                            "malformed JSON in the request: maximum recursion depth"),
-                           (b"", "malformed JSON in the request: Expecting value")):
-            with pytest.raises(ProtocolError, match=re.escape(says)):
-                messages.json_object(text)
+        for text in (b'{"a": 1,}', b'{"a": "\xff"}', b"",
+                     b'{"a":' + b"[" * 1100 + b"]" * 1100 + b"}"):  # (past orjson's 1,024)
+            try:  # (json's messages, and how deep it nests, differ between versions)
+                expected = json.loads(text)
+            except (ValueError, RecursionError) as error:
+                with pytest.raises(ProtocolError, match=re.escape(
+                        f"malformed JSON in the request: {error}")):
+                    messages.json_object(text)
+            else:
+                assert messages.json_object(text) == expected
+        with pytest.raises(ProtocolError, match="the request must be a JSON object"):
+            messages.json_object(b"[1]")
         big = messages.json_object(b'{"a": 18446744073709551616, "b": -9223372036854775809}')
     exact = {"a": 2**64, "b": -2**63 - 1}
     assert json.dumps(big) == json.dumps(

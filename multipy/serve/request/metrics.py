@@ -305,9 +305,7 @@ class Metrics:
         free, and then every front end serves.)"""
         if not self.may_be_surplus:
             return False
-        board, first = self.board, self.first
-        self._aside = all(board.row(first + row)[WATCHING]
-                          for row in range(1, self._share + 1)) \
+        self._aside = all(self.accepts(row) for row in range(1, self._share + 1)) \
             and self._load() >= self._saturating * (2 / 3 if self._aside else 1)
         return self._aside
 

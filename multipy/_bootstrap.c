@@ -727,14 +727,16 @@ static void apply_releases(struct runtime *rt, const uint64_t *numbers, size_t c
             PyErr_Clear();
             continue;
         }
-        if (PyDict_DelItem(rt->objects, key) == 0) {
+        /* a handle or a token, asked before it is dropped: a KeyError costs more */
+        int handle = PyDict_Contains(rt->objects, key);
+        if (handle > 0 && PyDict_DelItem(rt->objects, key) == 0) {
             if (PyDict_DelItem(rt->names, key) < 0)
                 PyErr_Clear();
-        } else {
-            PyErr_Clear();
+        } else if (handle == 0 && PyDict_Contains(rt->lent, key) > 0) {
             if (PyDict_DelItem(rt->lent, key) < 0)
                 PyErr_Clear();
         }
+        PyErr_Clear();
         Py_DECREF(key);
     }
 }

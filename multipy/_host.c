@@ -356,6 +356,7 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
  * is not a torch tensor.  lent_type is NULL until then. */
 static struct {
     PyObject *lent_type, *exports, *objects, *counter, *alias;
+    PyObject *thread;                               /* multipy.session's _thread: its timeout */
     PyObject *call_value_op;                        /* CALL_VALUE, as an int */
     PyObject *request, *finish, *give_back, *tokens; /* names, interned */
 } call_path;
@@ -363,8 +364,8 @@ static struct {
 static PyObject *use_call_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "use_call_path(Lent, exports, alias)");
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "use_call_path(Lent, exports, alias, thread)");
         return NULL;
     }
     if (call_path.lent_type) /* once: other threads may be calling the functions kept */
@@ -379,6 +380,7 @@ static PyObject *use_call_path(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     call_path.exports = Py_NewRef(args[1]);
     call_path.alias = Py_NewRef(args[2]);
+    call_path.thread = Py_NewRef(args[3]);
     call_path.lent_type = Py_NewRef(args[0]); /* last: the others are ready */
     Py_RETURN_NONE;
 }
@@ -551,17 +553,13 @@ PyDoc_STRVAR(Entry_call_value_doc,
 "one not aliased whole.  Only after use_call_path; on this thread, without\n"
 "multipy.timeout.");
 
-static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t nargs)
+/* Entry.call_value with its numbers read: see its docstring. */
+static PyObject *call_value(Entry *self, PyObject *interpreter, PyObject *target,
+                            uint64_t handle, uint64_t epoch, PyObject *method, PyObject *values,
+                            PyObject *kwargs)
 {
-    if (nargs != 7 || !call_path.lent_type) {
-        PyErr_SetString(PyExc_TypeError, "call_value(interpreter, target, handle, epoch, "
-                                         "method, args, kwargs), after use_call_path");
-        return NULL;
-    }
-    PyObject *interpreter = args[0], *method = args[4], *values = args[5], *kwargs = args[6];
-    struct multipy_request request = {.op = MULTIPY_CALL_VALUE};
-    if (read_number(args[2], &request.handle) < 0 || read_number(args[3], &request.epoch) < 0)
-        return NULL;
+    struct multipy_request request = {.op = MULTIPY_CALL_VALUE, .handle = handle,
+                                      .epoch = epoch};
     struct loan loan = {NULL, NULL, NULL}; /* what the request lends, if it does */
     PyObject *body = encode_tensor_call(method, values, kwargs, &loan);
     if (body && body != Py_None) {
@@ -573,7 +571,7 @@ static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t
     if (body == Py_None) {
         Py_DECREF(body);
         return PyObject_CallMethodObjArgs(interpreter, call_path.request,
-                                          call_path.call_value_op, args[1], method, values,
+                                          call_path.call_value_op, target, method, values,
                                           kwargs, NULL);
     }
     if (!body)
@@ -586,6 +584,19 @@ static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t
     Py_XDECREF(reply);
     loan_close(&loan);
     return value;
+}
+
+static PyObject *Entry_call_value(Entry *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !call_path.lent_type) {
+        PyErr_SetString(PyExc_TypeError, "call_value(interpreter, target, handle, epoch, "
+                                         "method, args, kwargs), after use_call_path");
+        return NULL;
+    }
+    uint64_t handle, epoch;
+    if (read_number(args[2], &handle) < 0 || read_number(args[3], &epoch) < 0)
+        return NULL;
+    return call_value(self, args[0], args[1], handle, epoch, args[4], args[5], args[6]);
 }
 
 /* Cancels call serial of thread in entry's interpreter, without the host's GIL (it waits
@@ -655,6 +666,261 @@ static PyTypeObject EntryType = {
     .tp_dealloc = (destructor)Entry_dealloc,
     .tp_methods = Entry_methods,
 };
+
+/* -- a replicated object's call, in C (docs/design.md, "The common call in C") -- */
+
+/* One interpreter's copy of a replicated object: target, an Obj, made there; NULL
+ * before it is made (or after it is dropped). */
+struct copy {
+    PyObject *interpreter, *target;
+    Occupancy *occupancy;
+    Entry *entry;
+    uint64_t handle, epoch;
+};
+
+/* The base of multipy.ReplicatedObj: its copies, by the interpreter's index in the
+ * manager, and its call. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *manager; /* its _closed, read each call */
+    PyObject *cursor;  /* its _thread: each thread's last pick */
+    Py_ssize_t count;  /* its interpreters */
+    struct copy copies[MULTIPY_MAX_INTERPRETERS];
+} Replicas;
+
+static struct {
+    PyObject *call, *closed, *cursor, *thread, *timeout;   /* "_call", "_closed", ... */
+    PyObject *index, *occupancy, *entry, *epoch, *handle;
+} replica_names;
+
+static void copy_clear(struct copy *copy)
+{
+    Py_CLEAR(copy->interpreter);
+    Py_CLEAR(copy->target);
+    Py_CLEAR(copy->occupancy);
+    Py_CLEAR(copy->entry);
+}
+
+static int Replicas_init(Replicas *self, PyObject *args, PyObject *kwargs)
+{
+    PyObject *manager;
+    if (kwargs || !PyArg_ParseTuple(args, "O:Replicas", &manager))
+        return -1;
+    PyObject *cursor = PyObject_GetAttr(manager, replica_names.thread);
+    Py_ssize_t count = cursor ? PyObject_Size(manager) : -1;
+    if (count < 0 && (PyErr_ExceptionMatches(PyExc_AttributeError)
+                      || PyErr_ExceptionMatches(PyExc_TypeError))) {
+        PyErr_Clear(); /* not a manager's (a test's stand-in): every call by _call */
+        Py_CLEAR(cursor);
+        count = 0;
+    }
+    if (count < 0 || count > MULTIPY_MAX_INTERPRETERS) {
+        if (count > MULTIPY_MAX_INTERPRETERS)
+            PyErr_SetString(PyExc_ValueError, "more interpreters than a process holds");
+        Py_XDECREF(cursor);
+        return -1;
+    }
+    Py_XSETREF(self->manager, Py_NewRef(manager));
+    Py_XSETREF(self->cursor, cursor); /* NULL with count 0 */
+    for (Py_ssize_t i = 0; i < MULTIPY_MAX_INTERPRETERS; i++)
+        copy_clear(&self->copies[i]);
+    self->count = count;
+    return 0;
+}
+
+static int Replicas_traverse(Replicas *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->manager);
+    Py_VISIT(self->cursor);
+    for (int i = 0; i < MULTIPY_MAX_INTERPRETERS; i++) {
+        Py_VISIT(self->copies[i].interpreter);
+        Py_VISIT(self->copies[i].target);
+        Py_VISIT(self->copies[i].occupancy);
+        Py_VISIT(self->copies[i].entry);
+    }
+    return 0;
+}
+
+static int Replicas_clear(Replicas *self)
+{
+    self->count = 0; /* a call after this takes the Python path */
+    Py_CLEAR(self->manager);
+    Py_CLEAR(self->cursor);
+    for (int i = 0; i < MULTIPY_MAX_INTERPRETERS; i++)
+        copy_clear(&self->copies[i]);
+    return 0;
+}
+
+static void Replicas_dealloc(Replicas *self)
+{
+    PyObject_GC_UnTrack(self);
+    Replicas_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The copy's parts read from interpreter (its occupancy, entry and epoch) and target
+ * (its handle) into copy: 0, or -1 with an exception. */
+static int copy_read(struct copy *copy, PyObject *interpreter, PyObject *target)
+{
+    PyObject *occupancy = PyObject_GetAttr(interpreter, replica_names.occupancy);
+    PyObject *entry = occupancy ? PyObject_GetAttr(interpreter, replica_names.entry) : NULL;
+    PyObject *epoch = entry ? PyObject_GetAttr(interpreter, replica_names.epoch) : NULL;
+    PyObject *handle = epoch ? PyObject_GetAttr(target, replica_names.handle) : NULL;
+    int read = -1;
+    if (handle && (!PyObject_TypeCheck(occupancy, &OccupancyType)
+                   || !PyObject_TypeCheck(entry, &EntryType)))
+        PyErr_SetString(PyExc_TypeError, "the C call path needs the C Occupancy and Entry");
+    else if (handle && read_number(epoch, &copy->epoch) == 0
+             && read_number(handle, &copy->handle) == 0) {
+        copy->interpreter = Py_NewRef(interpreter);
+        copy->target = Py_NewRef(target);
+        copy->occupancy = (Occupancy *)Py_NewRef(occupancy);
+        copy->entry = (Entry *)Py_NewRef(entry);
+        read = 0;
+    }
+    Py_XDECREF(occupancy);
+    Py_XDECREF(entry);
+    Py_XDECREF(epoch);
+    Py_XDECREF(handle);
+    return read;
+}
+
+PyDoc_STRVAR(Replicas_note_doc,
+"_note(interpreter, target: Obj | None) -> None\n\n"
+"The copy made in interpreter (one of the manager's), which the call in C uses from now\n"
+"on; None: dropped, the call takes the Python path there.");
+
+static PyObject *Replicas_note(Replicas *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "_note(interpreter, target)");
+        return NULL;
+    }
+    PyObject *number = PyObject_GetAttr(args[0], replica_names.index);
+    Py_ssize_t index = number ? PyLong_AsSsize_t(number) : -1;
+    Py_XDECREF(number);
+    if (index == -1 && PyErr_Occurred())
+        return NULL;
+    if (!self->count) /* calls take the Python path */
+        Py_RETURN_NONE;
+    if (index < 0 || index >= self->count) {
+        PyErr_SetString(PyExc_ValueError, "not an interpreter of this manager");
+        return NULL;
+    }
+    struct copy copy = {NULL, NULL, NULL, NULL, 0, 0};
+    if (args[1] != Py_None && copy_read(&copy, args[0], args[1]) < 0)
+        return NULL;
+    struct copy old = self->copies[index];
+    self->copies[index] = copy;
+    copy_clear(&old); /* last: dropping an Obj runs Python code */
+    Py_RETURN_NONE;
+}
+
+/* The copy on the calling thread's last pick, counted busy, if it is made, idle and
+ * may take new users, and the call may take this path (no multipy.timeout on this
+ * thread, the manager open): 1 with *copy (new references), 0 for the Python path, -1
+ * with an exception. */
+static int take_free_copy(Replicas *self, struct copy *copy)
+{
+    if (!call_path.thread || !self->count) /* before use_call_path, or no manager's */
+        return 0;
+    PyObject *timeout = PyObject_GetAttr(call_path.thread, replica_names.timeout);
+    if (!timeout || timeout != Py_None) {
+        Py_XDECREF(timeout);
+        return timeout ? 0 : -1;
+    }
+    Py_DECREF(timeout);
+    PyObject *closed = PyObject_GetAttr(self->manager, replica_names.closed);
+    int shut = closed ? PyObject_IsTrue(closed) : -1;
+    Py_XDECREF(closed);
+    if (shut)
+        return shut < 0 ? -1 : 0;
+    PyObject *number = PyObject_GetAttr(self->cursor, replica_names.cursor);
+    Py_ssize_t cursor = number ? PyLong_AsSsize_t(number) : -1;
+    Py_XDECREF(number);
+    if (cursor < 0)
+        return PyErr_Occurred() ? -1 : 0;
+    struct copy *made = &self->copies[cursor % self->count];
+    int taken = made->target ? occupancy_take_if_idle(made->occupancy) : 0;
+    if (taken > 0) {
+        *copy = *made;
+        Py_INCREF(copy->interpreter);
+        Py_INCREF(copy->target);
+        Py_INCREF(copy->occupancy);
+        Py_INCREF(copy->entry);
+    }
+    return taken;
+}
+
+/* r(*args, **kwargs): on the calling thread's last pick if its copy is made and the
+ * interpreter is free, in C, as ReplicatedObj._call would; else by _call itself. */
+static PyObject *Replicas_call(Replicas *self, PyObject *args, PyObject *kwargs)
+{
+    struct copy copy;
+    int taken = kwargs && PyDict_GET_SIZE(kwargs) ? 0 : take_free_copy(self, &copy);
+    PyObject *none = taken > 0 ? PyDict_New() : NULL;
+    if (taken < 0 || (taken > 0 && !none)) {
+        if (taken > 0) {
+            copy.occupancy->users--;
+            copy_clear(&copy);
+        }
+        return NULL;
+    }
+    if (!taken) {
+        PyObject *given = kwargs ? Py_NewRef(kwargs) : PyDict_New();
+        PyObject *value = given ? PyObject_CallMethodObjArgs((PyObject *)self,
+                                                             replica_names.call, Py_None, args,
+                                                             given, NULL)
+                                : NULL;
+        Py_XDECREF(given);
+        return value;
+    }
+    PyObject *value = call_value(copy.entry, copy.interpreter, copy.target, copy.handle,
+                                 copy.epoch, Py_None, args, none);
+    copy.occupancy->users--; /* as hand_back() */
+    Py_DECREF(none);
+    copy_clear(&copy);
+    return value;
+}
+
+static PyMethodDef Replicas_methods[] = {
+    {"_note", (PyCFunction)(void (*)(void))Replicas_note, METH_FASTCALL, Replicas_note_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ReplicasType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "multipy._host.Replicas",
+    .tp_basicsize = sizeof(Replicas),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Replicas(manager): the base of multipy.ReplicatedObj, whose call runs in C "
+              "when the calling thread's last pick is free and its copy made there (_note), "
+              "and by the subclass's _call(None, args, kwargs) otherwise.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Replicas_init,
+    .tp_dealloc = (destructor)Replicas_dealloc,
+    .tp_traverse = (traverseproc)Replicas_traverse,
+    .tp_clear = (inquiry)Replicas_clear,
+    .tp_call = (ternaryfunc)Replicas_call,
+    .tp_methods = Replicas_methods,
+};
+
+/* Readies the type and adds it to module: 0, or -1 with an exception. */
+static int add_replicas(PyObject *module)
+{
+    static const char *names[] = {"_call", "_closed", "cursor", "_thread", "timeout",
+                                  "index", "occupancy", "_entry", "_epoch", "_handle"};
+    PyObject **slots[] = {&replica_names.call, &replica_names.closed, &replica_names.cursor,
+                          &replica_names.thread, &replica_names.timeout, &replica_names.index,
+                          &replica_names.occupancy, &replica_names.entry,
+                          &replica_names.epoch, &replica_names.handle};
+    for (size_t i = 0; i < sizeof names / sizeof *names; i++)
+        if (!(*slots[i] = PyUnicode_InternFromString(names[i])))
+            return -1;
+    if (PyType_Ready(&ReplicasType) < 0)
+        return -1;
+    return PyModule_AddObjectRef(module, "Replicas", (PyObject *)&ReplicasType);
+}
 
 /* -- leaving without library destructors -- */
 
@@ -837,7 +1103,8 @@ static PyMethodDef module_methods[] = {
     PLAIN_METHOD,
     LEND_METHODS,
     {"use_call_path", (PyCFunction)(void (*)(void))use_call_path, METH_FASTCALL,
-     "use_call_path(Lent, exports, alias): what Entry.call_value lends and aliases with "
+     "use_call_path(Lent, exports, alias, thread): what Entry.call_value lends and aliases "
+     "with, and the thread settings whose timeout keeps Replicas' calls on the Python path "
      "(see multipy.session)."},
     {"set_main_thread", set_main_thread, METH_O,
      "set_main_thread(ident): the thread whose calls interrupt_main() cancels."},
@@ -884,7 +1151,7 @@ PyMODINIT_FUNC PyInit__host(void)
     if (!module)
         return NULL;
     if (PyModule_AddObjectRef(module, "Entry", (PyObject *)&EntryType) < 0
-        || add_occupancy(module) < 0
+        || add_occupancy(module) < 0 || add_replicas(module) < 0
         || PyModule_AddIntConstant(module, "MAX_INTERPRETERS", MULTIPY_MAX_INTERPRETERS) < 0) {
         Py_DECREF(module);
         return NULL;

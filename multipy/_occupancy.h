@@ -53,16 +53,23 @@ static int runtime_open(PyObject *runtime)
     return running < 0 ? -1 : !running;
 }
 
+/* Counts one user if there is none, it is not closed and its runtime takes new users:
+ * 1 if it did, 0 if not, -1 with an exception. */
+static int occupancy_take_if_idle(Occupancy *self)
+{
+    if (self->users || self->closed)
+        return 0;
+    int open = runtime_open(self->runtime);
+    if (open > 0)
+        self->users = 1;
+    return open;
+}
+
 static PyObject *Occupancy_take_if_idle(Occupancy *self, PyObject *unused)
 {
     (void)unused;
-    if (self->users || self->closed)
-        Py_RETURN_FALSE;
-    int open = runtime_open(self->runtime);
-    if (open <= 0)
-        return open < 0 ? NULL : Py_NewRef(Py_False);
-    self->users = 1;
-    Py_RETURN_TRUE;
+    int taken = occupancy_take_if_idle(self);
+    return taken < 0 ? NULL : PyBool_FromLong(taken);
 }
 
 static PyObject *Occupancy_take(Occupancy *self, PyObject *unused)

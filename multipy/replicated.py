@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
+from . import _host
 from ._parallel import on_each
+from ._protocol import C_CALL_PATH
 from .errors import WrongInterpreterError
 from .session import current_timeout, timeout
 
@@ -16,8 +19,12 @@ if TYPE_CHECKING:
 class PerInterpreter:
     """A value made once per interpreter, on first use, even when threads race for it."""
 
-    def __init__(self, make: Callable[[Interpreter], Obj]) -> None:
+    def __init__(self, make: Callable[[Interpreter], Obj],
+                 note: Callable[[Interpreter, Obj | None], None] | None = None) -> None:
         self._make = make
+        #: note(interpreter, value) once a value is made, note(interpreter, None) once it
+        #: is dropped, under the lock
+        self._note = note
         #: the values made so far, by interpreter: read it, never change it
         self.made: dict[Interpreter, Obj] = {}
         self._making: dict[Interpreter, threading.Lock] = {}
@@ -41,14 +48,16 @@ class PerInterpreter:
                 value = self._make(interpreter)
                 with self._lock:
                     self.made[interpreter] = value
+                    if self._note is not None:
+                        self._note(interpreter, value)
         return value
 
     def drop(self, interpreter: Interpreter | None = None) -> None:
         with self._lock:
-            if interpreter is None:
-                self.made.clear()
-            else:
-                self.made.pop(interpreter, None)
+            dropped = list(self.made) if interpreter is None else [interpreter]
+            for each in dropped:
+                if self.made.pop(each, None) is not None and self._note is not None:
+                    self._note(each, None)
 
     def __contains__(self, interpreter: Interpreter) -> bool:
         return interpreter in self.made
@@ -57,20 +66,48 @@ class PerInterpreter:
         return len(self.made)
 
 
-class ReplicatedObj:
+class _PythonReplicas:
+    """The Python reference of _host.Replicas (MULTIPY_CALL_PATH=python), the base of
+    ReplicatedObj: its call, always by ``_call``."""
+
+    def __init__(self, manager: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(None, args, kwargs)
+
+    def _note(self, interpreter: Interpreter, instance: Obj | None) -> None:
+        pass
+
+
+#: The base of ReplicatedObj: its call in C when the calling thread's last pick is free
+#: and the object made there (docs/design.md, "The common call in C")
+_Replicas = _host.Replicas if C_CALL_PATH else _PythonReplicas
+
+
+class ReplicatedObj(_Replicas):
     """An object that every interpreter of a manager can run.
 
     Each interpreter builds its own copy on first use (once, even when several threads
     ask at the same time); tensor storages are shared with the original, not copied.
-    Calling it runs on an interpreter the load balancer picks and returns host values,
-    with tensors and arrays aliased rather than copied.
+    Calling it, ``r(*args, **kwargs)``, runs on an interpreter the load balancer picks
+    and returns host values, with tensors and arrays aliased rather than copied; it
+    raises what the call raised inside, and what ``manager.acquire_one()`` raises.
     """
 
     def __init__(self, manager: Any, load: Callable[[Interpreter], Obj],
                  package: Package | None = None) -> None:
+        super().__init__(manager)
         self._manager = manager
         self._package = package
-        self._instances = PerInterpreter(load)
+        this = weakref.ref(self)  # no cycle: dropped, it goes at once, its copies with it
+
+        def note(interpreter: Interpreter, instance: Obj | None) -> None:
+            replicated = this()
+            if replicated is not None:
+                replicated._note(interpreter, instance)
+
+        self._instances = PerInterpreter(load, note)
 
     def instance(self, interpreter: Interpreter) -> Obj:
         """The object in interpreter, materialised there if it is not yet;
@@ -94,10 +131,6 @@ class ReplicatedObj:
             return instance.call_value(method, args, kwargs)
         finally:
             interpreter.occupancy.give_back()  # hand_back(), one call less
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Calls the object on a free interpreter; returns host values."""
-        return self._call(None, args, kwargs)
 
     def call_method(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Calls the object's method ``name`` on a free interpreter; returns host values."""

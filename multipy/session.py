@@ -23,8 +23,6 @@ if TYPE_CHECKING:
 
 #: Whether calls of values take the C path (multipy._protocol.C_CALL_PATH).
 _C_CALL_PATH = _protocol.C_CALL_PATH
-if _C_CALL_PATH:
-    _host.use_call_path(_sharing.Lent, exports, _sharing.alias)
 
 
 class _Occupancy:
@@ -67,6 +65,8 @@ class _ThreadSettings(threading.local):
 
 
 _thread = _ThreadSettings()
+if _C_CALL_PATH:
+    _host.use_call_path(_sharing.Lent, exports, _sharing.alias, _thread)
 
 
 @contextlib.contextmanager

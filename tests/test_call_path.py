@@ -4,10 +4,12 @@ answers: the call-path tests run again, in a process of their own, on the refere
 """
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import threading
+import weakref
 
 import pytest
 
@@ -119,6 +121,79 @@ def test_a_replicated_object_s_calls_take_the_call_path(tools):
     plus_one, total = replicated(x)
     assert torch.equal(plus_one, x + 1) and total == 3.0
     assert torch.equal(replicated.call_method("twice", x), x * 2)
+
+
+_REPLICAS_TOOLS = (
+    "class Scale:\n"
+    "    def __call__(self, t, by=2):\n"
+    "        if by == 0:\n"
+    "            raise ValueError('by 0')\n"
+    "        return t * by\n")
+
+
+def test_a_replicated_call_runs_in_c_when_its_interpreter_is_free(monkeypatch):
+    """A ReplicatedObj's call runs in C (_host.Replicas, no _call) on the calling
+    thread's last pick when it is free and the object made there; by _call otherwise
+    (not made yet, busy, under multipy.timeout, keyword arguments, unloaded, the manager
+    closed), with the same answers; the interpreter is free again after every call, one
+    that raised too.  On the reference path, every call is _call's."""
+    from multipy.replicated import ReplicatedObj
+
+    by_python = []
+    python_call = ReplicatedObj._call
+
+    def counted(self, method, args, kwargs):
+        by_python.append(method)
+        return python_call(self, method, args, kwargs)
+
+    monkeypatch.setattr(ReplicatedObj, "_call", counted)
+    x = torch.arange(4.0)
+    with multipy.InterpreterManager(1) as m:
+        m.register_module_source("replicas_tools", _REPLICAS_TOOLS)
+        with m.acquire_one() as s:
+            replicated = m.create_movable(s.global_("replicas_tools", "Scale")(), s)
+        interpreter = m[0]
+
+        def calls_by_python(call) -> int:
+            before = len(by_python)
+            call()
+            assert interpreter.open_sessions == 0
+            return len(by_python) - before
+
+        def doubles():
+            assert torch.equal(replicated(x), x * 2)
+
+        in_c = 0 if ON_C_PATH else 1
+        assert calls_by_python(doubles) == 1  # made on this first call
+        assert calls_by_python(doubles) == in_c
+        assert calls_by_python(lambda: replicated(3)) == in_c and replicated(3) == 6
+        with pytest.raises(ValueError, match="by 0"):
+            replicated(x, 0)
+        assert interpreter.open_sessions == 0
+        assert calls_by_python(doubles) == in_c  # after an error, in C again
+        assert calls_by_python(lambda: torch.equal(replicated(x, by=3), x * 3)) == 1
+        with multipy.timeout(30):
+            assert calls_by_python(doubles) == 1
+        with interpreter.acquire_session():  # busy: the load balancer's pick, by _call
+            before = len(by_python)
+            doubles()
+            assert len(by_python) - before == 1
+        replicated.unload()
+        assert calls_by_python(doubles) == 1  # made again, by _call
+        assert calls_by_python(doubles) == in_c
+        with m.acquire_one() as s:
+            other = m.create_movable(s.global_("replicas_tools", "Scale")(), s)
+        assert torch.equal(other(x), x * 2) and torch.equal(other(x), x * 2)
+        dropped = weakref.ref(other)
+        gc.disable()  # dropped, it goes at once: its copies do not wait for the collector
+        try:
+            other = None
+            assert dropped() is None
+        finally:
+            gc.enable()
+    with pytest.raises(multipy.InterpreterClosedError):
+        replicated(x)
+    assert by_python[-1] is None
 
 
 def test_a_tensor_result_goes_back_however_the_host_reads_it(tools, monkeypatch):

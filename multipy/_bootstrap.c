@@ -729,14 +729,11 @@ static void apply_releases(struct runtime *rt, const uint64_t *numbers, size_t c
         }
         /* a handle or a token, asked before it is dropped: a KeyError costs more */
         int handle = PyDict_Contains(rt->objects, key);
-        if (handle > 0 && PyDict_DelItem(rt->objects, key) == 0) {
-            if (PyDict_DelItem(rt->names, key) < 0)
-                PyErr_Clear();
-        } else if (handle == 0 && PyDict_Contains(rt->lent, key) > 0) {
-            if (PyDict_DelItem(rt->lent, key) < 0)
-                PyErr_Clear();
-        }
-        PyErr_Clear();
+        if (handle > 0 && PyDict_DelItem(rt->objects, key) == 0)
+            PyDict_DelItem(rt->names, key);
+        else if (handle == 0 && PyDict_Contains(rt->lent, key) > 0)
+            PyDict_DelItem(rt->lent, key);
+        PyErr_Clear(); /* whatever failed: the number is skipped */
         Py_DECREF(key);
     }
 }

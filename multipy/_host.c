@@ -856,30 +856,22 @@ static int take_free_copy(Replicas *self, struct copy *copy)
  * interpreter is free, in C, as ReplicatedObj._call would; else by _call itself. */
 static PyObject *Replicas_call(Replicas *self, PyObject *args, PyObject *kwargs)
 {
-    struct copy copy;
-    int taken = kwargs && PyDict_GET_SIZE(kwargs) ? 0 : take_free_copy(self, &copy);
-    PyObject *none = taken > 0 ? PyDict_New() : NULL;
-    if (taken < 0 || (taken > 0 && !none)) {
-        if (taken > 0) {
-            copy.occupancy->users--;
-            copy_clear(&copy);
-        }
+    PyObject *given = kwargs ? Py_NewRef(kwargs) : PyDict_New();
+    if (!given)
         return NULL;
+    struct copy copy;
+    int taken = PyDict_GET_SIZE(given) ? 0 : take_free_copy(self, &copy);
+    PyObject *value = NULL;
+    if (taken > 0) {
+        value = call_value(copy.entry, copy.interpreter, copy.target, copy.handle, copy.epoch,
+                           Py_None, args, given);
+        copy.occupancy->users--; /* as hand_back() */
+        copy_clear(&copy);
+    } else if (taken == 0) {
+        value = PyObject_CallMethodObjArgs((PyObject *)self, replica_names.call, Py_None, args,
+                                           given, NULL);
     }
-    if (!taken) {
-        PyObject *given = kwargs ? Py_NewRef(kwargs) : PyDict_New();
-        PyObject *value = given ? PyObject_CallMethodObjArgs((PyObject *)self,
-                                                             replica_names.call, Py_None, args,
-                                                             given, NULL)
-                                : NULL;
-        Py_XDECREF(given);
-        return value;
-    }
-    PyObject *value = call_value(copy.entry, copy.interpreter, copy.target, copy.handle,
-                                 copy.epoch, Py_None, args, none);
-    copy.occupancy->users--; /* as hand_back() */
-    Py_DECREF(none);
-    copy_clear(&copy);
+    Py_DECREF(given);
     return value;
 }
 

@@ -293,12 +293,13 @@ static PyObject *init_module(void)
  * interpreter is NULL when it is off (MULTIPY_CALL_PATH=python). */
 static struct {
     PyObject *interpreter; /* the _Interpreter: its epoch and torch_settings */
+    PyObject *attributes;  /* its __dict__, where both are read (neither is a descriptor) */
+    PyObject *globals;     /* _sharing's, where cuda_aliases is read */
     PyObject *counter;     /* the tokens of what it lends (its exports' counter) */
     PyObject *sharing;     /* multipy._sharing: cuda_aliases */
     PyObject *value_reply, *failed, *apply_torch_settings, *order_after_call, *alias;
     PyObject *epoch, *torch_settings, *cuda_aliases; /* names, interned */
-    PyObject *zero;        /* 0: the host (the source of what a request lends), a position */
-    PyObject *tensor_status; /* TENSOR, a reply's status */
+    PyObject *zero;        /* 0: the host, the source of what a request lends */
 } fast;
 
 /* Reads the fast path's parts, (interpreter, its tokens, _sharing), or leaves it off
@@ -320,8 +321,9 @@ static int fast_path_start(PyObject *parts)
         || !(fast.epoch = PyUnicode_InternFromString("epoch"))
         || !(fast.torch_settings = PyUnicode_InternFromString("torch_settings"))
         || !(fast.cuda_aliases = PyUnicode_InternFromString("cuda_aliases"))
-        || !(fast.zero = PyLong_FromLong(0))
-        || !(fast.tensor_status = PyLong_FromLong(MULTIPY_TENSOR))) {
+        || !(fast.attributes = PyObject_GenericGetDict(fast.interpreter, NULL))
+        || !(fast.globals = Py_XNewRef(PyModule_GetDict(fast.sharing)))
+        || !(fast.zero = PyLong_FromLong(0))) {
         fast.interpreter = NULL;
         return -1;
     }
@@ -329,22 +331,29 @@ static int fast_path_start(PyObject *parts)
     return 0;
 }
 
+/* The value of name in dict (fast.attributes or fast.globals), borrowed; NULL with an
+ * exception if it is not there. */
+static PyObject *read_name(PyObject *dict, PyObject *name)
+{
+    PyObject *value = PyDict_GetItemWithError(dict, name);
+    if (!value && !PyErr_Occurred())
+        PyErr_SetObject(PyExc_AttributeError, name);
+    return value;
+}
+
 /* Whether this thread runs with the interpreter's torch settings (the handler's
  * `thread_torch() is self.torch_settings`): 1, 0, or -1 with an exception. */
 static int settings_applied(void)
 {
-    PyObject *wanted = PyObject_GetAttr(fast.interpreter, fast.torch_settings);
-    int same = wanted ? (thread_torch ? thread_torch : Py_None) == wanted : -1;
-    Py_XDECREF(wanted);
-    return same;
+    PyObject *wanted = read_name(fast.attributes, fast.torch_settings);
+    return wanted ? (thread_torch ? thread_torch : Py_None) == wanted : -1;
 }
 
 /* Whether requests of epoch are this interpreter's (not of a manager that closed). */
 static int current_epoch(uint64_t epoch)
 {
-    PyObject *now = PyObject_GetAttr(fast.interpreter, fast.epoch);
+    PyObject *now = read_name(fast.attributes, fast.epoch);
     int same = now && PyLong_AsUnsignedLongLong(now) == epoch && !PyErr_Occurred();
-    Py_XDECREF(now);
     PyErr_Clear();
     return same;
 }
@@ -374,9 +383,8 @@ static PyObject *fail(PyObject *aliased)
  * or changed them; 0, or -1 with an exception. */
 static int after_call(void)
 {
-    PyObject *cuda = PyObject_GetAttr(fast.sharing, fast.cuda_aliases);
+    PyObject *cuda = read_name(fast.globals, fast.cuda_aliases);
     int ordering = cuda ? PyObject_IsTrue(cuda) : -1;
-    Py_XDECREF(cuda);
     PyObject *done = ordering > 0 ? PyObject_CallNoArgs(fast.order_after_call) : NULL;
     if (ordering < 0 || (ordering && !done))
         return -1;
@@ -389,33 +397,36 @@ static int after_call(void)
     return 0;
 }
 
-/* The reply for a call's result: a CPU torch tensor lent here in a TENSOR reply (the
- * common case), anything else by the handler's value_reply.  NULL with an exception,
- * nothing lent. */
-static PyObject *value_reply(struct runtime *rt, PyObject *result)
+/* Whether code other than its caller may hold tensor, a call's result: a reference or a
+ * weak reference to it (when its type's weak references cannot be seen: always). */
+static int held_elsewhere(PyObject *tensor)
+{
+    Py_ssize_t offset = Py_TYPE(tensor)->tp_weaklistoffset;
+    return Py_REFCNT(tensor) > 1 || offset <= 0 || *(PyObject **)((char *)tensor + offset);
+}
+
+/* The reply for a call's result: a CPU torch tensor lent here, its record in *lent, and
+ * None for the TENSOR reply that carries it (the common case); anything else, the reply
+ * of the handler's value_reply.  NULL with an exception, nothing lent. */
+static PyObject *value_reply(struct runtime *rt, PyObject *result,
+                             struct multipy_lent_tensor *lent)
 {
     if (!torch_api.tensor || (PyObject *)Py_TYPE(result) != torch_api.tensor)
         return PyObject_CallOneArg(fast.value_reply, result);
-    struct loan loan = {PyList_New(0), Py_NewRef(rt->lent), Py_NewRef(fast.counter)};
-    struct multipy_lent_tensor lent;
-    int lending = loan.tokens ? lend_torch_at(result, &loan, &lent.token, &lent.address) : -1;
-    PyObject *reply = NULL;
-    if (lending == 0) { /* not lent (a CUDA tensor, a lazy view): value_reply says how */
-        reply = PyObject_CallOneArg(fast.value_reply, result);
-    } else if (lending > 0) {
-        PyObject *payload = PyBytes_FromStringAndSize((const char *)&lent, sizeof lent);
-        reply = payload ? PyTuple_Pack(3, fast.tensor_status, fast.zero, payload) : NULL;
-        Py_XDECREF(payload);
-    }
-    if (!reply && loan.tokens)
-        take_back(NULL, &loan);
-    loan_close(&loan);
-    return reply;
+    struct loan loan = {NULL, rt->lent, fast.counter}; /* not closed: no list of tokens */
+    /* one no one else holds cannot be re-pointed here: its storage need not be kept */
+    int lending = lend_torch_at(result, &loan, held_elsewhere(result), &lent->token,
+                                &lent->address);
+    if (lending == 0) /* not lent (a CUDA tensor, a lazy view): value_reply says how */
+        return PyObject_CallOneArg(fast.value_reply, result);
+    return lending > 0 ? Py_NewRef(Py_None) : NULL;
 }
 
 /* Calls target (or its method) with the request's values, its lent tensors aliased:
- * the reply, the error reply included; NULL with an exception if even that failed. */
-static PyObject *call_lent(struct runtime *rt, PyObject *target, PyObject *request)
+ * the reply, the error reply included, or None for a TENSOR reply of *lent
+ * (value_reply); NULL with an exception if even that failed. */
+static PyObject *call_lent(struct runtime *rt, PyObject *target, PyObject *request,
+                           struct multipy_lent_tensor *lent)
 {
     PyObject *method = PyTuple_GET_ITEM(request, 0), *kwargs = PyTuple_GET_ITEM(request, 3);
     PyObject *aliased = PyList_New(0), *reply;
@@ -440,30 +451,27 @@ static PyObject *call_lent(struct runtime *rt, PyObject *target, PyObject *reque
     }
     Py_XDECREF(callable);
     Py_DECREF(args);
-    reply = result && after_call() == 0 ? value_reply(rt, result) : NULL;
+    reply = result && after_call() == 0 ? value_reply(rt, result, lent) : NULL;
     Py_XDECREF(result);
     return reply ? reply : fail(NULL);
 }
 
-/* Calls target with the one tensor a CALL_TENSOR lends, aliased here: the reply, the
- * error reply included; NULL with an exception if even that failed. */
+/* Calls target with the one tensor a CALL_TENSOR lends, aliased here (its token goes
+ * back by the queue even if no alias is made): the reply, the error reply included, or
+ * None for a TENSOR reply of *lent (value_reply); NULL with an exception if even that
+ * failed. */
 static PyObject *call_tensor(struct runtime *rt, PyObject *target,
-                             const struct multipy_request *request)
+                             const struct multipy_request *request,
+                             struct multipy_lent_tensor *lent)
 {
-    struct multipy_lent_tensor lent;
-    memcpy(&lent, request->body, sizeof lent);
-    PyObject *aliased = PyList_New(0), *reply;
-    PyObject *tensor = aliased ? alias_lent_at(lent.token, lent.address, alias_queue(0), aliased)
-                               : NULL;
-    if (!tensor) {
-        reply = aliased ? fail(aliased) : NULL;
-        Py_XDECREF(aliased);
-        return reply;
-    }
-    Py_DECREF(aliased); /* read whole: the host takes back nothing now */
+    struct multipy_lent_tensor in;
+    memcpy(&in, request->body, sizeof in);
+    PyObject *tensor = alias_lent_at(in.token, in.address, alias_queue(0), NULL), *reply;
+    if (!tensor)
+        return fail(NULL);
     PyObject *result = PyObject_CallOneArg(target, tensor);
     Py_DECREF(tensor);
-    reply = result && after_call() == 0 ? value_reply(rt, result) : NULL;
+    reply = result && after_call() == 0 ? value_reply(rt, result, lent) : NULL;
     Py_XDECREF(result);
     return reply ? reply : fail(NULL);
 }
@@ -484,10 +492,10 @@ static int lent_call_body(PyObject *args)
  * known object, by marshal, or CALL_TENSOR of one once torch is imported, in this
  * interpreter's epoch, on a thread that runs with its torch settings (the handler's own
  * path, step by step).  1 with *reply set as the handler would set it (NULL with an
- * exception where the handler would raise); 0, having run nothing, for the handler to
- * run it. */
+ * exception where the handler would raise), or to None for a TENSOR reply of *lent; 0,
+ * having run nothing, for the handler to run it. */
 static int fast_call(struct runtime *rt, const struct multipy_request *request,
-                     PyObject **reply)
+                     PyObject **reply, struct multipy_lent_tensor *lent)
 {
     int tensor = request->op == MULTIPY_CALL_TENSOR;
     if (!fast.interpreter || !(tensor || request->op == MULTIPY_CALL_LENT) || !request->handle
@@ -514,7 +522,7 @@ static int fast_call(struct runtime *rt, const struct multipy_request *request,
         record->op = "call";
         record->target = PyBytes_AS_STRING(name);
     }
-    *reply = tensor ? call_tensor(rt, target, request) : call_lent(rt, target, args);
+    *reply = tensor ? call_tensor(rt, target, request, lent) : call_lent(rt, target, args, lent);
     Py_DECREF(target);
     Py_DECREF(name);
     Py_XDECREF(args);
@@ -727,12 +735,14 @@ static void apply_releases(struct runtime *rt, const uint64_t *numbers, size_t c
             PyErr_Clear();
             continue;
         }
-        /* a handle or a token, asked before it is dropped: a KeyError costs more */
-        int handle = PyDict_Contains(rt->objects, key);
-        if (handle > 0 && PyDict_DelItem(rt->objects, key) == 0)
-            PyDict_DelItem(rt->names, key);
-        else if (handle == 0 && PyDict_Contains(rt->lent, key) > 0)
+        /* a token (the commoner) or a handle, asked before it is dropped: a KeyError
+         * costs more */
+        int token = PyDict_Contains(rt->lent, key);
+        if (token > 0)
             PyDict_DelItem(rt->lent, key);
+        else if (token == 0 && PyDict_Contains(rt->objects, key) > 0
+                 && PyDict_DelItem(rt->objects, key) == 0)
+            PyDict_DelItem(rt->names, key);
         PyErr_Clear(); /* whatever failed: the number is skipped */
         Py_DECREF(key);
     }
@@ -812,7 +822,8 @@ int multipy_enter(void *runtime, const struct multipy_request *request,
     apply_releases(rt, request->releases, request->n_releases);
 
     PyObject *result = NULL;
-    if (!call.cancelled && !fast_call(rt, request, &result)) {
+    struct multipy_lent_tensor lent = {0, 0}; /* a TENSOR reply's, from fast_call */
+    if (!call.cancelled && !fast_call(rt, request, &result, &lent)) {
         PyObject *view = NULL;
         result = run_handler(rt, request, &view);
         release_view(view);
@@ -820,7 +831,10 @@ int multipy_enter(void *runtime, const struct multipy_request *request,
     end_call(rt, &call);
 
     int kept = -1;
-    if (result && PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3
+    if (result == Py_None && lent.address) { /* fast_call's TENSOR reply */
+        reply->status = MULTIPY_TENSOR;
+        kept = keep_reply(reply, (const char *)&lent, sizeof lent);
+    } else if (result && PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3
         && PyBytes_Check(PyTuple_GET_ITEM(result, 2))) {
         reply->status = (int)PyLong_AsLong(PyTuple_GET_ITEM(result, 0));
         reply->handle = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(result, 1));

@@ -180,6 +180,19 @@ static void drop_released(PyObject *exports, const uint64_t *tokens, size_t coun
 static PyObject *unread_name; /* "unread", interned */
 static PyObject *lent_of(struct loan *loan);
 
+/* The handle or token number goes back to the interpreter with the next call.  Keeps
+ * the exception being raised, if any. */
+static void release_later(Entry *self, uint64_t number)
+{
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyObject *item = PyLong_FromUnsignedLongLong(number);
+    if (item)
+        PyList_Append(self->releases, item); /* if it fails: a leak, not a dangling alias */
+    Py_XDECREF(item);
+    PyErr_Restore(type, value, traceback);
+}
+
 /* A reply that will not be read (its caller was interrupted): what it made or lent in
  * the interpreter goes back with the next call, and the request's Lent (lent, or made
  * from loan; none if neither) takes back with unread(status, payload) what the
@@ -200,10 +213,7 @@ static void give_back(Entry *self, int status, uint64_t handle, PyObject *payloa
         Py_XDECREF(done);
         PyErr_Clear();
     } else if (handle) {
-        PyObject *number = PyLong_FromUnsignedLongLong(handle);
-        if (!number || PyList_Append(self->releases, number) < 0)
-            PyErr_Clear();
-        Py_XDECREF(number);
+        release_later(self, handle);
     } else if (PyBytes_GET_SIZE(payload)) {
         PyObject *tokens = PyObject_CallFunction(self->lent_tokens, "Oi", payload, status);
         Py_ssize_t end = PyList_GET_SIZE(self->releases);
@@ -240,11 +250,12 @@ static int read_number(PyObject *value, uint64_t *out)
 }
 
 /* Runs request in the interpreter on this thread, without the host's GIL: the reply
- * (status, handle, payload), or NULL with an exception; see Entry.call, whose lent
- * this is (NULL for none), or loan, what the request lent without a Lent (NULL for
- * none). */
+ * (status, handle, payload), or, with tensor, None for a TENSOR reply whose record is
+ * then in *tensor (once this side has torch); NULL with an exception.  See Entry.call,
+ * whose lent this is (NULL for none), or loan, what the request lent without a Lent
+ * (NULL for none). */
 static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *lent,
-                       struct loan *loan)
+                       struct loan *loan, struct multipy_lent_tensor *tensor)
 {
     if (self->closed)
         return Py_BuildValue("(iKy)", MULTIPY_CLOSED, 0ULL, "");
@@ -263,9 +274,11 @@ static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *l
         return PyErr_NoMemory();
     for (Py_ssize_t i = 0; i < listed; i++)
         numbers[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(releases, i));
-    PyErr_Clear(); /* a number that is not one is skipped inside */
-    if (listed && PyList_SetSlice(releases, 0, listed, NULL) < 0)
-        PyErr_Clear();
+    if (listed) {
+        PyErr_Clear(); /* a number that is not one is skipped inside */
+        if (PyList_SetSlice(releases, 0, listed, NULL) < 0)
+            PyErr_Clear();
+    }
     n = (size_t)listed + queue_take(queue, numbers + listed, n - (size_t)listed);
     request->releases = numbers;
     request->n_releases = n;
@@ -293,7 +306,13 @@ static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *l
         return Py_BuildValue("(iKy)", MULTIPY_CLOSED, 0ULL, "");
     /* Copy what the reply holds, then let the interpreter reuse its buffer: dropping
      * host objects may run Python code that enters the interpreter again. */
-    PyObject *payload = PyBytes_FromStringAndSize(reply.data, (Py_ssize_t)reply.size);
+    int tensor_reply = tensor && reply.status == MULTIPY_TENSOR && reply.size == sizeof *tensor
+                       && torch_api.from_dlpack;
+    if (tensor_reply)
+        memcpy(tensor, reply.data, sizeof *tensor);
+    PyObject *payload = tensor_reply ? NULL
+                                     : PyBytes_FromStringAndSize(reply.data,
+                                                                 (Py_ssize_t)reply.size);
     size_t count = reply.n_released;
     uint64_t *tokens = count <= 64 ? few : PyMem_RawMalloc(count * sizeof *tokens);
     if (tokens)
@@ -304,14 +323,17 @@ static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *l
         if (tokens != few)
             PyMem_RawFree(tokens);
     }
-    if (!payload)
+    if (!payload && !tensor_reply)
         return NULL;
     if (on_main && PyErr_CheckSignals() < 0) { /* Ctrl-C: nobody will read this reply */
-        give_back(self, reply.status, reply.handle, payload, lent, loan);
-        Py_DECREF(payload);
+        if (tensor_reply)
+            release_later(self, tensor->token);
+        else
+            give_back(self, reply.status, reply.handle, payload, lent, loan);
+        Py_XDECREF(payload);
         return NULL;
     }
-    return reply_tuple(reply.status, reply.handle, payload);
+    return tensor_reply ? Py_NewRef(Py_None) : reply_tuple(reply.status, reply.handle, payload);
 }
 
 PyDoc_STRVAR(Entry_call_doc,
@@ -345,7 +367,7 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     request.op = (int)op;
-    return enter(self, &request, nargs == 6 && args[5] != Py_None ? args[5] : NULL, NULL);
+    return enter(self, &request, nargs == 6 && args[5] != Py_None ? args[5] : NULL, NULL, NULL);
 }
 
 /* -- the common call of a value, in C (docs/design.md, "The call path") -- */
@@ -356,7 +378,6 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
  * is not a torch tensor.  lent_type is NULL until then. */
 static struct {
     PyObject *lent_type, *exports, *objects, *counter, *alias;
-    PyObject *thread;                               /* multipy.session's _thread: its timeout */
     PyObject *call_value_op;                        /* CALL_VALUE, as an int */
     PyObject *request, *finish, *give_back, *tokens; /* names, interned */
 } call_path;
@@ -364,8 +385,8 @@ static struct {
 static PyObject *use_call_path(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "use_call_path(Lent, exports, alias, thread)");
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "use_call_path(Lent, exports, alias)");
         return NULL;
     }
     if (call_path.lent_type) /* once: other threads may be calling the functions kept */
@@ -380,7 +401,6 @@ static PyObject *use_call_path(PyObject *module, PyObject *const *args, Py_ssize
         return NULL;
     call_path.exports = Py_NewRef(args[1]);
     call_path.alias = Py_NewRef(args[2]);
-    call_path.thread = Py_NewRef(args[3]);
     call_path.lent_type = Py_NewRef(args[0]); /* last: the others are ready */
     Py_RETURN_NONE;
 }
@@ -432,31 +452,30 @@ static PyObject *encode_call(PyObject *method, PyObject *values, PyObject *kwarg
     return body;
 }
 
-/* The body of a CALL_TENSOR (multipy._protocol): the call of target alone with one CPU
- * torch tensor, lent into loan (opened here; the caller closes it), its record's token
- * and address.  None, nothing lent, for any other call or a tensor not lent; NULL with
- * an exception, nothing lent. */
-static PyObject *encode_tensor_call(PyObject *method, PyObject *values, PyObject *kwargs,
-                                    struct loan *loan)
+/* The body of a CALL_TENSOR (multipy._protocol) into *body: the call of target alone
+ * with one CPU torch tensor, lent into loan (opened here; the caller closes it), its
+ * record's token and address.  1 if so; 0, nothing lent, for any other call or a tensor
+ * not lent; -1 with an exception, nothing lent. */
+static int encode_tensor_call(PyObject *method, PyObject *values, PyObject *kwargs,
+                              struct loan *loan, struct multipy_lent_tensor *body)
 {
     if (method != Py_None || !torch_api.tensor || !PyTuple_CheckExact(values)
         || PyTuple_GET_SIZE(values) != 1
         || (PyObject *)Py_TYPE(PyTuple_GET_ITEM(values, 0)) != torch_api.tensor
         || !PyDict_CheckExact(kwargs) || PyDict_GET_SIZE(kwargs))
-        Py_RETURN_NONE;
+        return 0;
     if (!(loan->tokens = PyList_New(0)))
-        return NULL;
+        return -1;
     loan->objects = Py_NewRef(call_path.objects);
     loan->counter = Py_NewRef(call_path.counter);
-    struct multipy_lent_tensor lent;
-    int lending = lend_torch_at(PyTuple_GET_ITEM(values, 0), loan, &lent.token, &lent.address);
-    PyObject *body = lending > 0 ? PyBytes_FromStringAndSize((const char *)&lent, sizeof lent)
-                     : lending == 0 ? Py_NewRef(Py_None) : NULL;
-    if (!body)
+    /* without its storage: call_value keeps it if an alias outlives the call */
+    int lending = lend_torch_at(PyTuple_GET_ITEM(values, 0), loan, 0, &body->token,
+                                &body->address);
+    if (lending < 0)
         take_back(NULL, loan);
-    if (body == Py_None || !body)
+    if (lending <= 0)
         loan_close(loan);
-    return body;
+    return lending;
 }
 
 /* The value of a LENT reply's message (values, positions, single), as
@@ -497,19 +516,44 @@ static PyObject *alias_reply(Entry *self, PyObject *interpreter, PyObject *messa
     return value;
 }
 
-/* The alias of the torch tensor that a TENSOR reply's payload (data) lends, whose
- * token goes back to the interpreter once the alias is gone, or with the next call if
- * it cannot be made.  NULL with an exception. */
-static PyObject *alias_lent_tensor(Entry *self, const char *data)
+/* Keeps the storage of tensor, lent by lend_torch_at without it, beside its capsule under
+ * token in objects, if the token is still lent there: 0, or -1 with an exception. */
+static int keep_storage(PyObject *tensor, PyObject *objects, PyObject *token)
 {
-    struct multipy_lent_tensor lent;
-    memcpy(&lent, data, sizeof lent);
-    return alias_lent_at(lent.token, lent.address, &queues[self->ordinal], NULL);
+    PyObject *capsule = PyDict_GetItemWithError(objects, token);
+    if (!capsule)
+        return PyErr_Occurred() ? -1 : 0; /* given back already */
+    Py_INCREF(capsule);
+    PyObject *storage = PyObject_CallOneArg(torch_api.untyped_storage, tensor);
+    PyObject *kept = storage ? PyTuple_Pack(2, capsule, storage) : NULL;
+    int kept_now = kept ? PyDict_SetItem(objects, token, kept) : -1;
+    Py_DECREF(capsule);
+    Py_XDECREF(storage);
+    Py_XDECREF(kept);
+    return kept_now;
+}
+
+/* After a CALL_TENSOR, whatever its outcome: the storage of the tensor it lent (without
+ * it) kept beside it if an alias there outlived the call (keep_storage), before any code
+ * of the caller's can re-point it.  Keeps an exception raised before; 0, or -1 if this
+ * failed and none had been raised. */
+static int keep_lent_storage(PyObject *tensor, struct loan *loan)
+{
+    if (PyList_GET_SIZE(loan->tokens) != 1)
+        return 0; /* taken back */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    int kept = keep_storage(tensor, loan->objects, PyList_GET_ITEM(loan->tokens, 0));
+    if (!type)
+        return kept;
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+    return 0;
 }
 
 /* The value of a CALL_VALUE's reply as Interpreter._finish gives it: read here when it
- * is plain, lent or a lent tensor, else by interpreter._finish(reply, the Lent of what
- * loan lent, or None). */
+ * is plain or lent, else by interpreter._finish(reply, the Lent of what loan lent, or
+ * None). */
 static PyObject *read_reply(Entry *self, PyObject *interpreter, PyObject *reply,
                             struct loan *loan)
 {
@@ -520,9 +564,6 @@ static PyObject *read_reply(Entry *self, PyObject *interpreter, PyObject *reply,
     int plain_value = size && (unsigned char)data[0] != MULTIPY_PICKLED;
     if (status == MULTIPY_OK && plain_value && !PyObject_IsTrue(PyTuple_GET_ITEM(reply, 1)))
         return PyMarshal_ReadObjectFromString(data, size);
-    if (status == MULTIPY_TENSOR && size == sizeof(struct multipy_lent_tensor)
-        && torch_api.from_dlpack)
-        return alias_lent_tensor(self, data);
     if (status == MULTIPY_LENT && plain_value) {
         PyObject *message = PyMarshal_ReadObjectFromString(data, size);
         if (message && PyTuple_CheckExact(message) && PyTuple_GET_SIZE(message) == 3
@@ -558,29 +599,45 @@ static PyObject *call_value(Entry *self, PyObject *interpreter, PyObject *target
                             uint64_t handle, uint64_t epoch, PyObject *method, PyObject *values,
                             PyObject *kwargs)
 {
-    struct multipy_request request = {.op = MULTIPY_CALL_VALUE, .handle = handle,
+    struct multipy_request request = {.op = MULTIPY_CALL_TENSOR, .handle = handle,
                                       .epoch = epoch};
     struct loan loan = {NULL, NULL, NULL}; /* what the request lends, if it does */
-    PyObject *body = encode_tensor_call(method, values, kwargs, &loan);
-    if (body && body != Py_None) {
-        request.op = MULTIPY_CALL_TENSOR;
-    } else if (body) {
-        Py_DECREF(body);
-        body = encode_call(method, values, kwargs, &loan, &request.op);
-    }
-    if (body == Py_None) {
-        Py_DECREF(body);
-        return PyObject_CallMethodObjArgs(interpreter, call_path.request,
-                                          call_path.call_value_op, target, method, values,
-                                          kwargs, NULL);
-    }
-    if (!body)
+    struct multipy_lent_tensor in, out = {0, 0}; /* a CALL_TENSOR's body, a TENSOR reply's */
+    PyObject *body = NULL;
+    int tensor = encode_tensor_call(method, values, kwargs, &loan, &in);
+    if (tensor < 0)
         return NULL;
-    request.body = PyBytes_AS_STRING(body);
-    request.size = (size_t)PyBytes_GET_SIZE(body);
-    PyObject *reply = enter(self, &request, NULL, loan.tokens ? &loan : NULL);
-    Py_DECREF(body);
-    PyObject *value = reply ? read_reply(self, interpreter, reply, &loan) : NULL;
+    if (tensor) {
+        request.body = (const char *)&in;
+        request.size = sizeof in;
+    } else {
+        request.op = MULTIPY_CALL_VALUE;
+        if (!(body = encode_call(method, values, kwargs, &loan, &request.op)))
+            return NULL;
+        if (body == Py_None) {
+            Py_DECREF(body);
+            return PyObject_CallMethodObjArgs(interpreter, call_path.request,
+                                              call_path.call_value_op, target, method, values,
+                                              kwargs, NULL);
+        }
+        request.body = PyBytes_AS_STRING(body);
+        request.size = (size_t)PyBytes_GET_SIZE(body);
+    }
+    PyObject *reply = enter(self, &request, NULL, loan.tokens ? &loan : NULL, &out);
+    Py_XDECREF(body);
+    if (tensor && keep_lent_storage(PyTuple_GET_ITEM(values, 0), &loan) < 0) {
+        /* the reply goes unread: what the interpreter made or lent goes back */
+        if (reply == Py_None)
+            release_later(self, out.token);
+        else
+            give_back(self, (int)PyLong_AsLong(PyTuple_GET_ITEM(reply, 0)),
+                      PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(reply, 1)),
+                      PyTuple_GET_ITEM(reply, 2), NULL, &loan);
+        Py_CLEAR(reply);
+    }
+    PyObject *value = reply == Py_None
+                      ? alias_lent_at(out.token, out.address, &queues[self->ordinal], NULL)
+                      : reply ? read_reply(self, interpreter, reply, &loan) : NULL;
     Py_XDECREF(reply);
     loan_close(&loan);
     return value;
@@ -667,6 +724,112 @@ static PyTypeObject EntryType = {
     .tp_methods = Entry_methods,
 };
 
+/* -- what each thread keeps: its multipy.timeout and its last picks -- */
+
+static __thread double thread_timeout = -1;                  /* seconds; negative: none */
+static __thread int thread_cursors[MULTIPY_MAX_INTERPRETERS]; /* by a Cursor's slot */
+
+static PyObject *ThreadSettings_get_timeout(PyObject *self, void *unused)
+{
+    (void)self, (void)unused;
+    return thread_timeout < 0 ? Py_NewRef(Py_None) : PyFloat_FromDouble(thread_timeout);
+}
+
+static int ThreadSettings_set_timeout(PyObject *self, PyObject *value, void *unused)
+{
+    (void)self, (void)unused;
+    double seconds = !value || value == Py_None ? -1 : PyFloat_AsDouble(value);
+    if (!value)
+        PyErr_SetString(PyExc_AttributeError, "timeout cannot be deleted: set it to None");
+    else if (seconds == -1 && PyErr_Occurred())
+        return -1;
+    else if (value != Py_None && !(seconds >= 0)) /* NaN too */
+        PyErr_Format(PyExc_ValueError, "timeout must be None or at least 0 seconds, not %R",
+                     value);
+    else
+        thread_timeout = seconds;
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+static PyGetSetDef ThreadSettings_getset[] = {
+    {"timeout", ThreadSettings_get_timeout, ThreadSettings_set_timeout,
+     "The calling thread's multipy.timeout in seconds (a float), or None.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject ThreadSettingsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "multipy._host.ThreadSettings",
+    .tp_basicsize = sizeof(PyObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "ThreadSettings(): the calling thread's settings, kept in C where a replicated "
+              "object's call reads them (every instance reads the same ones).",
+    .tp_new = PyType_GenericNew,
+    .tp_getset = ThreadSettings_getset,
+};
+
+/* A manager's cursor: each thread's last pick among its interpreters, kept in C under
+ * the manager's slot (the ordinal of its first interpreter, which no other open manager
+ * holds; a closed one's pick left there is a starting point like any other). */
+typedef struct {
+    PyObject_HEAD
+    int slot;
+} Cursor;
+
+static int Cursor_init(Cursor *self, PyObject *args, PyObject *kwargs)
+{
+    if (kwargs || !PyArg_ParseTuple(args, "i:Cursor", &self->slot))
+        return -1;
+    if (self->slot < 0 || self->slot >= MULTIPY_MAX_INTERPRETERS) {
+        PyErr_SetString(PyExc_ValueError, "no such interpreter");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Cursor_get(Cursor *self, void *unused)
+{
+    (void)unused;
+    return PyLong_FromLong(thread_cursors[self->slot]);
+}
+
+static int Cursor_set(Cursor *self, PyObject *value, void *unused)
+{
+    (void)unused;
+    if (!value) {
+        PyErr_SetString(PyExc_AttributeError, "a cursor cannot be deleted");
+        return -1;
+    }
+    long index = PyLong_AsLong(value);
+    if (index == -1 && PyErr_Occurred())
+        return -1;
+    if (index < 0 || index >= MULTIPY_MAX_INTERPRETERS) {
+        PyErr_SetString(PyExc_ValueError, "a cursor is the index of one of the manager's "
+                                          "interpreters");
+        return -1;
+    }
+    thread_cursors[self->slot] = (int)index;
+    return 0;
+}
+
+static PyGetSetDef Cursor_getset[] = {
+    {"cursor", (getter)Cursor_get, (setter)Cursor_set,
+     "The calling thread's last pick: an index among the manager's interpreters.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject CursorType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "multipy._host.Cursor",
+    .tp_basicsize = sizeof(Cursor),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Cursor(slot): each thread's last pick among a manager's interpreters, kept "
+              "in C where a replicated object's call reads it.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Cursor_init,
+    .tp_getset = Cursor_getset,
+};
+
 /* -- a replicated object's call, in C (docs/design.md, "The common call in C") -- */
 
 /* One interpreter's copy of a replicated object: target, an Obj, made there; NULL
@@ -682,16 +845,15 @@ struct copy {
  * manager, and its call. */
 typedef struct {
     PyObject_HEAD
-    PyObject *manager; /* its _closed, read each call */
-    PyObject *cursor;  /* its _thread: each thread's last pick */
-    Py_ssize_t count;  /* its interpreters */
+    int slot;          /* its manager's Cursor's: each thread's last pick there */
+    Py_ssize_t count;  /* its interpreters; 0: every call by _call */
     struct copy copies[MULTIPY_MAX_INTERPRETERS];
 } Replicas;
 
 static struct {
-    PyObject *call, *closed, *cursor, *thread, *timeout;   /* "_call", "_closed", ... */
-    PyObject *index, *occupancy, *entry, *epoch, *handle;
+    PyObject *call, *thread, *index, *occupancy, *entry, *epoch, *handle; /* "_call", ... */
 } replica_names;
+static PyObject *no_keywords; /* {}: never changed */
 
 static void copy_clear(struct copy *copy)
 {
@@ -711,27 +873,23 @@ static int Replicas_init(Replicas *self, PyObject *args, PyObject *kwargs)
     if (count < 0 && (PyErr_ExceptionMatches(PyExc_AttributeError)
                       || PyErr_ExceptionMatches(PyExc_TypeError))) {
         PyErr_Clear(); /* not a manager's (a test's stand-in): every call by _call */
-        Py_CLEAR(cursor);
         count = 0;
     }
-    if (count < 0 || count > MULTIPY_MAX_INTERPRETERS) {
-        if (count > MULTIPY_MAX_INTERPRETERS)
-            PyErr_SetString(PyExc_ValueError, "more interpreters than a process holds");
-        Py_XDECREF(cursor);
+    if (count > MULTIPY_MAX_INTERPRETERS)
+        PyErr_SetString(PyExc_ValueError, "more interpreters than a process holds");
+    int slot = cursor && Py_IS_TYPE(cursor, &CursorType) ? ((Cursor *)cursor)->slot : -1;
+    Py_XDECREF(cursor);
+    if (count < 0 || count > MULTIPY_MAX_INTERPRETERS)
         return -1;
-    }
-    Py_XSETREF(self->manager, Py_NewRef(manager));
-    Py_XSETREF(self->cursor, cursor); /* NULL with count 0 */
     for (Py_ssize_t i = 0; i < MULTIPY_MAX_INTERPRETERS; i++)
         copy_clear(&self->copies[i]);
-    self->count = count;
+    self->slot = slot;
+    self->count = slot < 0 ? 0 : count; /* a cursor of Python's: every call by _call */
     return 0;
 }
 
 static int Replicas_traverse(Replicas *self, visitproc visit, void *arg)
 {
-    Py_VISIT(self->manager);
-    Py_VISIT(self->cursor);
     for (int i = 0; i < MULTIPY_MAX_INTERPRETERS; i++) {
         Py_VISIT(self->copies[i].interpreter);
         Py_VISIT(self->copies[i].target);
@@ -744,8 +902,6 @@ static int Replicas_traverse(Replicas *self, visitproc visit, void *arg)
 static int Replicas_clear(Replicas *self)
 {
     self->count = 0; /* a call after this takes the Python path */
-    Py_CLEAR(self->manager);
-    Py_CLEAR(self->cursor);
     for (int i = 0; i < MULTIPY_MAX_INTERPRETERS; i++)
         copy_clear(&self->copies[i]);
     return 0;
@@ -817,30 +973,14 @@ static PyObject *Replicas_note(Replicas *self, PyObject *const *args, Py_ssize_t
 }
 
 /* The copy on the calling thread's last pick, counted busy, if it is made, idle and
- * may take new users, and the call may take this path (no multipy.timeout on this
- * thread, the manager open): 1 with *copy (new references), 0 for the Python path, -1
- * with an exception. */
+ * may take new users (its occupancy is closed once the manager closes), and the call may
+ * take this path (no multipy.timeout on this thread): 1 with *copy (new references), 0
+ * for the Python path, -1 with an exception. */
 static int take_free_copy(Replicas *self, struct copy *copy)
 {
-    if (!call_path.thread || !self->count) /* before use_call_path, or no manager's */
-        return 0;
-    PyObject *timeout = PyObject_GetAttr(call_path.thread, replica_names.timeout);
-    if (!timeout || timeout != Py_None) {
-        Py_XDECREF(timeout);
-        return timeout ? 0 : -1;
-    }
-    Py_DECREF(timeout);
-    PyObject *closed = PyObject_GetAttr(self->manager, replica_names.closed);
-    int shut = closed ? PyObject_IsTrue(closed) : -1;
-    Py_XDECREF(closed);
-    if (shut)
-        return shut < 0 ? -1 : 0;
-    PyObject *number = PyObject_GetAttr(self->cursor, replica_names.cursor);
-    Py_ssize_t cursor = number ? PyLong_AsSsize_t(number) : -1;
-    Py_XDECREF(number);
-    if (cursor < 0)
-        return PyErr_Occurred() ? -1 : 0;
-    struct copy *made = &self->copies[cursor % self->count];
+    if (!call_path.lent_type || !self->count || thread_timeout >= 0)
+        return 0; /* before use_call_path, no manager's, or timed */
+    struct copy *made = &self->copies[thread_cursors[self->slot] % self->count];
     int taken = made->target ? occupancy_take_if_idle(made->occupancy) : 0;
     if (taken > 0) {
         *copy = *made;
@@ -856,22 +996,20 @@ static int take_free_copy(Replicas *self, struct copy *copy)
  * interpreter is free, in C, as ReplicatedObj._call would; else by _call itself. */
 static PyObject *Replicas_call(Replicas *self, PyObject *args, PyObject *kwargs)
 {
-    PyObject *given = kwargs ? Py_NewRef(kwargs) : PyDict_New();
-    if (!given)
-        return NULL;
     struct copy copy;
-    int taken = PyDict_GET_SIZE(given) ? 0 : take_free_copy(self, &copy);
-    PyObject *value = NULL;
-    if (taken > 0) {
-        value = call_value(copy.entry, copy.interpreter, copy.target, copy.handle, copy.epoch,
-                           Py_None, args, given);
+    int taken = kwargs && PyDict_GET_SIZE(kwargs) ? 0 : take_free_copy(self, &copy);
+    if (taken > 0) { /* (call_value only reads the keywords: one empty dict serves all) */
+        PyObject *value = call_value(copy.entry, copy.interpreter, copy.target, copy.handle,
+                                     copy.epoch, Py_None, args, no_keywords);
         copy.occupancy->users--; /* as hand_back() */
         copy_clear(&copy);
-    } else if (taken == 0) {
-        value = PyObject_CallMethodObjArgs((PyObject *)self, replica_names.call, Py_None, args,
-                                           given, NULL);
+        return value;
     }
-    Py_DECREF(given);
+    PyObject *given = taken < 0 ? NULL : kwargs ? Py_NewRef(kwargs) : PyDict_New();
+    PyObject *value = given ? PyObject_CallMethodObjArgs((PyObject *)self, replica_names.call,
+                                                         Py_None, args, given, NULL)
+                            : NULL;
+    Py_XDECREF(given);
     return value;
 }
 
@@ -900,16 +1038,18 @@ static PyTypeObject ReplicasType = {
 /* Readies the type and adds it to module: 0, or -1 with an exception. */
 static int add_replicas(PyObject *module)
 {
-    static const char *names[] = {"_call", "_closed", "cursor", "_thread", "timeout",
-                                  "index", "occupancy", "_entry", "_epoch", "_handle"};
-    PyObject **slots[] = {&replica_names.call, &replica_names.closed, &replica_names.cursor,
-                          &replica_names.thread, &replica_names.timeout, &replica_names.index,
+    static const char *names[] = {"_call", "_thread", "index", "occupancy", "_entry",
+                                  "_epoch", "_handle"};
+    PyObject **slots[] = {&replica_names.call, &replica_names.thread, &replica_names.index,
                           &replica_names.occupancy, &replica_names.entry,
                           &replica_names.epoch, &replica_names.handle};
     for (size_t i = 0; i < sizeof names / sizeof *names; i++)
         if (!(*slots[i] = PyUnicode_InternFromString(names[i])))
             return -1;
-    if (PyType_Ready(&ReplicasType) < 0)
+    if (!(no_keywords = PyDict_New()) || PyType_Ready(&ReplicasType) < 0 || PyType_Ready(&ThreadSettingsType) < 0
+        || PyType_Ready(&CursorType) < 0
+        || PyModule_AddObjectRef(module, "ThreadSettings", (PyObject *)&ThreadSettingsType) < 0
+        || PyModule_AddObjectRef(module, "Cursor", (PyObject *)&CursorType) < 0)
         return -1;
     return PyModule_AddObjectRef(module, "Replicas", (PyObject *)&ReplicasType);
 }
@@ -1095,8 +1235,7 @@ static PyMethodDef module_methods[] = {
     PLAIN_METHOD,
     LEND_METHODS,
     {"use_call_path", (PyCFunction)(void (*)(void))use_call_path, METH_FASTCALL,
-     "use_call_path(Lent, exports, alias, thread): what Entry.call_value lends and aliases "
-     "with, and the thread settings whose timeout keeps Replicas' calls on the Python path "
+     "use_call_path(Lent, exports, alias): what Entry.call_value lends and aliases with "
      "(see multipy.session)."},
     {"set_main_thread", set_main_thread, METH_O,
      "set_main_thread(ident): the thread whose calls interrupt_main() cancels."},

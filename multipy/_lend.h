@@ -64,9 +64,9 @@ static int tensor_says(PyObject *method, PyObject *tensor)
     return truth;
 }
 
-/* Where one message lends into: its multipy._sharing.Lent's list `tokens`, its exports'
- * dict `objects` and token iterator `counter`, read once a message (by names interned
- * once), not once a tensor. */
+/* Where one message lends into: its multipy._sharing.Lent's list `tokens` (NULL where
+ * the caller gives back what it lent itself), its exports' dict `objects` and token
+ * iterator `counter`, read once a message (by names interned once), not once a tensor. */
 struct loan {
     PyObject *tokens, *objects, *counter;
 };
@@ -111,12 +111,15 @@ static int refused(void)
 /* Lends tensor into loan, token noted before the capsule is kept: 1 with its token and
  * address (its DLManagedTensor) in *token and *address; 0 if it is not lent (a lazy
  * conjugate or negative view, which DLPack would export without saying so; not in host
- * memory; one DLPack refuses); -1 with an exception.  Its storage is kept beside the
- * capsule (which holds the tensor), so that set_() on the tensor cannot free the memory
- * that is lent.  (The capsule first: its type code spares a real tensor the question of
- * its conjugate bit, a torch call of its own.) */
-static int lend_torch_at(PyObject *tensor, struct loan *loan, uint64_t *token,
-                         uint64_t *address)
+ * memory; one DLPack refuses); -1 with an exception.  With with_storage, its storage is
+ * kept beside the capsule (which holds the tensor), so that set_() on the tensor cannot
+ * free the memory that is lent; without, the capsule alone, for a tensor that no code
+ * can re-point while the other side uses it (one that goes back before the caller's code
+ * runs again, or one no one else holds), or until keep_storage.  (The capsule first: its
+ * type code spares a real tensor the question of its conjugate bit, a torch call of its
+ * own.) */
+static int lend_torch_at(PyObject *tensor, struct loan *loan, int with_storage,
+                         uint64_t *token, uint64_t *address)
 {
     PyObject *capsule = PyObject_CallOneArg(torch_api.to_dlpack, tensor);
     if (!capsule)
@@ -131,17 +134,18 @@ static int lend_torch_at(PyObject *tensor, struct loan *loan, uint64_t *token,
         Py_DECREF(capsule);
         return lazy < 0 ? -1 : 0;
     }
-    PyObject *storage = PyObject_CallOneArg(torch_api.untyped_storage, tensor);
-    if (!storage) {
+    PyObject *storage = with_storage ? PyObject_CallOneArg(torch_api.untyped_storage, tensor)
+                                     : NULL;
+    if (with_storage && !storage) {
         Py_DECREF(capsule);
         return refused();
     }
     int lent = -1;
-    PyObject *kept = PyTuple_Pack(2, capsule, storage);
+    PyObject *kept = storage ? PyTuple_Pack(2, capsule, storage) : Py_NewRef(capsule);
     PyObject *number = kept ? PyIter_Next(loan->counter) : NULL;
     if (kept && !number && !PyErr_Occurred())
         PyErr_SetNone(PyExc_StopIteration); /* the tokens ran out */
-    if (number && PyList_Append(loan->tokens, number) == 0
+    if (number && (!loan->tokens || PyList_Append(loan->tokens, number) == 0)
         && PyDict_SetItem(loan->objects, number, kept) == 0) {
         *token = PyLong_AsUnsignedLongLong(number);
         *address = (uint64_t)(uintptr_t)managed;
@@ -150,7 +154,7 @@ static int lend_torch_at(PyObject *tensor, struct loan *loan, uint64_t *token,
     Py_XDECREF(number);
     Py_XDECREF(kept);
     Py_DECREF(capsule);
-    Py_DECREF(storage);
+    Py_XDECREF(storage);
     return lent;
 }
 
@@ -159,7 +163,7 @@ static int lend_torch_at(PyObject *tensor, struct loan *loan, uint64_t *token,
 static PyObject *lend_torch(PyObject *tensor, struct loan *loan)
 {
     uint64_t token, address;
-    int lent = lend_torch_at(tensor, loan, &token, &address);
+    int lent = lend_torch_at(tensor, loan, 1, &token, &address);
     if (lent <= 0)
         return lent < 0 ? NULL : Py_NewRef(Py_None);
     PyObject *record = PyTuple_New(3), *number = PyLong_FromUnsignedLongLong(token);

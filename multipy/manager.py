@@ -13,7 +13,7 @@ from .environment import Environment, NoopEnvironment
 from .errors import InterpreterClosedError, InterpreterLimitError, WrongInterpreterError
 from .package import Package
 from .replicated import ReplicatedObj
-from .session import Interpreter, InterpreterSession, Obj, current_timeout
+from .session import Cursor, Interpreter, InterpreterSession, Obj, current_timeout
 
 _INSIDE = "multipy._inside"
 
@@ -31,10 +31,6 @@ def default_torch_threads(n_interpreters: int) -> int:
     this process may use, divided among them (at least 1), so that together they do not
     oversubscribe the cores (each interpreter has its own copy of torch's thread pool)."""
     return max(1, cores() // max(1, n_interpreters))
-
-
-class _Cursor(threading.local):
-    cursor = 0  # a class default: reading it never raises
 
 
 class InterpreterManager:
@@ -69,9 +65,9 @@ class InterpreterManager:
         self.environment = environment if environment is not None else NoopEnvironment()
         self._sources: dict[str, str] = {}
         self._lock = threading.Lock()
-        self._thread = _Cursor()  # each thread's load-balancing cursor
         self._closed = False
         self._runtimes = _pool.acquire(n_interpreters)
+        self._thread = Cursor(self._runtimes[0].ordinal)  # each thread's last pick
         self._interpreters = [Interpreter(i, self, runtime)
                               for i, runtime in enumerate(self._runtimes)]
         # Dropped without close(): the runtimes go back (reset before they are lent again).
@@ -137,7 +133,8 @@ class InterpreterManager:
                 seconds = current_timeout()
                 deadline = float("inf") if seconds is None else time.monotonic() + seconds
             if time.monotonic() >= deadline:  # timeout(0): one try, never a sleep
-                raise TimeoutError("every interpreter is still running a call its caller gave up on")
+                raise TimeoutError(
+                    "every interpreter is still running a call its caller gave up on")
             time.sleep(0.001)
 
     def _pick(self) -> Interpreter | None:
@@ -233,6 +230,8 @@ class InterpreterManager:
         if self._closed:
             return
         self._closed = True
+        for interpreter in self._interpreters:  # no replicated object's call in C from now
+            interpreter.occupancy.close()
         errors = []
         try:
             for interpreter in self._configured:

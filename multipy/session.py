@@ -61,12 +61,28 @@ Occupancy = _host.Occupancy if _C_CALL_PATH else _Occupancy
 
 
 class _ThreadSettings(threading.local):
+    """The Python reference of _host.ThreadSettings: the calling thread's timeout."""
+
     timeout: float | None = None  # a class default: no AttributeError on every call
 
 
-_thread = _ThreadSettings()
+class _Cursor(threading.local):
+    """The Python reference of _host.Cursor: each thread's last pick among a manager's
+    interpreters (slot: unused here)."""
+
+    cursor = 0  # a class default: reading it never raises
+
+    def __init__(self, slot: int) -> None:
+        pass
+
+
+#: A manager's cursor (Cursor(slot)): each thread's last pick among its interpreters,
+#: kept in C where a replicated object's call reads it (docs/design.md)
+Cursor = _host.Cursor if _C_CALL_PATH else _Cursor
+
+_thread = _host.ThreadSettings() if _C_CALL_PATH else _ThreadSettings()
 if _C_CALL_PATH:
-    _host.use_call_path(_sharing.Lent, exports, _sharing.alias, _thread)
+    _host.use_call_path(_sharing.Lent, exports, _sharing.alias)
 
 
 @contextlib.contextmanager

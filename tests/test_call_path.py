@@ -311,6 +311,38 @@ def test_lent_memory_survives_either_owner_repointing_its_tensor():
     assert result.stdout.split() == [str(float(size)), str(float(3 * size))] * 2
 
 
+_WEAKLY_HELD = """
+import torch, weakref, multipy
+with multipy.InterpreterManager(1) as m:
+    m.register_module_source("weakly", (
+        "import torch, weakref\\n"
+        "refs = []\\n"
+        "def weakly(t):\\n"
+        "    out = t * 3\\n"
+        "    refs.append(weakref.ref(out))\\n"
+        "    return out\\n"
+        "def repoint():\\n"
+        "    refs.pop()().set_(torch.zeros(1))\\n"))
+    with m[0].acquire_session() as s:
+        weakly, repoint = s.global_("weakly", "weakly"), s.global_("weakly", "repoint")
+        for _ in range(2):  # an object's first call takes the handler's path, then C's
+            y = weakly.call_value(None, (torch.ones(4 << 20),))
+            repoint.call_value(None)
+            print(y.sum().item())
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_result_held_only_by_a_weak_reference_keeps_its_memory():
+    # A result that no one else holds is lent without its storage (nothing can re-point
+    # it); one that a weak reference still reaches is not: re-pointed there, the host's
+    # alias keeps its memory
+    result = subprocess.run([sys.executable, "-m", "multipy", "run", "-c", _WEAKLY_HELD],
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.split() == [str(float(3 * (4 << 20)))] * 2
+
+
 @pytest.mark.skipif(not ON_C_PATH, reason="the reference run itself")
 @pytest.mark.timeout(1500)  # a few minutes on a busy 2-core machine
 def test_the_reference_path_passes_the_call_path_tests():

@@ -397,12 +397,14 @@ static int after_call(void)
     return 0;
 }
 
-/* Whether code other than its caller may hold tensor, a call's result: a reference or a
- * weak reference to it (when its type's weak references cannot be seen: always). */
+/* Whether Python code other than its caller may hold tensor, a call's result: another
+ * reference or a weak reference to it (its list where CPython keeps it: at the type's
+ * offset, which from 3.12 on is negative for a class that gets its weak references
+ * managed, as torch.Tensor does). */
 static int held_elsewhere(PyObject *tensor)
 {
     Py_ssize_t offset = Py_TYPE(tensor)->tp_weaklistoffset;
-    return Py_REFCNT(tensor) > 1 || offset <= 0 || *(PyObject **)((char *)tensor + offset);
+    return Py_REFCNT(tensor) > 1 || (offset && *(PyObject **)((char *)tensor + offset));
 }
 
 /* The reply for a call's result: a CPU torch tensor lent here, its record in *lent, and
@@ -834,6 +836,10 @@ int multipy_enter(void *runtime, const struct multipy_request *request,
     if (result == Py_None && lent.address) { /* fast_call's TENSOR reply */
         reply->status = MULTIPY_TENSOR;
         kept = keep_reply(reply, (const char *)&lent, sizeof lent);
+        PyObject *token = kept ? PyLong_FromUnsignedLongLong(lent.token) : NULL;
+        if (token) /* not sent: the tensor stays lent to no one */
+            PyDict_DelItem(rt->lent, token);
+        Py_XDECREF(token);
     } else if (result && PyTuple_Check(result) && PyTuple_GET_SIZE(result) == 3
         && PyBytes_Check(PyTuple_GET_ITEM(result, 2))) {
         reply->status = (int)PyLong_AsLong(PyTuple_GET_ITEM(result, 0));

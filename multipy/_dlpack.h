@@ -166,24 +166,22 @@ static PyObject *capsule_of(DLManagedTensor *owner, uint64_t token, int versione
         PyErr_SetString(PyExc_ValueError, "no tensor at address 0");
         return NULL;
     }
+    /* malloc, each field set here: a zeroed block would come from calloc, which glibc
+     * serves without its per-thread cache, at several times the cost */
     struct alias *alias = malloc(sizeof *alias);
     if (!alias)
         return PyErr_NoMemory();
-    memset(alias, 0, sizeof *alias);
     alias->token = token;
     alias->queue = queue;
     PyObject *capsule;
-    if (versioned) {
-        alias->versioned.version.major = 1;
-        alias->versioned.dl_tensor = owner->dl_tensor; /* shape and strides: the owner's,
-                                                          kept until the token goes back */
-        alias->versioned.manager_ctx = alias;
-        alias->versioned.deleter = versioned_alias_deleter;
+    if (versioned) { /* shape and strides: the owner's, kept until the token goes back */
+        alias->versioned = (DLManagedTensorVersioned){
+            .version = {1, 0}, .manager_ctx = alias, .deleter = versioned_alias_deleter,
+            .flags = 0, .dl_tensor = owner->dl_tensor};
         capsule = PyCapsule_New(&alias->versioned, "dltensor_versioned", alias_capsule_destructor);
     } else {
-        alias->managed.dl_tensor = owner->dl_tensor;
-        alias->managed.manager_ctx = alias;
-        alias->managed.deleter = alias_deleter;
+        alias->managed = (DLManagedTensor){
+            .dl_tensor = owner->dl_tensor, .manager_ctx = alias, .deleter = alias_deleter};
         capsule = PyCapsule_New(&alias->managed, "dltensor", alias_capsule_destructor);
     }
     if (!capsule)

@@ -249,13 +249,56 @@ static int read_number(PyObject *value, uint64_t *out)
     return *out == (uint64_t)-1 && PyErr_Occurred() ? -1 : 0;
 }
 
+/* Keeps the storage of tensor, lent by lend_torch_at without it, beside its capsule under
+ * token in objects, if the token is still lent there: 0, or -1 with an exception. */
+static int keep_storage(PyObject *tensor, PyObject *objects, PyObject *token)
+{
+    PyObject *capsule = PyDict_GetItemWithError(objects, token);
+    if (!capsule)
+        return PyErr_Occurred() ? -1 : 0; /* given back already */
+    Py_INCREF(capsule);
+    PyObject *storage = PyObject_CallOneArg(torch_api.untyped_storage, tensor);
+    PyObject *kept = storage ? PyTuple_Pack(2, capsule, storage) : NULL;
+    int kept_now = kept ? PyDict_SetItem(objects, token, kept) : -1;
+    Py_DECREF(capsule);
+    Py_XDECREF(storage);
+    Py_XDECREF(kept);
+    return kept_now;
+}
+
+/* After a CALL_TENSOR, whatever its outcome, before any Python code of the host's runs
+ * again: the storage of input, lent without it, kept beside it unless the interpreter
+ * gave its token back (among released, count of them), when an alias there outlived
+ * the call, so that set_() on input cannot free what that alias reads.  Keeps an
+ * exception raised before; 0, or -1 if this failed and none had been. */
+static int keep_input_storage(PyObject *input, const struct multipy_request *request,
+                              struct loan *loan, const uint64_t *released, size_t count)
+{
+    struct multipy_lent_tensor body;
+    memcpy(&body, request->body, sizeof body);
+    for (size_t i = 0; released && i < count; i++)
+        if (released[i] == body.token)
+            return 0; /* given back: nothing aliases it now */
+    if (!PyList_GET_SIZE(loan->tokens))
+        return 0; /* taken back */
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    int kept = keep_storage(input, loan->objects, PyList_GET_ITEM(loan->tokens, 0));
+    if (!type)
+        return kept;
+    PyErr_Clear();
+    PyErr_Restore(type, value, traceback);
+    return 0;
+}
+
 /* Runs request in the interpreter on this thread, without the host's GIL: the reply
  * (status, handle, payload), or, with tensor, None for a TENSOR reply whose record is
  * then in *tensor (once this side has torch); NULL with an exception.  See Entry.call,
  * whose lent this is (NULL for none), or loan, what the request lent without a Lent
- * (NULL for none). */
+ * (NULL for none); input, a CALL_TENSOR's tensor lent into loan without its storage
+ * (keep_input_storage), else NULL. */
 static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *lent,
-                       struct loan *loan, struct multipy_lent_tensor *tensor)
+                       struct loan *loan, struct multipy_lent_tensor *tensor, PyObject *input)
 {
     if (self->closed)
         return Py_BuildValue("(iKy)", MULTIPY_CLOSED, 0ULL, "");
@@ -263,15 +306,19 @@ static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *l
         request->serial = ++serials;
     int on_main = (unsigned long)pthread_self() == main_thread;
     struct multipy_record *record;
-    if (prepare(self->ordinal, &record) < 0)
-        return PyErr_NoMemory();
     PyObject *releases = self->releases;
     Py_ssize_t listed = PyList_GET_SIZE(releases);
     struct release_queue *queue = &queues[self->ordinal];
     size_t n = (size_t)listed + queue_length(queue);
     uint64_t few[64], *numbers = n <= 64 ? few : PyMem_RawMalloc(n * sizeof *numbers);
-    if (!numbers)
-        return PyErr_NoMemory();
+    if (!numbers || prepare(self->ordinal, &record) < 0) { /* not sent: nothing stays lent */
+        if (numbers && numbers != few)
+            PyMem_RawFree(numbers);
+        PyErr_NoMemory();
+        if (loan)
+            take_back(NULL, loan);
+        return NULL;
+    }
     for (Py_ssize_t i = 0; i < listed; i++)
         numbers[i] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(releases, i));
     if (listed) {
@@ -318,6 +365,7 @@ static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *l
     if (tokens)
         memcpy(tokens, reply.released, count * sizeof *tokens);
     self->leave(self->runtime);
+    int kept = input ? keep_input_storage(input, request, loan, tokens, count) : 0;
     if (tokens) {
         drop_released(self->exports, tokens, count);
         if (tokens != few)
@@ -325,7 +373,8 @@ static PyObject *enter(Entry *self, struct multipy_request *request, PyObject *l
     }
     if (!payload && !tensor_reply)
         return NULL;
-    if (on_main && PyErr_CheckSignals() < 0) { /* Ctrl-C: nobody will read this reply */
+    /* Ctrl-C, or no storage kept: nobody will read this reply */
+    if (kept < 0 || (on_main && PyErr_CheckSignals() < 0)) {
         if (tensor_reply)
             release_later(self, tensor->token);
         else
@@ -367,7 +416,8 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     request.op = (int)op;
-    return enter(self, &request, nargs == 6 && args[5] != Py_None ? args[5] : NULL, NULL, NULL);
+    return enter(self, &request, nargs == 6 && args[5] != Py_None ? args[5] : NULL, NULL, NULL,
+                 NULL);
 }
 
 /* -- the common call of a value, in C (docs/design.md, "The call path") -- */
@@ -376,6 +426,8 @@ static PyObject *Entry_call(Entry *self, PyObject *const *args, Py_ssize_t nargs
  * host's exports (a multipy._sharing.Exports), its objects and counter, the Lent type
  * (made only for the Python that reads unusual replies), and _sharing's alias for what
  * is not a torch tensor.  lent_type is NULL until then. */
+static PyObject *no_keywords; /* {}, for calls without keyword arguments: never changed */
+
 static struct {
     PyObject *lent_type, *exports, *objects, *counter, *alias;
     PyObject *call_value_op;                        /* CALL_VALUE, as an int */
@@ -516,41 +568,6 @@ static PyObject *alias_reply(Entry *self, PyObject *interpreter, PyObject *messa
     return value;
 }
 
-/* Keeps the storage of tensor, lent by lend_torch_at without it, beside its capsule under
- * token in objects, if the token is still lent there: 0, or -1 with an exception. */
-static int keep_storage(PyObject *tensor, PyObject *objects, PyObject *token)
-{
-    PyObject *capsule = PyDict_GetItemWithError(objects, token);
-    if (!capsule)
-        return PyErr_Occurred() ? -1 : 0; /* given back already */
-    Py_INCREF(capsule);
-    PyObject *storage = PyObject_CallOneArg(torch_api.untyped_storage, tensor);
-    PyObject *kept = storage ? PyTuple_Pack(2, capsule, storage) : NULL;
-    int kept_now = kept ? PyDict_SetItem(objects, token, kept) : -1;
-    Py_DECREF(capsule);
-    Py_XDECREF(storage);
-    Py_XDECREF(kept);
-    return kept_now;
-}
-
-/* After a CALL_TENSOR, whatever its outcome: the storage of the tensor it lent (without
- * it) kept beside it if an alias there outlived the call (keep_storage), before any code
- * of the caller's can re-point it.  Keeps an exception raised before; 0, or -1 if this
- * failed and none had been raised. */
-static int keep_lent_storage(PyObject *tensor, struct loan *loan)
-{
-    if (PyList_GET_SIZE(loan->tokens) != 1)
-        return 0; /* taken back */
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    int kept = keep_storage(tensor, loan->objects, PyList_GET_ITEM(loan->tokens, 0));
-    if (!type)
-        return kept;
-    PyErr_Clear();
-    PyErr_Restore(type, value, traceback);
-    return 0;
-}
-
 /* The value of a CALL_VALUE's reply as Interpreter._finish gives it: read here when it
  * is plain or lent, else by interpreter._finish(reply, the Lent of what loan lent, or
  * None). */
@@ -614,27 +631,22 @@ static PyObject *call_value(Entry *self, PyObject *interpreter, PyObject *target
         request.op = MULTIPY_CALL_VALUE;
         if (!(body = encode_call(method, values, kwargs, &loan, &request.op)))
             return NULL;
-        if (body == Py_None) {
+        if (body == Py_None) { /* (a dict of its own: Replicas' empty one stays empty) */
             Py_DECREF(body);
-            return PyObject_CallMethodObjArgs(interpreter, call_path.request,
-                                              call_path.call_value_op, target, method, values,
-                                              kwargs, NULL);
+            PyObject *given = kwargs == no_keywords ? PyDict_New() : Py_NewRef(kwargs);
+            PyObject *value = given ? PyObject_CallMethodObjArgs(interpreter, call_path.request,
+                                                                 call_path.call_value_op, target,
+                                                                 method, values, given, NULL)
+                                    : NULL;
+            Py_XDECREF(given);
+            return value;
         }
         request.body = PyBytes_AS_STRING(body);
         request.size = (size_t)PyBytes_GET_SIZE(body);
     }
-    PyObject *reply = enter(self, &request, NULL, loan.tokens ? &loan : NULL, &out);
+    PyObject *reply = enter(self, &request, NULL, loan.tokens ? &loan : NULL, &out,
+                            tensor ? PyTuple_GET_ITEM(values, 0) : NULL);
     Py_XDECREF(body);
-    if (tensor && keep_lent_storage(PyTuple_GET_ITEM(values, 0), &loan) < 0) {
-        /* the reply goes unread: what the interpreter made or lent goes back */
-        if (reply == Py_None)
-            release_later(self, out.token);
-        else
-            give_back(self, (int)PyLong_AsLong(PyTuple_GET_ITEM(reply, 0)),
-                      PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(reply, 1)),
-                      PyTuple_GET_ITEM(reply, 2), NULL, &loan);
-        Py_CLEAR(reply);
-    }
     PyObject *value = reply == Py_None
                       ? alias_lent_at(out.token, out.address, &queues[self->ordinal], NULL)
                       : reply ? read_reply(self, interpreter, reply, &loan) : NULL;
@@ -853,7 +865,6 @@ typedef struct {
 static struct {
     PyObject *call, *thread, *index, *occupancy, *entry, *epoch, *handle; /* "_call", ... */
 } replica_names;
-static PyObject *no_keywords; /* {}: never changed */
 
 static void copy_clear(struct copy *copy)
 {

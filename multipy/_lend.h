@@ -108,16 +108,16 @@ static int refused(void)
 /* DLPack's type code of complex numbers: the only tensors that torch marks conjugate. */
 #define MULTIPY_DL_COMPLEX 5
 
-/* Lends tensor into loan, token noted before the capsule is kept: 1 with its token and
- * address (its DLManagedTensor) in *token and *address; 0 if it is not lent (a lazy
- * conjugate or negative view, which DLPack would export without saying so; not in host
- * memory; one DLPack refuses); -1 with an exception.  With with_storage, its storage is
- * kept beside the capsule (which holds the tensor), so that set_() on the tensor cannot
- * free the memory that is lent; without, the capsule alone, for a tensor that no code
- * can re-point while the other side uses it (one that goes back before the caller's code
- * runs again, or one no one else holds), or until keep_storage.  (The capsule first: its
- * type code spares a real tensor the question of its conjugate bit, a torch call of its
- * own.) */
+/* Lends tensor into loan, token noted (in its tokens, if it has a list) before the
+ * capsule is kept: 1 with its token and address (its DLManagedTensor) in *token and
+ * *address; 0 if it is not lent (a lazy conjugate or negative view, which DLPack would
+ * export without saying so; not in host memory; one DLPack refuses); -1 with an
+ * exception.  With with_storage, its storage is kept beside the capsule (which holds the
+ * tensor), so that set_() on the tensor cannot free the memory that is lent; without,
+ * the capsule alone, for a tensor that nothing can re-point while the other side uses
+ * it (one no one else holds) or until the caller keeps it (keep_storage, _host.c).  (The
+ * capsule first: its type code spares a real tensor the question of its conjugate bit, a
+ * torch call of its own.) */
 static int lend_torch_at(PyObject *tensor, struct loan *loan, int with_storage,
                          uint64_t *token, uint64_t *address)
 {

@@ -67,11 +67,11 @@ class InterpreterManager:
         self._lock = threading.Lock()
         self._closed = False
         self._runtimes = _pool.acquire(n_interpreters)
-        self._thread = Cursor(self._runtimes[0].ordinal)  # each thread's last pick
         self._interpreters = [Interpreter(i, self, runtime)
                               for i, runtime in enumerate(self._runtimes)]
         # Dropped without close(): the runtimes go back (reset before they are lent again).
         self._finalizer = weakref.finalize(self, _pool.give_back, self._runtimes)
+        self._thread = Cursor(self._runtimes[0].ordinal)  # each thread's last pick
         self._limit = n_interpreters
         self._configured: list[Interpreter] = []
         try:

@@ -472,6 +472,15 @@ def _grpc(server: Server):
     return grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}")
 
 
+def _grpc_alone(server: Server):
+    """A gRPC client of server on a connection of its own (grpcio's channels to one
+    address otherwise share one)."""
+    import tritonclient.grpc as grpcclient
+
+    return grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}", channel_args=[
+        ("grpc.use_local_subchannel_pool", 1)])
+
+
 def _grpc_input(name: str, array: np.ndarray, datatype: str):
     import tritonclient.grpc as grpcclient
 

@@ -19,7 +19,7 @@ import pytest
 from conftest import until, write_one
 
 np = pytest.importorskip("numpy")
-from serving import (Server, _client_error, _grpc_input, _grpc_port, _infer_json,  # noqa: E402
+from serving import (Server, _client_error, _grpc_alone, _grpc_input, _infer_json,  # noqa: E402
                      _input, _metrics, _request, _send_slow, _start, _stop)
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
@@ -188,15 +188,6 @@ def test_a_call_whose_client_leaves_is_cancelled_and_counted(served):
         answer = _slow_answer(_send_slow(served, 0.5, staying))
         assert answer["doubled"] == [1.0] and answer["ended"] == [ended + 1], answer
     until(lambda: _gone(served) == gone + 1)
-
-
-def _grpc_alone(server: Server):
-    """A gRPC client of server on a connection of its own (grpcio's channels to one
-    address otherwise share one)."""
-    import tritonclient.grpc as grpcclient
-
-    return grpcclient.InferenceServerClient(f"127.0.0.1:{_grpc_port(server)}", channel_args=[
-        ("grpc.use_local_subchannel_pool", 1)])
 
 
 def _grpc_thread(client) -> int:

@@ -750,17 +750,20 @@ static PyObject *ThreadSettings_get_timeout(PyObject *self, void *unused)
 static int ThreadSettings_set_timeout(PyObject *self, PyObject *value, void *unused)
 {
     (void)self, (void)unused;
-    double seconds = !value || value == Py_None ? -1 : PyFloat_AsDouble(value);
-    if (!value)
+    if (!value) {
         PyErr_SetString(PyExc_AttributeError, "timeout cannot be deleted: set it to None");
-    else if (seconds == -1 && PyErr_Occurred())
         return -1;
-    else if (value != Py_None && !(seconds >= 0)) /* NaN too */
+    }
+    double seconds = value == Py_None ? -1 : PyFloat_AsDouble(value);
+    if (seconds == -1 && PyErr_Occurred())
+        return -1;
+    if (value != Py_None && !(seconds >= 0)) { /* NaN too */
         PyErr_Format(PyExc_ValueError, "timeout must be None or at least 0 seconds, not %R",
                      value);
-    else
-        thread_timeout = seconds;
-    return PyErr_Occurred() ? -1 : 0;
+        return -1;
+    }
+    thread_timeout = seconds;
+    return 0;
 }
 
 static PyGetSetDef ThreadSettings_getset[] = {
@@ -886,10 +889,10 @@ static int Replicas_init(Replicas *self, PyObject *args, PyObject *kwargs)
         PyErr_Clear(); /* not a manager's (a test's stand-in): every call by _call */
         count = 0;
     }
-    if (count > MULTIPY_MAX_INTERPRETERS)
-        PyErr_SetString(PyExc_ValueError, "more interpreters than a process holds");
     int slot = cursor && Py_IS_TYPE(cursor, &CursorType) ? ((Cursor *)cursor)->slot : -1;
     Py_XDECREF(cursor);
+    if (count > MULTIPY_MAX_INTERPRETERS)
+        PyErr_SetString(PyExc_ValueError, "more interpreters than a process holds");
     if (count < 0 || count > MULTIPY_MAX_INTERPRETERS)
         return -1;
     for (Py_ssize_t i = 0; i < MULTIPY_MAX_INTERPRETERS; i++)
@@ -1057,8 +1060,8 @@ static int add_replicas(PyObject *module)
     for (size_t i = 0; i < sizeof names / sizeof *names; i++)
         if (!(*slots[i] = PyUnicode_InternFromString(names[i])))
             return -1;
-    if (!(no_keywords = PyDict_New()) || PyType_Ready(&ReplicasType) < 0 || PyType_Ready(&ThreadSettingsType) < 0
-        || PyType_Ready(&CursorType) < 0
+    if (!(no_keywords = PyDict_New()) || PyType_Ready(&ReplicasType) < 0
+        || PyType_Ready(&ThreadSettingsType) < 0 || PyType_Ready(&CursorType) < 0
         || PyModule_AddObjectRef(module, "ThreadSettings", (PyObject *)&ThreadSettingsType) < 0
         || PyModule_AddObjectRef(module, "Cursor", (PyObject *)&CursorType) < 0)
         return -1;

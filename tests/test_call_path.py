@@ -275,15 +275,6 @@ def test_an_unread_tensor_reply_names_its_token():
     assert _sharing.lent_tokens(payload, _protocol.TENSOR) == [7]
 
 
-def _run(script: str) -> str:
-    """What script prints, run by multipy in a process of its own (as a regression reads
-    freed memory), which must exit 0."""
-    result = subprocess.run([sys.executable, "-m", "multipy", "run", "-c", script],
-                            capture_output=True, text=True, timeout=240)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result.stdout
-
-
 _REPOINTED = """
 import torch, multipy
 with multipy.InterpreterManager(1) as m:
@@ -309,11 +300,14 @@ with multipy.InterpreterManager(1) as m:
 
 
 @pytest.mark.timeout(300)
-def test_lent_memory_survives_either_owner_repointing_its_tensor():
+def test_lent_memory_survives_either_owner_repointing_its_tensor(python):
     # Each side keeps what it lent alive, not only the tensor: re-pointing the tensor
-    # (set_) on the side that lent it leaves the other side's alias its memory
+    # (set_) on the side that lent it leaves the other side's alias its memory; in a
+    # process of its own, as a regression reads freed memory
+    result = python(_REPOINTED, launcher=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
     size = 4 << 20
-    assert _run(_REPOINTED).split() == [str(float(size)), str(float(3 * size))] * 2
+    assert result.stdout.split() == [str(float(size)), str(float(3 * size))] * 2
 
 
 _WEAKLY_HELD = """
@@ -338,11 +332,13 @@ with multipy.InterpreterManager(1) as m:
 
 
 @pytest.mark.timeout(300)
-def test_a_result_held_only_by_a_weak_reference_keeps_its_memory():
+def test_a_result_held_only_by_a_weak_reference_keeps_its_memory(python):
     # A result that no one else holds is lent without its storage (nothing can re-point
     # it); one that a weak reference still reaches is not: re-pointed there, the host's
     # alias keeps its memory
-    assert _run(_WEAKLY_HELD).split() == [str(float(3 * (4 << 20)))] * 2
+    result = python(_WEAKLY_HELD, launcher=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.split() == [str(float(3 * (4 << 20)))] * 2
 
 
 @pytest.mark.skipif(not ON_C_PATH, reason="the reference run itself")

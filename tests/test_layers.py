@@ -161,7 +161,8 @@ def test_an_interpreter_holds_none_of_the_host_api(manager):
     assert set(names) <= {"multipy", "multipy._inside", "multipy._inside.package",
                           "multipy._inside.serving", "multipy._inside.served_class",
                           "multipy._inside.pieces",
-                          "multipy._inside.classes",
+                          "multipy._inside.classes", "multipy._inside.model_files",
+                          "multipy._inside.triton_imports",
                           "multipy._inside.served_kserve",
                           "multipy._inside.served_litserve", "multipy._inside.served_module",
                           "multipy._protocol", "multipy._cuda",  # (the driver, both sides)

@@ -6,35 +6,22 @@ with a ``predict`` as ``served_class`` does."""
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
-import os
-import sys
 from typing import Any
 
-from . import served_class, served_kserve, served_litserve, served_module
+from . import model_files, served_class, served_kserve, served_litserve, served_module
 
 
 def load(path: str, module: str, name: str, served_as: str, device: str = "cpu",
          max_batch_size: int = 1) -> Any:
-    """An instance of class name of module (imported by name, or from the file at path,
-    whose folder goes on sys.path), loaded and ready to serve as model served_as, on
-    device (a LitAPI's and an nn.Module's; other classes choose their own), batching
-    up to max_batch_size requests (a LitAPI's).  TypeError if module has no such class,
-    or the class no ``predict`` (and is neither a LitAPI nor an nn.Module), or is an
-    nn.Module that cannot be made without arguments."""
+    """An instance of class name of module (imported by name, or from the file at path
+    as it is now: multipy._inside.model_files), loaded and ready to serve as model
+    served_as, on device (a LitAPI's and an nn.Module's; other classes choose their
+    own), batching up to max_batch_size requests (a LitAPI's).  TypeError if module
+    has no such class, or the class no ``predict`` (and is neither a LitAPI nor an
+    nn.Module), or is an nn.Module that cannot be made without arguments."""
     if path:
-        folder = os.path.dirname(path)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        spec = importlib.util.spec_from_file_location(module, path)
-        found = importlib.util.module_from_spec(spec)
-        sys.modules[module] = found
-        try:
-            spec.loader.exec_module(found)
-        except BaseException:
-            del sys.modules[module]
-            raise
+        found = model_files.import_file(path, module)
     else:
         found = importlib.import_module(module)
     kind = getattr(found, name, None)

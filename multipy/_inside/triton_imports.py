@@ -3,10 +3,11 @@ process of its own, its version folder on sys.path; here models share interprete
 a model's ``model.py`` and the modules beside it are imported as modules of a package
 that is that model's alone (``_triton_models.m_<model>``, whose path is the version
 folder), and ``import utils`` or ``from utils import x`` in any of them finds that
-model's ``utils`` where its folder has one (their ``__import__`` is the model's).  Two
-models that each have a ``utils.py`` each get their own.  ``importlib.import_module
-("utils")`` is not redirected: the folder is not on sys.path, so it fails rather than
-find another model's.
+model's ``utils`` where its folder has one (their ``__import__`` is the model's), each
+compiled from its source as it is now (multipy._inside.model_files).  Two models that
+each have a ``utils.py`` each get their own.  ``importlib.import_module("utils")`` is
+not redirected: the folder is not on sys.path, so it fails rather than find another
+model's.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import os
 import sys
 from types import ModuleType
 from typing import Any
+
+from . import model_files
 
 #: The package under which each model's package is.
 ROOT = "_triton_models"
@@ -100,8 +103,9 @@ class _Finder:
         return spec
 
 
-class _Loader(importlib.machinery.SourceFileLoader):
-    """A source file's loader that runs the module with the builtins given."""
+class _Loader(model_files.SourceAsNow):
+    """A source file's loader that compiles the file as it is now and runs the module
+    with the builtins given."""
 
     def __init__(self, fullname: str, path: str, namespace: dict[str, Any]) -> None:
         super().__init__(fullname, path)

@@ -106,7 +106,9 @@ def _serve(folder, *options: str) -> Served:
     models.write_text(MODELS)
     port = free_port()
     log = str(folder / "server.log")
-    env = {**{k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"},
+    # (the model file's bytecode cached where Python caches it, as on most machines)
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in ("GLIBC_TUNABLES", "PYTHONDONTWRITEBYTECODE")},
            "PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
         process = subprocess.Popen(

@@ -6,14 +6,15 @@ second it was last written, at the same size (``VERSION = 1`` made ``VERSION = 2
 run as it was before.  A server deployed again (SIGHUP, a reload) must run what its files
 say now, so a model's files are compiled from their source each time they are imported,
 and no cache is read or written beside them: the file named as the model
-(``import_file``), the modules directly in its folder, and a Triton model's modules
-(``multipy._inside.triton_imports``).  Packages in that folder, and everything else,
-import as Python imports them.
+(``import_file``), the modules directly in its folder (a package's ``__init__.py``
+too), and a Triton model's modules (``multipy._inside.triton_imports``).  The modules
+inside a package of that folder, and everything else, import as Python imports them.
 """
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import linecache
 import os
 import sys
 from types import ModuleType
@@ -25,11 +26,17 @@ _FOLDERS: set[str] = set()
 
 class SourceAsNow(importlib.machinery.SourceFileLoader):
     """A source file's loader that compiles the file as it is now, without Python's
-    bytecode cache."""
+    bytecode cache, and forgets the lines linecache kept of it (which tracebacks and
+    ``inspect.getsource`` read, and take as unchanged as the cache does)."""
+
+    def path_stats(self, path: str) -> dict:
+        """OSError: with no modification time, Python's loader neither reads nor writes
+        a bytecode cache, and compiles the source."""
+        raise OSError(f"{path} is compiled as it is now")
 
     def get_code(self, fullname: str) -> Any:
-        path = self.get_filename(fullname)
-        return self.source_to_code(self.get_data(path), path)
+        linecache.cache.pop(self.get_filename(fullname), None)
+        return super().get_code(fullname)
 
 
 def import_file(path: str, module: str) -> ModuleType:
@@ -37,7 +44,8 @@ def import_file(path: str, module: str) -> ModuleType:
     sys.modules under that name), its folder first on sys.path with the modules directly
     in it compiled as they are now too.  What running it raises propagates, and then
     sys.modules keeps no module of that name."""
-    folder = os.path.dirname(os.path.abspath(path))
+    path = os.path.abspath(path)
+    folder = os.path.dirname(path)
     if folder not in _FOLDERS:
         if not _FOLDERS:
             sys.path_hooks.insert(0, _finder)
